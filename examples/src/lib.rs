@@ -1,0 +1,1 @@
+//! Example driver scripts live under `examples/`; see each file.

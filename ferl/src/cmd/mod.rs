@@ -1,0 +1,8 @@
+//! One module per `ferl` subcommand.
+
+pub mod cluster;
+pub mod data;
+pub mod export;
+pub mod model;
+pub mod plugin;
+pub mod sft;

@@ -1,0 +1,20 @@
+//! The umbrella crate a driver script depends on: the runtime, the trainer, the standard actors and the plugin host,
+//! re-exported under one name, plus the process-level glue the `ferl` binary uses.
+
+pub use ferl_actors as actors;
+pub use ferl_plugin_host as plugins;
+pub use ferl_runtime as runtime;
+pub use ferl_trainer as trainer;
+
+/// If this process was started by a node agent as a worker, host actors until told to stop, then exit; otherwise
+/// return at once. Every binary that spawns actors calls this first thing in `main`.
+pub fn enter_worker_mode_if_spawned() {
+    // Filled in by the runtime work (issue 2): `ferl_runtime` decides from its environment variables.
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

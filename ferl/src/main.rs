@@ -1,0 +1,54 @@
+//! The `ferl` command line: cluster bootstrap (`start`, `status`, `stop`), SFT (`sft`, `data`, `model`, `export`) and
+//! plugins (`plugin`). Each subcommand lives in its own module under `cmd/`.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+/// ferl: a Ray-like actor runtime and a verl-style SFT trainer in one binary.
+#[derive(Parser)]
+#[command(name = "ferl", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a head (`--head`) or a node joining one (`--address HOST:PORT`).
+    Start(cmd::cluster::StartArgs),
+    /// Show nodes, resources, actors and resource groups of a running cluster.
+    Status(cmd::cluster::StatusArgs),
+    /// Stop the head and node processes started on this machine.
+    Stop(cmd::cluster::StopArgs),
+    /// Supervised fine-tuning with verl's config keys (`key=value` overrides).
+    Sft(cmd::sft::SftArgs),
+    /// Prepare datasets (`ferl data gsm8k`).
+    #[command(subcommand)]
+    Data(cmd::data::DataCommand),
+    /// Model utilities (`ferl model init`).
+    #[command(subcommand)]
+    Model(cmd::model::ModelCommand),
+    /// Export a checkpoint as a Hugging Face folder.
+    Export(cmd::export::ExportArgs),
+    /// List and reload plugins.
+    #[command(subcommand)]
+    Plugin(cmd::plugin::PluginCommand),
+}
+
+fn main() -> anyhow::Result<()> {
+    // A worker process is this same binary started by a node agent: it must host actors, not parse a command line.
+    ferl::enter_worker_mode_if_spawned();
+    ferl::init_tracing();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Start(a) => cmd::cluster::start(a),
+        Command::Status(a) => cmd::cluster::status(a),
+        Command::Stop(a) => cmd::cluster::stop(a),
+        Command::Sft(a) => cmd::sft::run(a),
+        Command::Data(c) => cmd::data::run(c),
+        Command::Model(c) => cmd::model::run(c),
+        Command::Export(a) => cmd::export::run(a),
+        Command::Plugin(c) => cmd::plugin::run(c),
+    }
+}
