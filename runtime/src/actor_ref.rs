@@ -1,0 +1,168 @@
+//! [`ActorRef`]: a typed handle on an actor anywhere in the cluster. The same code path serves in-process,
+//! cross-process and cross-node actors; only the delivery differs (a local mailbox or a connection).
+
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::actor::{Actor, Handler, Message, StreamHandler, StreamMessage};
+use crate::error::{Error, Result};
+use crate::process::{Fate, Process};
+use crate::protocol::{ActorAddress, CallKind};
+use crate::transport::ReplyHandle;
+use crate::wire::Wire;
+
+/// How long a call waits for a restarting actor to come back.
+const RESTART_WAIT: Duration = Duration::from_secs(120);
+
+/// A typed handle on an actor of type `A`. Cheap to clone; `Send + Sync`.
+pub struct ActorRef<A> {
+    address: Arc<ActorAddress>,
+    process: Arc<Process>,
+    _actor: PhantomData<fn() -> A>,
+}
+
+impl<A> Clone for ActorRef<A> {
+    fn clone(&self) -> Self {
+        Self { address: self.address.clone(), process: self.process.clone(), _actor: PhantomData }
+    }
+}
+
+impl<A> std::fmt::Debug for ActorRef<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ActorRef({} {} on {} at {})", self.address.type_name, self.address.id, self.address.node, self.address.addr)
+    }
+}
+
+/// Items of a streaming reply.
+pub struct ReplyStream<T> {
+    handle: ReplyHandle,
+    actor: ActorRef<()>,
+    _item: PhantomData<fn() -> T>,
+}
+
+impl<T: Wire> ReplyStream<T> {
+    /// The next item, or `None` when the stream ended.
+    pub async fn next(&mut self) -> Option<Result<T>> {
+        let item = self.handle.next().await?;
+        Some(match item {
+            Ok(bytes) => T::from_wire(&bytes).map_err(Error::from),
+            Err(e) => Err(self.actor.explain(e)),
+        })
+    }
+
+    /// Collects every item (stops at the first error).
+    pub async fn collect(mut self) -> Result<Vec<T>> {
+        let mut out = Vec::new();
+        while let Some(item) = self.next().await {
+            out.push(item?);
+        }
+        Ok(out)
+    }
+}
+
+impl<A> ActorRef<A> {
+    pub(crate) fn new(address: ActorAddress, process: Arc<Process>) -> Self {
+        Self { address: Arc::new(address), process, _actor: PhantomData }
+    }
+
+    /// Where the actor lives (id, type, process address, node).
+    pub fn address(&self) -> &ActorAddress {
+        &self.address
+    }
+
+    /// The actor's cluster-unique id.
+    pub fn id(&self) -> u64 {
+        self.address.id
+    }
+
+    fn untyped(&self) -> ActorRef<()> {
+        ActorRef { address: self.address.clone(), process: self.process.clone(), _actor: PhantomData }
+    }
+
+    fn label(&self) -> String {
+        format!("{} {}", self.address.type_name, self.address.id)
+    }
+
+    /// Turns transport-level losses into `ActorDied` naming this actor and its node.
+    fn explain(&self, e: Error) -> Error {
+        let id = self.address.id;
+        match e {
+            Error::Lost { reason, .. } | Error::Unreachable { reason, .. } => {
+                let (node, reason) = match self.process.fates.get(&id).map(|f| f.clone()) {
+                    Some(Fate::Dead { node, reason }) => (node, reason),
+                    _ => (self.current().node, reason),
+                };
+                Error::ActorDied { actor: self.label(), node, reason }
+            }
+            Error::Remote { message, .. } => Error::Remote { actor: self.label(), message },
+            other => other,
+        }
+    }
+
+    fn current(&self) -> ActorAddress {
+        self.process.moved.get(&self.address.id).map(|a| a.clone()).unwrap_or_else(|| (*self.address).clone())
+    }
+
+    /// Where to send now: fails at once for a dead actor, waits while it restarts.
+    async fn target(&self) -> Result<SocketAddr> {
+        let id = self.address.id;
+        let deadline = Instant::now() + RESTART_WAIT;
+        loop {
+            match self.process.fates.get(&id).map(|f| f.clone()) {
+                Some(Fate::Dead { node, reason }) => return Err(Error::ActorDied { actor: self.label(), node, reason }),
+                Some(Fate::Restarting) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(5)).await,
+                Some(Fate::Restarting) => {
+                    return Err(Error::ActorDied {
+                        actor: self.label(),
+                        node: self.current().node,
+                        reason: format!("still restarting after {RESTART_WAIT:?}"),
+                    })
+                }
+                None => break,
+            }
+        }
+        let addr = self.current().addr;
+        addr.parse().map_err(|_| Error::Codec(format!("actor {} has a bad address `{addr}`", self.label())))
+    }
+
+    async fn send(&self, msg: &str, kind: CallKind, payload: rkyv::util::AlignedVec) -> Result<ReplyHandle> {
+        let target = self.target().await?;
+        let handle = self.process.request(target, self.address.id, msg, kind, payload).await.map_err(|e| self.explain(e))?;
+        // A death learned while the request was being queued would otherwise leave it pending.
+        if let Some(Fate::Dead { node, reason }) = self.process.fates.get(&self.address.id).map(|f| f.clone()) {
+            return Err(Error::ActorDied { actor: self.label(), node, reason });
+        }
+        Ok(handle)
+    }
+}
+
+impl<A: Actor> ActorRef<A> {
+    /// Sends `msg` and waits for the reply.
+    pub async fn call<M: Message>(&self, msg: M) -> Result<M::Reply>
+    where
+        A: Handler<M>,
+    {
+        let handle = self.send(M::NAME, CallKind::Call, msg.to_wire()?).await?;
+        let bytes = handle.once().await.map_err(|e| self.explain(e))?;
+        Ok(M::Reply::from_wire(&bytes)?)
+    }
+
+    /// Sends `msg` without waiting for it to be handled (it is queued in order with this sender's other messages).
+    pub async fn tell<M: Message>(&self, msg: M) -> Result<()>
+    where
+        A: Handler<M>,
+    {
+        self.send(M::NAME, CallKind::Tell, msg.to_wire()?).await.map(|_| ())
+    }
+
+    /// Sends `msg` and returns the stream of items the actor answers with.
+    pub async fn stream<M: StreamMessage>(&self, msg: M) -> Result<ReplyStream<M::Item>>
+    where
+        A: StreamHandler<M>,
+    {
+        let handle = self.send(M::NAME, CallKind::Stream, msg.to_wire()?).await?;
+        Ok(ReplyStream { handle, actor: self.untyped(), _item: PhantomData })
+    }
+}

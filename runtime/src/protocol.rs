@@ -1,0 +1,437 @@
+//! Every message type the runtime itself puts on the wire: transport frames, the join handshake, and the control
+//! messages handled by the head and node agents (which are actors like any other, see [`crate::head`] and
+//! [`crate::node`]).
+
+use std::collections::BTreeMap;
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::actor::Message;
+
+/// How a call expects its answer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// No reply (`tell`).
+    Tell,
+    /// One reply (`call`).
+    Call,
+    /// Zero or more items, then an end marker (`stream`).
+    Stream,
+}
+
+/// Kinds of failure a remote side reports.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteErrorKind {
+    /// The target actor is not (or no longer) hosted where the call went.
+    NoSuchActor,
+    /// The actor has no handler for the message type.
+    NoSuchHandler,
+    /// The handler returned an error or panicked.
+    Handler,
+    /// The message could not be decoded.
+    Decode,
+}
+
+/// A failure reported by the remote side of a call.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct RemoteError {
+    /// What went wrong.
+    pub kind: RemoteErrorKind,
+    /// A message naming the actor and message type.
+    pub message: String,
+}
+
+/// A frame on a call stream.
+#[derive(Archive, Serialize, Deserialize, Debug)]
+pub enum Frame {
+    /// A request to an actor hosted by the receiving process. `bulk != 0` means the payload follows on the bulk
+    /// stream with that id.
+    Call {
+        /// Request id, unique per connection.
+        req: u64,
+        /// Target actor id.
+        actor: u64,
+        /// Message type name.
+        msg: String,
+        /// Reply expectation.
+        kind: CallKind,
+        /// Bulk stream id carrying the payload, or 0.
+        bulk: u64,
+        /// Inline payload.
+        payload: Vec<u8>,
+    },
+    /// The single reply to a call; `bulk != 0` means the body follows on that bulk stream.
+    Reply {
+        /// Request id.
+        req: u64,
+        /// Bulk stream id carrying the body, or 0.
+        bulk: u64,
+        /// Inline body.
+        body: Vec<u8>,
+    },
+    /// One item of a streaming reply.
+    Item {
+        /// Request id.
+        req: u64,
+        /// Item body.
+        body: Vec<u8>,
+    },
+    /// End of a streaming reply (or a failed call).
+    End {
+        /// Request id.
+        req: u64,
+        /// Set when the call failed.
+        error: Option<RemoteError>,
+    },
+}
+
+/// Messages of the join handshake, on the first stream of a connection without a cluster certificate.
+///
+/// Both sides prove they know the cluster token without sending it: `proof = sha256(token, label, nonce,
+/// sha256(head certificate))`, so a man in the middle (with another certificate) can neither learn nor relay it.
+#[derive(Archive, Serialize, Deserialize, Debug)]
+pub enum JoinMsg {
+    /// Joiner → head: a fresh nonce.
+    Hello {
+        /// Joiner's nonce.
+        nonce: Vec<u8>,
+    },
+    /// Head → joiner: the head's nonce and its proof over the joiner's nonce.
+    Challenge {
+        /// Head's nonce.
+        nonce: Vec<u8>,
+        /// Head's proof.
+        proof: Vec<u8>,
+    },
+    /// Joiner → head: the joiner's proof over the head's nonce.
+    Proof {
+        /// Joiner's proof.
+        proof: Vec<u8>,
+    },
+    /// Head → joiner: cluster credentials.
+    Accepted {
+        /// The cluster CA certificate (DER).
+        ca_der: Vec<u8>,
+        /// A certificate minted for the joiner (DER).
+        cert_der: Vec<u8>,
+        /// Its private key (PKCS#8 DER).
+        key_der: Vec<u8>,
+    },
+    /// Head → joiner: refusal with the reason.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A resource amount per name (`CPU`, `GPU`, `memory`, custom names).
+pub type Resources = BTreeMap<String, f64>;
+
+/// How the bundles of a resource group are spread over nodes.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Strategy {
+    /// As few nodes as possible, but may use several.
+    Pack,
+    /// As many nodes as possible, but may share.
+    Spread,
+    /// All bundles on one node, or fail.
+    StrictPack,
+    /// Every bundle on a different node, or fail.
+    StrictSpread,
+}
+
+/// Where a new actor goes and how it runs.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default)]
+pub struct SpawnSpec {
+    /// Registered actor type name.
+    pub type_name: String,
+    /// Encoded constructor arguments.
+    pub args: Vec<u8>,
+    /// Resource group and bundle index, if any.
+    pub bundle: Option<(u64, u32)>,
+    /// Resources the actor reserves when not in a bundle.
+    pub resources: Resources,
+    /// Extra environment variables for the worker process.
+    pub env: Vec<(String, String)>,
+    /// Optional name, unique within `namespace`.
+    pub name: Option<String>,
+    /// Namespace for `name`.
+    pub namespace: String,
+    /// How many times the constructor is re-run after the worker dies.
+    pub max_restarts: u32,
+    /// How many messages may be handled at once (1 = strictly in order).
+    pub max_concurrency: u32,
+    /// Mailbox capacity (senders wait when it is full).
+    pub mailbox: u32,
+    /// Survive the driver that created it.
+    pub detached: bool,
+    /// The binary workers run.
+    pub binary: BinarySpec,
+}
+
+/// The driver's binary, found locally by path (same size and mtime) or fetched from the driver by content hash.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default)]
+pub struct BinarySpec {
+    /// Absolute path on the driver's machine.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time (ns since the epoch).
+    pub mtime_ns: u64,
+    /// Address of the driver process that serves the binary.
+    pub server: String,
+}
+
+/// Where an actor lives; enough to call it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ActorAddress {
+    /// Cluster-unique actor id.
+    pub id: u64,
+    /// Actor type name.
+    pub type_name: String,
+    /// Address of the hosting process.
+    pub addr: String,
+    /// Node name (e.g. `node-2`).
+    pub node: String,
+}
+
+/// Something that happened in the cluster; drivers subscribe with [`crate::Cluster::events`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A node joined.
+    NodeJoined {
+        /// Node name.
+        node: String,
+    },
+    /// A node missed heartbeats beyond the bound (or left).
+    NodeDied {
+        /// Node name.
+        node: String,
+        /// Why.
+        reason: String,
+    },
+    /// An actor's worker died and the actor will be restarted.
+    ActorRestarting {
+        /// Actor id.
+        id: u64,
+        /// Node name.
+        node: String,
+        /// Why.
+        reason: String,
+        /// Restart attempt (1-based).
+        attempt: u32,
+    },
+    /// An actor is running again at a new address.
+    ActorRestarted {
+        /// New address.
+        actor: ActorAddress,
+    },
+    /// An actor is gone for good.
+    ActorDied {
+        /// Actor id.
+        id: u64,
+        /// Actor type name.
+        type_name: String,
+        /// Node name.
+        node: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+macro_rules! control {
+    ($($(#[$m:meta])* $name:ident => $reply:ty),* $(,)?) => {$(
+        $(#[$m])*
+        impl Message for $name {
+            type Reply = $reply;
+            const NAME: &'static str = concat!("ferl.", stringify!($name));
+        }
+    )*};
+}
+
+/// Node agent → head: join the cluster.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct RegisterNode {
+    /// Address of the node agent.
+    pub addr: String,
+    /// Reachable IP of the node.
+    pub ip: String,
+    /// Declared resources.
+    pub resources: Resources,
+    /// Folder holding worker logs.
+    pub log_dir: String,
+}
+/// Node agent → head: still alive.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Heartbeat {
+    /// Node name.
+    pub node: String,
+}
+/// Create a resource group.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct CreateGroup {
+    /// Bundles.
+    pub bundles: Vec<Resources>,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// How long to wait for busy resources (ms).
+    pub timeout_ms: u64,
+}
+/// Remove a resource group, stopping its actors.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct RemoveGroup {
+    /// Group id.
+    pub group: u64,
+}
+/// Placement of a created group: node of each bundle.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct GroupPlaced {
+    /// Group id.
+    pub group: u64,
+    /// Node name per bundle.
+    pub nodes: Vec<String>,
+}
+/// Spawn an actor (driver → head).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct SpawnActor {
+    /// What to spawn.
+    pub spec: SpawnSpec,
+}
+/// Stop an actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KillActor {
+    /// Actor id.
+    pub id: u64,
+}
+/// Look an actor up by name.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct LookupActor {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+/// Current address of an actor id (waits while it restarts).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ResolveActor {
+    /// Actor id.
+    pub id: u64,
+}
+/// Store a value.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KvPut {
+    /// Key.
+    pub key: String,
+    /// Value.
+    pub value: Vec<u8>,
+}
+/// Read a value.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KvGet {
+    /// Key.
+    pub key: String,
+}
+/// Wait until a key exists (up to a timeout), then read it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KvWait {
+    /// Key.
+    pub key: String,
+    /// Timeout (ms).
+    pub timeout_ms: u64,
+}
+/// Subscribe to cluster events (a streaming message).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Subscribe;
+/// Cluster state as JSON (what `ferl status --json` prints).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Status;
+/// Node agent → head: a worker process exited.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct WorkerExited {
+    /// Actor id it hosted.
+    pub id: u64,
+    /// Exit description.
+    pub reason: String,
+}
+/// Ask the head to shut the cluster down (`ferl stop`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Shutdown;
+
+/// Head → node agent: start a worker hosting one actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct StartWorker {
+    /// Actor id.
+    pub id: u64,
+    /// What to run.
+    pub spec: SpawnSpec,
+    /// Environment computed by the head (ranks, devices, rendezvous).
+    pub env: Vec<(String, String)>,
+}
+/// Head → node agent: kill a worker.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct StopWorker {
+    /// Actor id.
+    pub id: u64,
+}
+/// Head → node agent: a free TCP port on that node (for `MASTER_PORT`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct FreePort;
+/// Worker → node agent: ready to host the actor; returns what to construct.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct WorkerHello {
+    /// Actor id.
+    pub id: u64,
+    /// The worker's listen address.
+    pub addr: String,
+}
+/// Worker → node agent: construction finished (`error` set when the constructor failed).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct WorkerReady {
+    /// Actor id.
+    pub id: u64,
+    /// Constructor error, if any.
+    pub error: Option<String>,
+}
+/// Node agent → driver: the sha256 (hex) of the binary workers run.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct BinaryDigest;
+/// Node agent → driver: send me your binary.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct FetchBinary;
+/// The driver's binary and its sha256 (hex).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct BinaryBlob {
+    /// sha256 of `bytes`, hex.
+    pub sha256: String,
+    /// The file.
+    pub bytes: Vec<u8>,
+}
+
+control! {
+    RegisterNode => String,
+    Heartbeat => bool,
+    CreateGroup => GroupPlaced,
+    RemoveGroup => (),
+    SpawnActor => ActorAddress,
+    KillActor => (),
+    LookupActor => Option<ActorAddress>,
+    ResolveActor => ActorAddress,
+    KvPut => (),
+    KvGet => Option<Vec<u8>>,
+    KvWait => Vec<u8>,
+    Status => String,
+    WorkerExited => (),
+    Shutdown => (),
+    StartWorker => (String, u32),
+    StopWorker => (),
+    FreePort => u16,
+    WorkerHello => SpawnSpec,
+    WorkerReady => (),
+    BinaryDigest => String,
+    FetchBinary => BinaryBlob,
+}
+
+impl crate::actor::StreamMessage for Subscribe {
+    type Item = Event;
+    const NAME: &'static str = "ferl.Subscribe";
+}

@@ -1,0 +1,105 @@
+//! Worker groups: verl's single-controller pattern, typed. One actor per bundle of a resource group (rank = bundle
+//! index); the driver broadcasts a call, splits a batch across ranks and gathers replies in rank order, or calls
+//! rank 0 only.
+
+use futures::future::try_join_all;
+
+use crate::actor::{Actor, Handler, Message};
+use crate::actor_ref::ActorRef;
+use crate::cluster::{Cluster, ResourceGroup, SpawnOptions};
+use crate::error::Result;
+
+/// N actors of type `A`, one per bundle, in rank order.
+pub struct WorkerGroup<A> {
+    members: Vec<ActorRef<A>>,
+}
+
+impl<A> Clone for WorkerGroup<A> {
+    fn clone(&self) -> Self {
+        Self { members: self.members.clone() }
+    }
+}
+
+/// Splits `items` into `parts` contiguous chunks whose sizes differ by at most one (earlier ranks get the extra).
+pub fn split_even<T>(items: Vec<T>, parts: usize) -> Vec<Vec<T>> {
+    let parts = parts.max(1);
+    let (base, extra) = (items.len() / parts, items.len() % parts);
+    let mut it = items.into_iter();
+    (0..parts).map(|r| it.by_ref().take(base + usize::from(r < extra)).collect()).collect()
+}
+
+impl<A: Actor> WorkerGroup<A> {
+    /// Spawns one actor per bundle of `group`; `args(rank)` builds each constructor's arguments, `opts` applies to
+    /// all (its bundle is set per rank).
+    pub async fn spawn(
+        cluster: &Cluster,
+        group: &ResourceGroup,
+        args: impl Fn(usize) -> A::Args,
+        opts: SpawnOptions,
+    ) -> Result<Self> {
+        let spawns = (0..group.len()).map(|rank| cluster.spawn::<A>(args(rank), opts.clone().in_bundle(group, rank)));
+        Ok(Self { members: try_join_all(spawns).await? })
+    }
+
+    /// Wraps existing actors (rank = position).
+    pub fn from_members(members: Vec<ActorRef<A>>) -> Self {
+        Self { members }
+    }
+
+    /// Number of ranks.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the group is empty.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The actor of one rank.
+    pub fn rank(&self, rank: usize) -> &ActorRef<A> {
+        &self.members[rank]
+    }
+
+    /// All members in rank order.
+    pub fn members(&self) -> &[ActorRef<A>] {
+        &self.members
+    }
+
+    /// Sends the same message to every rank; replies in rank order.
+    pub async fn call_all<M: Message + Clone>(&self, msg: M) -> Result<Vec<M::Reply>>
+    where
+        A: Handler<M>,
+    {
+        try_join_all(self.members.iter().map(|m| m.call(msg.clone()))).await
+    }
+
+    /// Splits `items` evenly by rank, builds one message per chunk, and gathers replies in rank order.
+    pub async fn call_split<T, M: Message>(&self, items: Vec<T>, make: impl Fn(usize, Vec<T>) -> M) -> Result<Vec<M::Reply>>
+    where
+        A: Handler<M>,
+    {
+        let chunks = split_even(items, self.members.len());
+        try_join_all(self.members.iter().zip(chunks).enumerate().map(|(rank, (m, chunk))| m.call(make(rank, chunk)))).await
+    }
+
+    /// Sends a message to rank 0 only.
+    pub async fn call_rank0<M: Message>(&self, msg: M) -> Result<M::Reply>
+    where
+        A: Handler<M>,
+    {
+        self.members[0].call(msg).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guarantee_9_split_is_even_contiguous_and_ordered() {
+        let parts = split_even((0..10).collect::<Vec<_>>(), 3);
+        assert_eq!(parts, vec![vec![0, 1, 2, 3], vec![4, 5, 6], vec![7, 8, 9]]);
+        assert_eq!(split_even(vec![1], 3), vec![vec![1], vec![], vec![]]);
+    }
+}

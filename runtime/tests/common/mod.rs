@@ -1,0 +1,66 @@
+//! Helpers of the multi-process tests: an embedded head whose workers run `ferl-runtime-testbed`, and extra node
+//! agents started as separate processes with declared resources.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ferl_runtime::{Cluster, HeadHandle, HeadOptions, NodeOptions};
+
+/// The worker binary of these tests.
+pub fn testbed() -> std::path::PathBuf {
+    env!("CARGO_BIN_EXE_ferl-runtime-testbed").into()
+}
+
+/// Points session folders at a private temporary folder (leaked for the life of the test process).
+pub fn private_tmp() {
+    static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"));
+    // Each test binary runs one test per process under nextest; with plain `cargo test` the value is the same.
+    unsafe { std::env::set_var("FERL_TMPDIR", dir.path()) };
+}
+
+/// An embedded head (with its own node of `cpus` CPUs) whose workers run the testbed binary.
+pub async fn head(cpus: f64, heartbeat: Duration) -> HeadHandle {
+    private_tmp();
+    let opts = HeadOptions {
+        node: NodeOptions { num_cpus: Some(cpus), num_gpus: Some(0), heartbeat_bound: heartbeat, ..Default::default() },
+        worker_binary: Some(testbed()),
+        ..Default::default()
+    };
+    ferl_runtime::start_head(opts).await.expect("starting the head")
+}
+
+/// An embedded cluster with 4 CPUs.
+pub async fn cluster() -> Cluster {
+    head(4.0, Duration::from_secs(3)).await.cluster
+}
+
+/// A node agent process that kills itself when dropped.
+pub struct NodeProc {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts a node agent process joined to `head` with extra flags (`--num-cpus 2 --resources x=1`).
+pub fn node(head: &HeadHandle, flags: &[&str], env: &[(&str, &str)]) -> NodeProc {
+    let address = head.cluster.head_address().unwrap().to_string();
+    let mut cmd = Command::new(testbed());
+    cmd.arg("node").args(["--address", &address, "--token", &head.token]).args(flags);
+    cmd.envs(env.iter().copied()).env("FERL_TMPDIR", std::env::var("FERL_TMPDIR").unwrap());
+    cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("starting a node agent");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).expect("node agent output");
+    let name = line.trim().strip_prefix("NODE ").unwrap_or_else(|| panic!("node agent said `{line}`")).to_string();
+    NodeProc { child, name }
+}
