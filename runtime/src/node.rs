@@ -163,6 +163,13 @@ impl NodeAgent {
             .stdout(out.try_clone()?)
             .stderr(out)
             .kill_on_drop(false);
+        // SAFETY: prctl is async-signal-safe; the worker dies with its node agent instead of lingering.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().with_context(|| format!("starting worker {}", binary.display()))?;
         let pid = child.id().unwrap_or(0);
         let (tx, rx) = oneshot::channel();

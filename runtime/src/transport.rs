@@ -63,6 +63,11 @@ pub(crate) fn endpoint(creds: &Credentials, bind: SocketAddr, idle: Duration) ->
     Ok(endpoint)
 }
 
+/// A client config for the join handshake (public so tests can act as a joiner without a certificate).
+pub fn join_client_config(idle: Duration) -> Result<quinn::ClientConfig> {
+    join_client(idle)
+}
+
 /// A client config for the join handshake.
 pub(crate) fn join_client(idle: Duration) -> Result<quinn::ClientConfig> {
     let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(tls::join_client_config()?)?));
