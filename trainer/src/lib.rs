@@ -1,1 +1,16 @@
-//! placeholder
+//! ferl's SFT engine on tch (libtorch). Where a train step happens: [`engine::Engine::forward_backward`], driven by
+//! [`sft::SftTrainer`].
+//!
+//! - [`model`]: Qwen2/Llama from a Hugging Face folder (config, stage layout, layer functions, safetensors, init).
+//! - [`params`]: the [`params::ParamStore`] trait — the hook where sharding (FSDP) plugs in — and the local store.
+//! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
+//! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
+//! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
+//! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
+
+pub mod batch;
+pub mod engine;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod step;

@@ -1,0 +1,171 @@
+"""PyTorch/transformers reference for ferl's parity tests and the train benchmark.
+
+Subcommands (all deterministic, threads set by --threads):
+  make    --out DIR --vocab V --hidden H --layers L --heads N --kv-heads K --tie 0|1 --seed S --samples M
+          writes a tiny Qwen2 (transformers, randomly initialised then perturbed so norms and biases are not trivial)
+          to DIR/model and random SFT samples (input_ids, loss_mask) to DIR/data.json
+  train   --model DIR --data FILE --settings FILE --out FILE
+          trains with a plain PyTorch loop (same batches, micro-batching, token-mean loss over the global batch,
+          AdamW, verl's schedule, clipping) and writes per-step loss / grad_norm / lr as JSON
+  logits  --model DIR --data FILE --count K --out FILE   fp32 logits of the first K samples (one at a time), JSON
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def make(a):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(a.seed)
+    cfg = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.hidden * 3,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.hidden // a.heads,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=bool(a.tie),
+        use_cache=False,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.02)
+    os.makedirs(a.out, exist_ok=True)
+    model.save_pretrained(os.path.join(a.out, "model"))
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    samples = []
+    for _ in range(a.samples):
+        n = int(torch.randint(8, a.max_len + 1, (1,), generator=gen))
+        prompt = int(torch.randint(2, n - 2, (1,), generator=gen))
+        ids = torch.randint(0, a.vocab, (n,), generator=gen).tolist()
+        samples.append({"input_ids": ids, "loss_mask": [i >= prompt for i in range(n)]})
+    with open(os.path.join(a.out, "data.json"), "w") as f:
+        json.dump(samples, f)
+
+
+def lr_factor(s, step):
+    warm = int(s["total_steps"] * s["warmup_ratio"])
+    if step < warm:
+        return step / max(1, warm)
+    if s["scheduler"] == "constant":
+        return 1.0
+    mn = s["min_lr_ratio"]
+    progress = (step - warm) / max(1, s["total_steps"] - warm)
+    x = math.cos(math.pi * 0.5 * 2.0 * progress)
+    return max(mn, x * (1 - mn) * 0.5 + (1 + mn) * 0.5)
+
+
+def micro_batch_loss(model, chunk, global_targets):
+    width = max(len(x["input_ids"]) for x in chunk)
+    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+    attn = torch.zeros(len(chunk), width, dtype=torch.long)
+    mask = torch.zeros(len(chunk), width, dtype=torch.bool)
+    for i, x in enumerate(chunk):
+        n = len(x["input_ids"])
+        ids[i, :n] = torch.tensor(x["input_ids"])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(x["loss_mask"])
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return (ce * mask[:, 1:].reshape(-1)).sum() / global_targets, int(attn.sum())
+
+
+def train(a):
+    from transformers import AutoModelForCausalLM
+
+    s = json.load(open(a.settings))
+    samples = json.load(open(a.data))
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    if s.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=s["lr"], betas=tuple(s["betas"]), weight_decay=s["weight_decay"], eps=1e-8
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(s, step))
+    bs, mbs = s["train_batch_size"], s["micro_batch_size"]
+    out = {"loss": [], "grad_norm": [], "lr": [], "tokens_per_s": []}
+    times = []
+    for step in range(s["total_steps"]):
+        start = (step * bs) % len(samples)
+        batch = [samples[(start + i) % len(samples)] for i in range(bs)]
+        targets = sum(sum(x["loss_mask"][1:]) for x in batch)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss, tokens = 0.0, 0
+        for i in range(0, bs, mbs):
+            l, n = micro_batch_loss(model, batch[i : i + mbs], targets)
+            l.backward()
+            loss += l.item()
+            tokens += n
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_grad"])
+        lr = sched.get_last_lr()[0]
+        if torch.isfinite(norm):
+            opt.step()
+        sched.step()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        out["loss"].append(loss)
+        out["grad_norm"].append(float(norm))
+        out["lr"].append(lr)
+        out["tokens_per_s"].append(tokens / dt)
+    out["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    json.dump(out, open(a.out, "w"))
+
+
+def logits(a):
+    from transformers import AutoModelForCausalLM
+
+    samples = json.load(open(a.data))[: a.count]
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    model.eval()
+    res = []
+    with torch.no_grad():
+        for x in samples:
+            ids = torch.tensor([x["input_ids"]])
+            res.append(model(input_ids=ids, use_cache=False).logits[0].float().flatten().tolist())
+    json.dump(res, open(a.out, "w"))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", choices=["make", "train", "logits"])
+    p.add_argument("--out")
+    p.add_argument("--model")
+    p.add_argument("--data")
+    p.add_argument("--settings")
+    p.add_argument("--count", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--tie", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=40)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.use_deterministic_algorithms(True)
+    {"make": make, "train": train, "logits": logits}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+//! Turning tokenized samples into the tensors of one micro-batch: token ids, positions, the attention kind, and the
+//! flat row indices whose next token is a training target (only those rows ever reach the output projection).
+
+use crate::model::layers::Attention;
+use anyhow::{bail, Result};
+use tch::{Device, Kind, Tensor};
+
+/// One tokenized sample: `loss_mask[t]` means token `t` is a target, predicted from position `t - 1`.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleRef<'a> {
+    /// Token ids.
+    pub input_ids: &'a [i64],
+    /// Per token: is it a training target.
+    pub loss_mask: &'a [bool],
+}
+
+impl SampleRef<'_> {
+    /// Number of targets (token 0 is never one: nothing predicts it).
+    pub fn num_targets(&self) -> i64 {
+        self.loss_mask.iter().skip(1).filter(|&&m| m).count() as i64
+    }
+}
+
+/// How samples are laid out in a micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// One row per sample, right-padded to the longest sample of the micro-batch (no wider).
+    Padded,
+    /// All samples in one row, each attending only to itself (no padding at all).
+    Packed,
+}
+
+/// The tensors of one micro-batch.
+pub struct MicroBatch {
+    /// `[B, T]` token ids (padding is token 0, never attended to by real tokens, never a target).
+    pub input_ids: Tensor,
+    /// `[B, T]` position ids (restart at 0 per sample).
+    pub positions: Tensor,
+    /// Causal, or a packed block-diagonal mask.
+    pub attention: Attention,
+    /// `[N]` indices into the flattened `[B * T]` positions whose next token is a target.
+    pub target_rows: Tensor,
+    /// `[N]` the target token of each of those rows.
+    pub target_ids: Tensor,
+    /// N.
+    pub num_targets: i64,
+    /// Real (non-pad) tokens in the micro-batch.
+    pub real_tokens: i64,
+}
+
+impl MicroBatch {
+    /// Builds a micro-batch of `samples` on `device`.
+    pub fn new(samples: &[SampleRef<'_>], layout: Layout, device: Device) -> Result<Self> {
+        if samples.is_empty() {
+            bail!("a micro-batch needs at least one sample");
+        }
+        for (i, s) in samples.iter().enumerate() {
+            if s.input_ids.len() != s.loss_mask.len() || s.input_ids.is_empty() {
+                bail!(
+                    "sample {i} of the micro-batch: {} input ids but {} loss-mask entries",
+                    s.input_ids.len(),
+                    s.loss_mask.len()
+                );
+            }
+        }
+        let real_tokens: i64 = samples.iter().map(|s| s.input_ids.len() as i64).sum();
+        let (rows, width) = match layout {
+            Layout::Padded => (
+                samples.len(),
+                samples.iter().map(|s| s.input_ids.len()).max().unwrap_or(0),
+            ),
+            Layout::Packed => (1, real_tokens as usize),
+        };
+        let mut ids = vec![0i64; rows * width];
+        let mut pos = vec![0i64; rows * width];
+        let mut segment = vec![-1i64; rows * width];
+        let mut target_rows = Vec::new();
+        let mut target_ids = Vec::new();
+        let mut offset = 0usize;
+        for (i, s) in samples.iter().enumerate() {
+            let start = match layout {
+                Layout::Padded => i * width,
+                Layout::Packed => offset,
+            };
+            offset += s.input_ids.len();
+            for (t, (&id, &m)) in s.input_ids.iter().zip(s.loss_mask).enumerate() {
+                ids[start + t] = id;
+                pos[start + t] = t as i64;
+                segment[start + t] = i as i64;
+                if t > 0 && m {
+                    target_rows.push((start + t - 1) as i64);
+                    target_ids.push(id);
+                }
+            }
+        }
+        let shape = [rows as i64, width as i64];
+        let attention = match layout {
+            Layout::Padded => Attention::Causal,
+            Layout::Packed => {
+                let seg = Tensor::from_slice(&segment).to_device(device);
+                let same = seg.unsqueeze(1).eq_tensor(&seg.unsqueeze(0));
+                let causal =
+                    Tensor::ones([width as i64, width as i64], (Kind::Bool, device)).tril(0);
+                Attention::Masked(same.logical_and(&causal).view([
+                    1,
+                    1,
+                    width as i64,
+                    width as i64,
+                ]))
+            }
+        };
+        Ok(Self {
+            input_ids: Tensor::from_slice(&ids).view(shape).to_device(device),
+            positions: Tensor::from_slice(&pos).view(shape).to_device(device),
+            attention,
+            num_targets: target_rows.len() as i64,
+            target_rows: Tensor::from_slice(&target_rows).to_device(device),
+            target_ids: Tensor::from_slice(&target_ids).to_device(device),
+            real_tokens,
+        })
+    }
+}

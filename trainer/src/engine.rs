@@ -1,0 +1,301 @@
+//! The train step: the layer-wise schedule that runs forward and backward one stage at a time.
+//!
+//! # Schedule (design note 8)
+//! For each micro-batch:
+//! 1. **Forward**, stage by stage: `gather` the stage's parameters from the [`ParamStore`], run the stage function of
+//!    `model::layers`, `release`. With gradient checkpointing only each decoder layer's *input* is kept; without it the
+//!    layer's autograd graph is kept instead.
+//! 2. **Head**: the final hidden rows whose next token is a target are gathered first, normalised, then projected to
+//!    the vocabulary in chunks of rows; each chunk's cross-entropy (divided by the target count of the *global* batch)
+//!    is back-propagated at once, so neither `[tokens, vocab]` logits nor their gradient ever exist whole.
+//! 3. **Backward**, stage by stage in reverse: `gather` again, recompute the layer from its saved input with grad
+//!    enabled (checkpointing) or reuse the kept graph, take the vector-Jacobian product with the upstream gradient via
+//!    `Tensor::run_backward`, `accumulate_grads` for the parameters, pass the input gradient down, `release`.
+//!
+//! # Hook point for sharding
+//! Everything about where parameters live is behind [`ParamStore`]: `gather` (all-gather), `accumulate_grads`
+//! (reduce-scatter), `release` (free), `grad_sq_norm` (all-reduce). The engine is generic over it and needs no change.
+//!
+//! # Invariants
+//! 1. The loss of a global batch is `sum of per-target CE / number of targets in the whole global batch`; the count is
+//!    passed in before the micro-batch loop, so gradients do not depend on how the batch is split.
+//! 2. Gradients of a tied output matrix from the head are accumulated into the embedding's gradient.
+
+use crate::batch::MicroBatch;
+use crate::model::config::ModelConfig;
+use crate::model::layers::{self, Rope};
+use crate::model::layout::Stage;
+use crate::params::ParamStore;
+use anyhow::{Context, Result};
+use tch::{Kind, Reduction, Tensor};
+
+/// Options of the step schedule.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineOptions {
+    /// Keep only layer inputs in forward and recompute each layer in backward.
+    pub gradient_checkpointing: bool,
+    /// Upper bound on the elements of one logits chunk (`rows * vocab`).
+    pub logits_chunk_elements: i64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            gradient_checkpointing: false,
+            logits_chunk_elements: 1 << 24,
+        }
+    }
+}
+
+/// What one decoder layer keeps between its forward and its backward.
+enum Saved {
+    /// Checkpointing: the layer's input only.
+    Input(Tensor),
+    /// No checkpointing: the input leaf, the output with its graph, and the parameters the graph refers to.
+    Graph {
+        input: Tensor,
+        output: Tensor,
+        params: Vec<Tensor>,
+    },
+}
+
+/// The model's forward/backward over a [`ParamStore`].
+pub struct Engine<P: ParamStore> {
+    cfg: ModelConfig,
+    store: P,
+    opts: EngineOptions,
+    kind: Kind,
+}
+
+/// Sum of the VJP of `output` with `grad`: back-propagating it gives `grad`-weighted gradients of the inputs.
+fn vjp(output: &Tensor, grad: &Tensor, inputs: &[&Tensor]) -> Vec<Tensor> {
+    let seed = (output * grad).sum(Kind::Float);
+    Tensor::run_backward(&[seed], inputs, false, false)
+}
+
+impl<P: ParamStore> Engine<P> {
+    /// An engine for a model with `cfg`, parameters in `store`, computing in `kind`.
+    pub fn new(cfg: ModelConfig, store: P, kind: Kind, opts: EngineOptions) -> Self {
+        Self {
+            cfg,
+            store,
+            opts,
+            kind,
+        }
+    }
+
+    /// The model config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The parameter store.
+    pub fn store(&self) -> &P {
+        &self.store
+    }
+
+    /// The parameter store, mutably (optimizer, checkpoints).
+    pub fn store_mut(&mut self) -> &mut P {
+        &mut self.store
+    }
+
+    /// The schedule options.
+    pub fn options_mut(&mut self) -> &mut EngineOptions {
+        &mut self.opts
+    }
+
+    fn chunk_rows(&self) -> i64 {
+        (self.opts.logits_chunk_elements / self.cfg.vocab_size).max(1)
+    }
+
+    /// Final hidden states `[B, T, H]` without grad.
+    fn forward_hidden_no_grad(&mut self, mb: &MicroBatch) -> Result<Tensor> {
+        let _g = tch::no_grad_guard();
+        let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
+        let p = self.store.gather(Stage::Embedding)?;
+        let mut h = layers::embed(&p.tensors[0], &mb.input_ids);
+        self.store.release(Stage::Embedding);
+        let d = self.store.layout().decoder;
+        for l in 0..self.cfg.num_layers {
+            let p = self.store.gather(Stage::Decoder(l))?;
+            h = layers::decoder_layer(&self.cfg, &d, &p.tensors, &h, &rope, &mb.attention);
+            self.store.release(Stage::Decoder(l));
+        }
+        Ok(h)
+    }
+
+    /// Runs forward and backward of one micro-batch, adding its gradients (scaled by `1 / global_targets`) to the
+    /// store. Returns the micro-batch's summed (unscaled) cross-entropy.
+    pub fn forward_backward(&mut self, mb: &MicroBatch, global_targets: i64) -> Result<f64> {
+        let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
+        let d = self.store.layout().decoder;
+        // 1. Forward.
+        let h0 = {
+            let _g = tch::no_grad_guard();
+            let p = self.store.gather(Stage::Embedding)?;
+            let h = layers::embed(&p.tensors[0], &mb.input_ids);
+            self.store.release(Stage::Embedding);
+            h
+        };
+        let mut saved = Vec::with_capacity(self.cfg.num_layers);
+        let mut h = h0;
+        for l in 0..self.cfg.num_layers {
+            let p = self.store.gather(Stage::Decoder(l))?;
+            if self.opts.gradient_checkpointing {
+                let _g = tch::no_grad_guard();
+                let out =
+                    layers::decoder_layer(&self.cfg, &d, &p.tensors, &h, &rope, &mb.attention);
+                saved.push(Saved::Input(std::mem::replace(&mut h, out)));
+            } else {
+                let input = h.detach().set_requires_grad(true);
+                let output =
+                    layers::decoder_layer(&self.cfg, &d, &p.tensors, &input, &rope, &mb.attention);
+                h = output.detach();
+                saved.push(Saved::Graph {
+                    input,
+                    output,
+                    params: p.tensors,
+                });
+            }
+            self.store.release(Stage::Decoder(l));
+        }
+        // 2. Head: loss and its gradient, chunk by chunk.
+        let (loss_sum, mut grad_h) = self.head_forward_backward(&h, mb, global_targets)?;
+        drop(h);
+        // 3. Backward through the decoder layers.
+        for l in (0..self.cfg.num_layers).rev() {
+            let (input, output, params) = match saved.pop().context("saved layer state")? {
+                Saved::Input(x) => {
+                    let p = self.store.gather(Stage::Decoder(l))?;
+                    let input = x.set_requires_grad(true);
+                    let output = layers::decoder_layer(
+                        &self.cfg,
+                        &d,
+                        &p.tensors,
+                        &input,
+                        &rope,
+                        &mb.attention,
+                    );
+                    (input, output, p.tensors)
+                }
+                Saved::Graph {
+                    input,
+                    output,
+                    params,
+                } => (input, output, params),
+            };
+            let mut inputs: Vec<&Tensor> = vec![&input];
+            inputs.extend(params.iter());
+            let mut grads = vjp(&output, &grad_h, &inputs);
+            grad_h = grads.remove(0);
+            self.store.accumulate_grads(Stage::Decoder(l), &grads)?;
+            self.store.release(Stage::Decoder(l));
+        }
+        // 4. Embedding.
+        let p = self.store.gather(Stage::Embedding)?;
+        let e = layers::embed(&p.tensors[0], &mb.input_ids);
+        let grads = vjp(&e, &grad_h, &[&p.tensors[0]]);
+        self.store.accumulate_grads(Stage::Embedding, &grads)?;
+        self.store.release(Stage::Embedding);
+        Ok(loss_sum)
+    }
+
+    /// The head for training: returns (summed CE, gradient of the final hidden states).
+    fn head_forward_backward(
+        &mut self,
+        h: &Tensor,
+        mb: &MicroBatch,
+        global_targets: i64,
+    ) -> Result<(f64, Tensor)> {
+        let hidden = self.cfg.hidden_size;
+        let p = self.store.gather(Stage::Head)?;
+        let (norm_w, out_w) = (&p.tensors[0], &p.tensors[1]);
+        let h_leaf = h.detach().set_requires_grad(true);
+        if mb.num_targets == 0 {
+            self.store.release(Stage::Head);
+            return Ok((0.0, h.zeros_like()));
+        }
+        let rows = h_leaf
+            .reshape([-1, hidden])
+            .index_select(0, &mb.target_rows);
+        let normed = layers::head_norm(&self.cfg, norm_w, &rows);
+        let normed_d = normed.detach();
+        let chunk = self.chunk_rows();
+        let scale = 1.0 / global_targets.max(1) as f64;
+        let mut loss_sum = Tensor::zeros([], (Kind::Double, h.device()));
+        let mut grad_rows = Vec::new();
+        let mut grad_w: Option<Tensor> = None;
+        let mut start = 0;
+        while start < mb.num_targets {
+            let n = chunk.min(mb.num_targets - start);
+            let x = normed_d.narrow(0, start, n).set_requires_grad(true);
+            let logits = layers::project(&x, out_w);
+            let ce = logits.cross_entropy_loss::<Tensor>(
+                &mb.target_ids.narrow(0, start, n),
+                None,
+                Reduction::Sum,
+                -100,
+                0.0,
+            );
+            loss_sum += ce.detach().to_kind(Kind::Double);
+            let mut g = Tensor::run_backward(&[ce * scale], &[&x, out_w], false, false);
+            let gw = g.pop().context("grad of output matrix")?;
+            grad_rows.push(g.pop().context("grad of rows")?);
+            grad_w = Some(match grad_w {
+                None => gw,
+                Some(acc) => acc + gw,
+            });
+            start += n;
+        }
+        let grad_normed = Tensor::cat(&grad_rows, 0);
+        let mut g = vjp(&normed, &grad_normed, &[&h_leaf, norm_w]);
+        let grad_norm_w = g.pop().context("grad of final norm")?;
+        let grad_h = g.pop().context("grad of final hidden")?;
+        self.store.accumulate_grads(
+            Stage::Head,
+            &[grad_norm_w, grad_w.context("grad of output matrix")?],
+        )?;
+        self.store.release(Stage::Head);
+        Ok((loss_sum.double_value(&[]), grad_h))
+    }
+
+    /// Summed cross-entropy and target count of `mb`, without gradients (validation).
+    pub fn eval_loss(&mut self, mb: &MicroBatch) -> Result<(f64, i64)> {
+        let h = self.forward_hidden_no_grad(mb)?;
+        let _g = tch::no_grad_guard();
+        let p = self.store.gather(Stage::Head)?;
+        let rows = h
+            .reshape([-1, self.cfg.hidden_size])
+            .index_select(0, &mb.target_rows);
+        let normed = layers::head_norm(&self.cfg, &p.tensors[0], &rows);
+        let chunk = self.chunk_rows();
+        let mut total = 0.0;
+        let mut start = 0;
+        while start < mb.num_targets {
+            let n = chunk.min(mb.num_targets - start);
+            let logits = layers::project(&normed.narrow(0, start, n), &p.tensors[1]);
+            let ce = logits.cross_entropy_loss::<Tensor>(
+                &mb.target_ids.narrow(0, start, n),
+                None,
+                Reduction::Sum,
+                -100,
+                0.0,
+            );
+            total += ce.double_value(&[]);
+            start += n;
+        }
+        self.store.release(Stage::Head);
+        Ok((total, mb.num_targets))
+    }
+
+    /// Full fp32 logits `[B, T, vocab]` of `mb` (for checks against other implementations; small inputs only).
+    pub fn logits(&mut self, mb: &MicroBatch) -> Result<Tensor> {
+        let h = self.forward_hidden_no_grad(mb)?;
+        let _g = tch::no_grad_guard();
+        let p = self.store.gather(Stage::Head)?;
+        let normed = layers::head_norm(&self.cfg, &p.tensors[0], &h);
+        let logits = layers::project(&normed, &p.tensors[1]);
+        self.store.release(Stage::Head);
+        Ok(logits)
+    }
+}

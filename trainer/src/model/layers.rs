@@ -1,0 +1,114 @@
+//! The forward functions of the model, each a pure function of (its parameter tensors, its input): embedding, one
+//! decoder layer (RMSNorm, GQA self-attention with RoPE through SDPA, RMSNorm, SwiGLU MLP) and the head (final norm and
+//! the output projection of the selected rows). The engine calls them stage by stage; nothing here owns parameters.
+
+use super::config::ModelConfig;
+use super::layout::DecoderParam;
+use tch::{Kind, Tensor};
+
+/// How tokens of one micro-batch may attend to each other.
+pub enum Attention {
+    /// Right-padded rows: plain causal attention (real tokens never see the padding after them).
+    Causal,
+    /// Several sequences packed in one row: a `[1, 1, T, T]` boolean mask, true where attention is allowed.
+    Masked(Tensor),
+}
+
+/// Cosine and sine tables of rotary embeddings for the given positions, `[B, T, head_dim]` in `kind`.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// Tables for `positions` (`[B, T]` int64), computed in fp32 the way transformers' default RoPE does.
+    pub fn new(cfg: &ModelConfig, positions: &Tensor, kind: Kind) -> Self {
+        let dev = positions.device();
+        let half = Tensor::arange_start_step(0, cfg.head_dim, 2, (Kind::Int64, dev))
+            .to_kind(Kind::Float)
+            / cfg.head_dim as f64;
+        let inv_freq = Tensor::pow_scalar(cfg.rope_theta, &half).reciprocal(); // [D/2]
+        let pos = positions.to_kind(Kind::Float).unsqueeze(-1); // [B,T,1]
+        let freqs = pos.matmul(&inv_freq.unsqueeze(0)); // [B,T,D/2]
+        let emb = Tensor::cat(&[&freqs, &freqs], -1);
+        Self {
+            cos: emb.cos().to_kind(kind).unsqueeze(1),
+            sin: emb.sin().to_kind(kind).unsqueeze(1),
+        }
+    }
+
+    /// Rotates `x` (`[B, heads, T, D]`).
+    fn apply(&self, x: &Tensor) -> Tensor {
+        let d = x.size()[3];
+        let x1 = x.narrow(3, 0, d / 2);
+        let x2 = x.narrow(3, d / 2, d / 2);
+        let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+        x * &self.cos + rotated * &self.sin
+    }
+}
+
+/// RMSNorm over the last dimension, computed in fp32 and cast back like transformers' `Qwen2RMSNorm`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let kind = x.kind();
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.square().mean_dim(-1, true, Kind::Float);
+    let normed = xf * (var + eps).rsqrt();
+    weight * normed.to_kind(kind)
+}
+
+/// Token embedding: rows of `embed` for `ids`.
+pub fn embed(embed: &Tensor, ids: &Tensor) -> Tensor {
+    Tensor::embedding(embed, ids, -1, false, false)
+}
+
+/// One decoder layer on `h` (`[B, T, H]`); `p` holds the layer's tensors in the order of `d`.
+pub fn decoder_layer(
+    cfg: &ModelConfig,
+    d: &DecoderParam,
+    p: &[Tensor],
+    h: &Tensor,
+    rope: &Rope,
+    attn: &Attention,
+) -> Tensor {
+    let (b, t) = (h.size()[0], h.size()[1]);
+    let lin = |x: &Tensor, (w, bias): (usize, Option<usize>)| x.linear(&p[w], bias.map(|i| &p[i]));
+    let x = rms_norm(h, &p[d.input_norm], cfg.rms_norm_eps);
+    let q = lin(&x, d.q)
+        .view([b, t, cfg.num_heads, cfg.head_dim])
+        .transpose(1, 2);
+    let k = lin(&x, d.k)
+        .view([b, t, cfg.num_kv_heads, cfg.head_dim])
+        .transpose(1, 2);
+    let v = lin(&x, d.v)
+        .view([b, t, cfg.num_kv_heads, cfg.head_dim])
+        .transpose(1, 2);
+    let (q, k) = (rope.apply(&q), rope.apply(&k));
+    let gqa = cfg.num_kv_heads != cfg.num_heads;
+    let o = match attn {
+        Attention::Causal => {
+            Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, gqa)
+        }
+        Attention::Masked(mask) => {
+            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa)
+        }
+    };
+    let o = o
+        .transpose(1, 2)
+        .reshape([b, t, cfg.num_heads * cfg.head_dim]);
+    let h = h + lin(&o, d.o);
+    let x = rms_norm(&h, &p[d.post_norm], cfg.rms_norm_eps);
+    let gate = x.linear(&p[d.gate], None::<&Tensor>).silu();
+    let up = x.linear(&p[d.up], None::<&Tensor>);
+    h + (gate * up).linear(&p[d.down], None::<&Tensor>)
+}
+
+/// The head up to the logits of selected rows: final norm of `rows` (`[N, H]`, already gathered) — the projection is
+/// done by the caller in chunks so that `[N, vocab]` never exists whole.
+pub fn head_norm(cfg: &ModelConfig, norm: &Tensor, rows: &Tensor) -> Tensor {
+    rms_norm(rows, norm, cfg.rms_norm_eps)
+}
+
+/// Logits of normalised rows `x` (`[n, H]`) against the output matrix `w` (`[vocab, H]`), in fp32.
+pub fn project(x: &Tensor, w: &Tensor) -> Tensor {
+    x.linear(w, None::<&Tensor>).to_kind(Kind::Float)
+}

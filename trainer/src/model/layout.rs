@@ -1,0 +1,136 @@
+//! Which named tensors make up each stage of the model (embedding, decoder layers, head), in the order the layer
+//! functions of `model::layers` take them. The stage list is what the engine walks and what sharding hooks into.
+
+use super::config::ModelConfig;
+
+/// One unit of the layer-wise schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// Token embedding: `[embed]`.
+    Embedding,
+    /// Decoder layer `i`: see [`DecoderParam`] for the order.
+    Decoder(usize),
+    /// Final RMSNorm and output projection: `[norm, lm_head]` (`lm_head` is the embedding when tied).
+    Head,
+}
+
+/// Index of each tensor inside a decoder stage's parameter list (biases only when the config has them).
+#[derive(Clone, Copy, Debug)]
+pub struct DecoderParam {
+    /// input_layernorm.weight
+    pub input_norm: usize,
+    /// q_proj.weight, q_proj.bias
+    pub q: (usize, Option<usize>),
+    /// k_proj.weight, k_proj.bias
+    pub k: (usize, Option<usize>),
+    /// v_proj.weight, v_proj.bias
+    pub v: (usize, Option<usize>),
+    /// o_proj.weight, o_proj.bias
+    pub o: (usize, Option<usize>),
+    /// post_attention_layernorm.weight
+    pub post_norm: usize,
+    /// mlp.gate_proj.weight
+    pub gate: usize,
+    /// mlp.up_proj.weight
+    pub up: usize,
+    /// mlp.down_proj.weight
+    pub down: usize,
+}
+
+/// The named tensors of the whole model and the stages that use them.
+#[derive(Clone, Debug)]
+pub struct ModelLayout {
+    /// Hugging Face names and shapes of every stored tensor, each once (the tied head is not listed).
+    pub tensors: Vec<(String, Vec<i64>)>,
+    /// Per stage: indices into `tensors`, in the order the stage's function takes them.
+    pub stages: Vec<(Stage, Vec<usize>)>,
+    /// Positions inside a decoder stage's list.
+    pub decoder: DecoderParam,
+}
+
+impl ModelLayout {
+    /// The layout of a model with `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+        let q_out = cfg.num_heads * cfg.head_dim;
+        let kv_out = cfg.num_kv_heads * cfg.head_dim;
+        let mut tensors: Vec<(String, Vec<i64>)> = Vec::new();
+        let mut push = |name: String, shape: Vec<i64>| {
+            tensors.push((name, shape));
+            tensors.len() - 1
+        };
+        let mut stages = Vec::new();
+        let embed = push("model.embed_tokens.weight".into(), vec![v, h]);
+        stages.push((Stage::Embedding, vec![embed]));
+        let mut decoder = None;
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}.");
+            let mut ids = Vec::new();
+            let mut add = |ids: &mut Vec<usize>, name: String, shape: Vec<i64>| {
+                ids.push(push(name, shape));
+                ids.len() - 1
+            };
+            let input_norm = add(&mut ids, format!("{p}input_layernorm.weight"), vec![h]);
+            let mut proj = |ids: &mut Vec<usize>, n: &str, out: i64, inp: i64, bias: bool| {
+                let w = add(ids, format!("{p}self_attn.{n}.weight"), vec![out, inp]);
+                let b = bias.then(|| add(ids, format!("{p}self_attn.{n}.bias"), vec![out]));
+                (w, b)
+            };
+            let q = proj(&mut ids, "q_proj", q_out, h, cfg.qkv_bias);
+            let k = proj(&mut ids, "k_proj", kv_out, h, cfg.qkv_bias);
+            let vv = proj(&mut ids, "v_proj", kv_out, h, cfg.qkv_bias);
+            let o = proj(&mut ids, "o_proj", h, q_out, cfg.o_bias);
+            let post_norm = add(
+                &mut ids,
+                format!("{p}post_attention_layernorm.weight"),
+                vec![h],
+            );
+            let gate = add(&mut ids, format!("{p}mlp.gate_proj.weight"), vec![i, h]);
+            let up = add(&mut ids, format!("{p}mlp.up_proj.weight"), vec![i, h]);
+            let down = add(&mut ids, format!("{p}mlp.down_proj.weight"), vec![h, i]);
+            decoder = Some(DecoderParam {
+                input_norm,
+                q,
+                k,
+                v: vv,
+                o,
+                post_norm,
+                gate,
+                up,
+                down,
+            });
+            stages.push((Stage::Decoder(l), ids));
+        }
+        let norm = push("model.norm.weight".into(), vec![h]);
+        let head = if cfg.tie_word_embeddings {
+            embed
+        } else {
+            push("lm_head.weight".into(), vec![v, h])
+        };
+        stages.push((Stage::Head, vec![norm, head]));
+        let decoder = decoder.unwrap_or(DecoderParam {
+            input_norm: 0,
+            q: (0, None),
+            k: (0, None),
+            v: (0, None),
+            o: (0, None),
+            post_norm: 0,
+            gate: 0,
+            up: 0,
+            down: 0,
+        });
+        Self {
+            tensors,
+            stages,
+            decoder,
+        }
+    }
+
+    /// Total number of stored parameters.
+    pub fn num_params(&self) -> i64 {
+        self.tensors
+            .iter()
+            .map(|(_, s)| s.iter().product::<i64>())
+            .sum()
+    }
+}

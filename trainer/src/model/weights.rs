@@ -1,0 +1,224 @@
+//! Reading and writing model weights in the Hugging Face layout: `model.safetensors` or shards listed by
+//! `model.safetensors.index.json`; random initialisation the way transformers' `_init_weights` does it.
+
+use super::config::ModelConfig;
+use super::layout::ModelLayout;
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use tch::{Kind, Tensor};
+
+fn kind_of(dtype: Dtype) -> Option<Kind> {
+    Some(match dtype {
+        Dtype::F32 => Kind::Float,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F16 => Kind::Half,
+        Dtype::F64 => Kind::Double,
+        _ => return None,
+    })
+}
+
+fn dtype_of(kind: Kind) -> Result<Dtype> {
+    Ok(match kind {
+        Kind::Float => Dtype::F32,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Half => Dtype::F16,
+        Kind::Double => Dtype::F64,
+        Kind::Int64 => Dtype::I64,
+        other => bail!("cannot store a {other:?} tensor in safetensors"),
+    })
+}
+
+/// The safetensors files of a model folder: the shards named by the index, or `model.safetensors`.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index)
+            .with_context(|| format!("reading {}", index.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .with_context(|| format!("{}: no `weight_map` object", index.display()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(String::from))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    bail!(
+        "{}: neither model.safetensors nor model.safetensors.index.json found",
+        dir.display()
+    )
+}
+
+/// Reads every tensor of `files` into fp32 CPU tensors keyed by name.
+pub fn read_tensors(files: &[PathBuf]) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for file in files {
+        let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .with_context(|| format!("parsing {}", file.display()))?;
+        for (name, view) in st.tensors() {
+            let kind = kind_of(view.dtype()).with_context(|| {
+                format!(
+                    "{}: tensor `{name}` has unsupported dtype {:?}",
+                    file.display(),
+                    view.dtype()
+                )
+            })?;
+            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            let t = Tensor::from_data_size(view.data(), &shape, kind).to_kind(Kind::Float);
+            out.insert(name, t);
+        }
+    }
+    Ok(out)
+}
+
+/// Loads the layout's tensors from the model folder `dir` as fp32, checking names and shapes.
+pub fn load_params(dir: &Path, layout: &ModelLayout) -> Result<Vec<Tensor>> {
+    let mut all = read_tensors(&weight_files(dir)?)?;
+    let mut out = Vec::with_capacity(layout.tensors.len());
+    for (name, shape) in &layout.tensors {
+        let t = all.remove(name).with_context(|| {
+            format!(
+                "{}: tensor `{name}` missing from the safetensors files",
+                dir.display()
+            )
+        })?;
+        if t.size() != *shape {
+            bail!(
+                "{}: tensor `{name}` has shape {:?}, config.json implies {shape:?}",
+                dir.display(),
+                t.size()
+            );
+        }
+        out.push(t);
+    }
+    all.remove("lm_head.weight"); // a tied model may still store a copy
+    if let Some(extra) = all.keys().find(|k| !k.contains("rotary_emb")) {
+        bail!(
+            "{}: unexpected tensor `{extra}` (not part of the model config.json describes)",
+            dir.display()
+        );
+    }
+    Ok(out)
+}
+
+/// Random parameters as transformers initialises them: normal(0, initializer_range) for linear and embedding
+/// weights, zeros for biases, ones for norms. Deterministic for a given `seed`.
+pub fn init_params(cfg: &ModelConfig, layout: &ModelLayout, seed: i64) -> Vec<Tensor> {
+    tch::manual_seed(seed);
+    let _guard = tch::no_grad_guard();
+    layout
+        .tensors
+        .iter()
+        .map(|(name, shape)| {
+            if name.ends_with("norm.weight") {
+                Tensor::ones(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
+            } else if name.ends_with(".bias") {
+                Tensor::zeros(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
+            } else {
+                Tensor::randn(shape.as_slice(), (Kind::Float, tch::Device::Cpu))
+                    * cfg.initializer_range
+            }
+        })
+        .collect()
+}
+
+/// Bytes of a contiguous CPU copy of `t`.
+pub fn tensor_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.to_device(tch::Device::Cpu).contiguous();
+    let numel = t.numel();
+    let mut buf = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut buf, numel);
+    buf
+}
+
+/// Writes named tensors to one safetensors file with `{"format": "pt"}` metadata (what transformers expects).
+pub fn write_safetensors(path: &Path, named: &[(String, Tensor)]) -> Result<()> {
+    let mut bufs = Vec::with_capacity(named.len());
+    for (name, t) in named {
+        bufs.push((
+            name.clone(),
+            dtype_of(t.kind())?,
+            t.size().iter().map(|&d| d as usize).collect::<Vec<_>>(),
+            tensor_bytes(t),
+        ));
+    }
+    let mut views = BTreeMap::new();
+    for (name, dtype, shape, data) in &bufs {
+        views.insert(
+            name.clone(),
+            TensorView::new(*dtype, shape.clone(), data)
+                .with_context(|| format!("tensor `{name}`"))?,
+        );
+    }
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let tmp = path.with_extension("safetensors.tmp");
+    safetensors::serialize_to_file(views, Some(meta), &tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
+/// Tokenizer and generation files copied from a source folder into an export, when present.
+pub const SIDE_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
+/// Writes a Hugging Face folder: `config.json` (as read, dtype set), `model.safetensors` in `kind`, and the side files
+/// found in `side_from`.
+pub fn save_hf_folder(
+    out: &Path,
+    cfg: &ModelConfig,
+    layout: &ModelLayout,
+    params: &[Tensor],
+    kind: Kind,
+    side_from: &[&Path],
+) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut raw = cfg.raw.clone();
+    let dtype = if kind == Kind::BFloat16 {
+        "bfloat16"
+    } else {
+        "float32"
+    };
+    if let Some(obj) = raw.as_object_mut() {
+        obj.insert("dtype".into(), dtype.into());
+        if obj.contains_key("torch_dtype") {
+            obj.insert("torch_dtype".into(), dtype.into());
+        }
+    }
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&raw)?)
+        .with_context(|| format!("writing {}/config.json", out.display()))?;
+    let named: Vec<(String, Tensor)> = layout
+        .tensors
+        .iter()
+        .zip(params)
+        .map(|((n, _), t)| (n.clone(), t.to_kind(kind)))
+        .collect();
+    write_safetensors(&out.join("model.safetensors"), &named)?;
+    for file in SIDE_FILES {
+        if let Some(src) = side_from.iter().map(|d| d.join(file)).find(|p| p.exists()) {
+            std::fs::copy(&src, out.join(file))
+                .with_context(|| format!("copying {}", src.display()))?;
+        }
+    }
+    Ok(())
+}

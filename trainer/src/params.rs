@@ -1,0 +1,142 @@
+//! Where the engine gets each stage's parameters and sends their gradients: the [`ParamStore`] trait.
+//!
+//! The engine never touches parameter storage directly. For every stage it asks [`ParamStore::gather`] for the full
+//! tensors to compute with, hands the gradients of those tensors back through [`ParamStore::accumulate_grads`], and
+//! calls [`ParamStore::release`] when the stage is done. [`LocalParams`] keeps everything in one process (gather is a
+//! free view of the fp32 master, or a cast copy in bf16); a sharded store implements the same three calls with an
+//! all-gather, a reduce-scatter and a free — that is the whole FSDP hook.
+
+use crate::model::layout::{ModelLayout, Stage};
+use anyhow::Result;
+use tch::{Kind, Tensor};
+
+/// The parameters of one stage, ready to compute with: `tensors` require grad so a backward can reach them.
+pub struct StageParams {
+    /// Full tensors in the stage's order (see `model::layout`).
+    pub tensors: Vec<Tensor>,
+}
+
+/// Parameter storage behind the layer-wise schedule. Implemented by [`LocalParams`] and by sharded stores.
+pub trait ParamStore {
+    /// The model's tensor names and the stages using them.
+    fn layout(&self) -> &ModelLayout;
+    /// Full parameters of `stage` in the compute dtype, as leaves that require grad (FSDP: all-gather the shards).
+    fn gather(&mut self, stage: Stage) -> Result<StageParams>;
+    /// Adds `grads` (same order as `gather`; undefined tensors mean zero) into the stored gradients
+    /// (FSDP: reduce-scatter into the local shard's gradient).
+    fn accumulate_grads(&mut self, stage: Stage, grads: &[Tensor]) -> Result<()>;
+    /// The stage's full parameters are no longer needed (FSDP: free the gathered copy). Default: nothing to do.
+    fn release(&mut self, _stage: Stage) {}
+    /// The locally held master tensors and their gradients, for the optimizer (FSDP: the shards).
+    fn master_and_grads(&mut self) -> (&mut [Tensor], &mut [Tensor]);
+    /// Squared L2 norm of all gradients of the model (FSDP: sum of local squares all-reduced across ranks).
+    fn grad_sq_norm(&mut self) -> Result<f64>;
+    /// Sets every stored gradient to zero.
+    fn zero_grads(&mut self);
+}
+
+/// Every parameter of the model in this process: fp32 masters, fp32 gradients, computed in `compute_kind`.
+pub struct LocalParams {
+    layout: ModelLayout,
+    master: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    compute_kind: Kind,
+}
+
+impl LocalParams {
+    /// Wraps fp32 masters (in `layout.tensors` order); computation happens in `compute_kind`.
+    pub fn new(layout: ModelLayout, master: Vec<Tensor>, compute_kind: Kind) -> Self {
+        let grads = master.iter().map(Tensor::zeros_like).collect();
+        Self {
+            layout,
+            master,
+            grads,
+            compute_kind,
+        }
+    }
+
+    /// The fp32 master tensors in layout order.
+    pub fn master(&self) -> &[Tensor] {
+        &self.master
+    }
+
+    /// Replaces the master tensors (checkpoint restore); shapes must match.
+    pub fn set_master(&mut self, values: &[Tensor]) {
+        let _g = tch::no_grad_guard();
+        for (m, v) in self.master.iter_mut().zip(values) {
+            m.copy_(v);
+        }
+    }
+
+    /// The model's tensor layout.
+    pub fn layout_ref(&self) -> &ModelLayout {
+        &self.layout
+    }
+
+    /// The dtype stages compute in.
+    pub fn compute_kind(&self) -> Kind {
+        self.compute_kind
+    }
+}
+
+fn stage_ids(layout: &ModelLayout, stage: Stage) -> &[usize] {
+    &layout
+        .stages
+        .iter()
+        .find(|(s, _)| *s == stage)
+        .expect("stage of this layout")
+        .1
+}
+
+impl ParamStore for LocalParams {
+    fn layout(&self) -> &ModelLayout {
+        &self.layout
+    }
+
+    fn gather(&mut self, stage: Stage) -> Result<StageParams> {
+        let ids = stage_ids(&self.layout, stage);
+        let tensors = ids
+            .iter()
+            .map(|&i| {
+                let t = if self.compute_kind == Kind::Float {
+                    self.master[i].detach()
+                } else {
+                    self.master[i].to_kind(self.compute_kind).detach()
+                };
+                t.set_requires_grad(true)
+            })
+            .collect();
+        Ok(StageParams { tensors })
+    }
+
+    fn accumulate_grads(&mut self, stage: Stage, grads: &[Tensor]) -> Result<()> {
+        let _g = tch::no_grad_guard();
+        let ids = stage_ids(&self.layout, stage).to_vec();
+        for (&i, g) in ids.iter().zip(grads) {
+            if g.defined() {
+                let _ = self.grads[i].g_add_(&g.to_kind(Kind::Float));
+            }
+        }
+        Ok(())
+    }
+
+    fn master_and_grads(&mut self) -> (&mut [Tensor], &mut [Tensor]) {
+        (&mut self.master, &mut self.grads)
+    }
+
+    fn grad_sq_norm(&mut self) -> Result<f64> {
+        let _g = tch::no_grad_guard();
+        let mut total = 0.0;
+        for g in &self.grads {
+            total += g.square().sum(Kind::Double).double_value(&[]);
+        }
+        Ok(total)
+    }
+
+    fn zero_grads(&mut self) {
+        let _g = tch::no_grad_guard();
+        for g in &mut self.grads {
+            let _ = g.zero_();
+        }
+    }
+}

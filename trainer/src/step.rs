@@ -1,0 +1,99 @@
+//! One optimizer step over a global batch: micro-batching, the exact token-mean loss, gradient clipping, a skipped
+//! update on a non-finite norm, AdamW at the scheduled learning rate.
+
+use crate::batch::{Layout, MicroBatch, SampleRef};
+use crate::engine::Engine;
+use crate::optim::{clip_grads, AdamW, LrSchedule};
+use crate::params::ParamStore;
+use anyhow::{bail, Result};
+use tch::Device;
+
+/// What one step did.
+#[derive(Clone, Copy, Debug)]
+pub struct StepStats {
+    /// Token-mean cross-entropy over every target of the global batch.
+    pub loss: f64,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate the update used.
+    pub lr: f64,
+    /// The update was skipped because the norm was not finite.
+    pub skipped: bool,
+    /// Real (non-pad) tokens in the global batch.
+    pub tokens: i64,
+    /// Targets in the global batch.
+    pub targets: i64,
+}
+
+/// Engine, optimizer and schedule: everything a step needs.
+pub struct Stepper<P: ParamStore> {
+    /// Forward/backward over the parameter store.
+    pub engine: Engine<P>,
+    /// Optimizer state (its `step` counts completed updates, skipped ones included).
+    pub optimizer: AdamW,
+    /// Learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Max gradient norm (`optim.clip_grad`); 0 disables clipping.
+    pub clip_grad: f64,
+    /// Micro-batch size (`data.micro_batch_size_per_gpu`).
+    pub micro_batch_size: usize,
+    /// Padded or packed micro-batches.
+    pub layout: Layout,
+    /// Where tensors live.
+    pub device: Device,
+    /// Steps completed, skipped ones included: the schedule position.
+    pub completed_steps: i64,
+}
+
+impl<P: ParamStore> Stepper<P> {
+    /// Trains on one global batch.
+    pub fn step(&mut self, samples: &[SampleRef<'_>]) -> Result<StepStats> {
+        if samples.is_empty() {
+            bail!("a training step needs at least one sample");
+        }
+        let targets: i64 = samples.iter().map(SampleRef::num_targets).sum();
+        let tokens: i64 = samples.iter().map(|s| s.input_ids.len() as i64).sum();
+        self.engine.store_mut().zero_grads();
+        let mut loss_sum = 0.0;
+        for chunk in samples.chunks(self.micro_batch_size.max(1)) {
+            let mb = MicroBatch::new(chunk, self.layout, self.device)?;
+            loss_sum += self.engine.forward_backward(&mb, targets)?;
+        }
+        let store = self.engine.store_mut();
+        let grad_norm = store.grad_sq_norm()?.sqrt();
+        let lr = self.schedule.lr_at(self.completed_steps);
+        let skipped = !grad_norm.is_finite();
+        if skipped {
+            tracing::warn!(
+                step = self.completed_steps + 1,
+                grad_norm,
+                "non-finite gradient norm: update skipped"
+            );
+        } else {
+            let (master, grads) = store.master_and_grads();
+            clip_grads(grads, grad_norm, self.clip_grad);
+            self.optimizer.step(master, grads, lr);
+        }
+        self.completed_steps += 1;
+        Ok(StepStats {
+            loss: loss_sum / targets.max(1) as f64,
+            grad_norm,
+            lr,
+            skipped,
+            tokens,
+            targets,
+        })
+    }
+
+    /// Token-mean validation loss over `samples` in micro-batches (no gradients).
+    pub fn validate(&mut self, samples: &[SampleRef<'_>]) -> Result<f64> {
+        let (mut sum, mut count) = (0.0, 0i64);
+        for chunk in samples.chunks(self.micro_batch_size.max(1)) {
+            let mb = MicroBatch::new(chunk, self.layout, self.device)?;
+            let (s, c) = self.engine.eval_loss(&mb)?;
+            sum += s;
+            count += c;
+        }
+        Ok(sum / count.max(1) as f64)
+    }
+}
