@@ -1,1 +1,126 @@
-//! placeholder
+//! Collective communication for training ranks.
+//!
+//! One [`Communicator`] trait (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all, barrier) on tch tensors,
+//! with two backends: [`TcpCommunicator`] for CPU tensors (ring algorithms over persistent TCP connections, chunked and
+//! pipelined) and [`NcclCommunicator`] for CUDA tensors (NCCL loaded at run time). Ranks find each other through a
+//! [`Rendezvous`] (the cluster head's key-value store, an in-process [`MemoryRendezvous`], or the standalone
+//! [`TcpStore`] that [`init_from_env`] uses for torchrun/SLURM-style launches). [`flat`] holds the
+//! flatten-pad-shard helpers FSDP-style sharding builds on.
+
+mod dtype;
+mod env;
+pub mod flat;
+mod nccl;
+mod rendezvous;
+mod store;
+mod tcp;
+mod tensor;
+
+pub use dtype::{DType, ReduceOp};
+pub use env::{init_from_env, LaunchEnv};
+pub use nccl::{nccl_available, NcclCommunicator};
+pub use rendezvous::{MemoryRendezvous, Rendezvous};
+pub use store::{TcpStore, TcpStoreServer};
+pub use tcp::TcpCommunicator;
+
+use anyhow::Result;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tch::{Device, Tensor};
+
+/// Which transport a communicator uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// TCP between processes, for CPU tensors.
+    Tcp,
+    /// NCCL, for CUDA tensors.
+    Nccl,
+}
+
+/// Collective operations over a fixed group of ranks. Every rank must call the same collectives in the same order
+/// with matching sizes; a mismatch, a dead rank or a stalled one makes the call fail with an error (never hang), and
+/// the communicator is unusable afterwards. Tensors must be contiguous and on the communicator's device.
+pub trait Communicator: Send + Sync {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// The transport.
+    fn backend(&self) -> Backend;
+    /// Reduces `tensor` across ranks in place; every rank ends with the result.
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()>;
+    /// Concatenates every rank's `input` (in rank order) into `output`, which has `world_size` times its elements.
+    fn all_gather(&self, output: &mut Tensor, input: &Tensor) -> Result<()>;
+    /// Reduces `input` (split into `world_size` equal blocks) across ranks; rank `r` gets block `r` in `output`.
+    fn reduce_scatter(&self, output: &mut Tensor, input: &Tensor, op: ReduceOp) -> Result<()>;
+    /// Copies `root`'s `tensor` into every other rank's `tensor`.
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()>;
+    /// Splits `input` into `world_size` equal blocks, sends block `j` to rank `j`; `output` block `j` comes from rank `j`.
+    fn all_to_all(&self, output: &mut Tensor, input: &Tensor) -> Result<()>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> Result<()>;
+
+    /// All-gathers `input` into a new 1-D tensor of `world_size * input.numel()` elements.
+    fn all_gather_flat(&self, input: &Tensor) -> Result<Tensor> {
+        let mut out = Tensor::empty(
+            [(input.numel() * self.world_size()) as i64],
+            (input.kind(), input.device()),
+        );
+        self.all_gather(&mut out, &input.contiguous())?;
+        Ok(out)
+    }
+
+    /// Reduce-scatters the 1-D `input` into a new tensor of `input.numel() / world_size` elements.
+    fn reduce_scatter_flat(&self, input: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let n = input.numel() / self.world_size();
+        let mut out = Tensor::empty([n as i64], (input.kind(), input.device()));
+        self.reduce_scatter(&mut out, &input.contiguous(), op)?;
+        Ok(out)
+    }
+}
+
+/// How a group forms and behaves.
+#[derive(Clone, Debug)]
+pub struct GroupOptions {
+    /// Bound on joining and on any wait for a peer during a collective (a dead peer is detected at once regardless).
+    pub timeout: Duration,
+    /// Namespace of this group's keys in the rendezvous store (distinct groups sharing a store need distinct ones).
+    pub prefix: String,
+    /// Address this rank listens on for its peers (TCP backend); default 127.0.0.1.
+    pub bind_ip: Option<IpAddr>,
+    /// Pipelining chunk of the TCP backend, in bytes.
+    pub chunk_bytes: usize,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        let timeout = std::env::var("FERL_COLLECTIVE_TIMEOUT_S")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .map(Duration::from_secs_f64)
+            .unwrap_or(Duration::from_secs(30));
+        Self {
+            timeout,
+            prefix: "ferl/collective".into(),
+            bind_ip: None,
+            chunk_bytes: 256 << 10,
+        }
+    }
+}
+
+/// Forms a group for tensors on `device`: NCCL for CUDA devices, TCP for the CPU.
+pub fn connect(
+    device: Device,
+    rank: usize,
+    world: usize,
+    rendezvous: Arc<dyn Rendezvous>,
+    options: &GroupOptions,
+) -> Result<Arc<dyn Communicator>> {
+    Ok(match device {
+        Device::Cuda(index) => Arc::new(NcclCommunicator::connect(
+            index, rank, world, rendezvous, options,
+        )?),
+        _ => Arc::new(TcpCommunicator::connect(rank, world, rendezvous, options)?),
+    })
+}

@@ -1,0 +1,281 @@
+//! Collectives across real processes on loopback: results against a reference computed locally, a rank killed or
+//! stopped mid-collective, and joining through the launcher environment (torchrun and SLURM variables).
+
+mod common;
+
+use common::*;
+use ferl_collective::{init_from_env, Communicator, ReduceOp, TcpStoreServer};
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+
+/// Rank `rank`'s deterministic input: small integers, so sums are exact even in bf16.
+fn input(rank: usize, n: usize, kind: Kind, salt: i64) -> Tensor {
+    let idx = Tensor::arange(n as i64, (Kind::Int64, Device::Cpu));
+    ((idx * 7 + (rank as i64 + 1) * 31 + salt).remainder(97) - 48).to_kind(kind)
+}
+
+fn sum_of(world: usize, n: usize, kind: Kind, salt: i64) -> Tensor {
+    let parts: Vec<Tensor> = (0..world).map(|q| input(q, n, kind, salt)).collect();
+    Tensor::stack(&parts, 0).sum_dim_intlist(0, false, kind)
+}
+
+fn assert_same(what: &str, got: &Tensor, expected: &Tensor) {
+    assert_eq!(got.size(), expected.size(), "{what}: shape");
+    assert!(
+        got.equal(expected),
+        "{what}: result differs from the reference"
+    );
+}
+
+/// Every collective on every size and type, checked against the reference; runs on each rank.
+fn check_all_collectives(comm: &dyn Communicator) {
+    let (r, w) = (comm.rank(), comm.world_size());
+    let cases: &[(Kind, &[usize])] = &[
+        (Kind::Float, &[0, 1, 7, 1001, 40_003, (1 << 21) + 3]),
+        (Kind::BFloat16, &[0, 5, 33_333]),
+        (Kind::Int64, &[0, 3, 20_001]),
+    ];
+    for &(kind, sizes) in cases {
+        for &n in sizes {
+            let tag = format!("{kind:?} n={n} w={w} r={r}");
+            let mut t = input(r, n, kind, 1);
+            comm.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+            assert_same(&format!("all_reduce sum {tag}"), &t, &sum_of(w, n, kind, 1));
+
+            let mut t = input(r, n, kind, 2);
+            comm.all_reduce(&mut t, ReduceOp::Max).unwrap();
+            let parts: Vec<Tensor> = (0..w).map(|q| input(q, n, kind, 2)).collect();
+            let max = Tensor::stack(&parts, 0).amax([0i64].as_slice(), false);
+            assert_same(&format!("all_reduce max {tag}"), &t, &max);
+
+            let inp = input(r, n, kind, 3);
+            let gathered = comm.all_gather_flat(&inp).unwrap();
+            let parts: Vec<Tensor> = (0..w).map(|q| input(q, n, kind, 3)).collect();
+            assert_same(
+                &format!("all_gather {tag}"),
+                &gathered,
+                &Tensor::cat(&parts, 0),
+            );
+
+            let inp = input(r, n * w, kind, 4);
+            let shard = comm.reduce_scatter_flat(&inp, ReduceOp::Sum).unwrap();
+            let full = sum_of(w, n * w, kind, 4);
+            assert_same(
+                &format!("reduce_scatter {tag}"),
+                &shard,
+                &full.narrow(0, (r * n) as i64, n as i64),
+            );
+
+            for root in [0, w - 1] {
+                let mut t = if r == root {
+                    input(r, n, kind, 5)
+                } else {
+                    Tensor::zeros([n as i64], (kind, Device::Cpu))
+                };
+                comm.broadcast(&mut t, root).unwrap();
+                assert_same(
+                    &format!("broadcast root {root} {tag}"),
+                    &t,
+                    &input(root, n, kind, 5),
+                );
+            }
+
+            let inp = input(r, n * w, kind, 6);
+            let mut out = Tensor::zeros([(n * w) as i64], (kind, Device::Cpu));
+            comm.all_to_all(&mut out, &inp).unwrap();
+            let parts: Vec<Tensor> = (0..w)
+                .map(|q| input(q, n * w, kind, 6).narrow(0, (r * n) as i64, n as i64))
+                .collect();
+            assert_same(&format!("all_to_all {tag}"), &out, &Tensor::cat(&parts, 0));
+        }
+    }
+    let mut t = input(r, 1003, Kind::Float, 7);
+    comm.all_reduce(&mut t, ReduceOp::Avg).unwrap();
+    let avg = sum_of(w, 1003, Kind::Float, 7) / w as f64;
+    assert!(t.allclose(&avg, 1e-6, 1e-6, false), "all_reduce avg");
+    comm.barrier().unwrap();
+}
+
+fn run_reference_check(test: &str, world: usize) {
+    if is_rank() {
+        let comm = init_from_env(Device::Cpu).unwrap();
+        assert_eq!((comm.rank(), comm.world_size()), (my_rank(), world));
+        check_all_collectives(comm.as_ref());
+        println!("OK rank {}", comm.rank());
+        return;
+    }
+    let store = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+    let port = store.local_addr().port();
+    let mut ranks = spawn_ranks(test, world, |r| {
+        let mut env = torchrun_env(r, world, port);
+        env.push(("FERL_STORE_HOSTED".into(), "1".into()));
+        env
+    });
+    for (r, p) in ranks.iter_mut().enumerate() {
+        assert!(
+            p.wait_exit(Duration::from_secs(600)).success(),
+            "rank {r} failed"
+        );
+        p.wait_line("OK rank", Duration::from_secs(5));
+    }
+}
+
+#[test]
+fn collectives_match_reference_world_2() {
+    run_reference_check("collectives_match_reference_world_2", 2);
+}
+
+#[test]
+fn collectives_match_reference_world_3() {
+    run_reference_check("collectives_match_reference_world_3", 3);
+}
+
+#[test]
+fn collectives_match_reference_world_4() {
+    run_reference_check("collectives_match_reference_world_4", 4);
+}
+
+/// Exit code of a rank whose collective failed (as the failure tests expect).
+const FAILED: i32 = 17;
+
+/// Rank side of the failure tests: all-reduce a 16 MiB tensor until a collective fails, then report how.
+fn all_reduce_until_failure() {
+    let comm = init_from_env(Device::Cpu).unwrap();
+    let mut t = Tensor::ones([4 << 20], (Kind::Float, Device::Cpu));
+    let mut rounds = 0u64;
+    loop {
+        if let Err(e) = comm.all_reduce(&mut t, ReduceOp::Max) {
+            println!("FAILED after {rounds} rounds: {e:#}");
+            std::process::exit(FAILED);
+        }
+        rounds += 1;
+        if rounds == 1 {
+            println!("READY");
+        }
+    }
+}
+
+fn spawn_failure_group(test: &str, world: usize, timeout_s: u64) -> Vec<RankProcess> {
+    let port = free_port();
+    spawn_ranks(test, world, |r| {
+        let mut env = torchrun_env(r, world, port);
+        env.push(("FERL_COLLECTIVE_TIMEOUT_S".into(), timeout_s.to_string()));
+        env
+    })
+}
+
+#[test]
+fn killed_rank_makes_every_other_rank_fail_promptly() {
+    if is_rank() {
+        return all_reduce_until_failure();
+    }
+    // A 120 s timeout: failing well before it shows the death was detected from the closed connection.
+    let mut ranks = spawn_failure_group("killed_rank_makes_every_other_rank_fail_promptly", 4, 120);
+    for p in &ranks {
+        p.wait_line("READY", Duration::from_secs(120));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    ranks[2].child.kill().unwrap(); // SIGKILL
+    let killed_at = Instant::now();
+    for (r, p) in ranks.iter_mut().enumerate().filter(|(r, _)| *r != 2) {
+        let status = p.wait_exit(Duration::from_secs(60));
+        assert_eq!(
+            status.code(),
+            Some(FAILED),
+            "rank {r} should report the failure"
+        );
+        let line = p.wait_line("FAILED", Duration::from_secs(5));
+        assert!(line.contains("rank"), "{line}");
+    }
+    let took = killed_at.elapsed();
+    assert!(
+        took < Duration::from_secs(60),
+        "ranks took {took:?} to fail after a peer died"
+    );
+}
+
+#[test]
+fn stalled_rank_makes_the_other_fail_after_the_timeout() {
+    if is_rank() {
+        return all_reduce_until_failure();
+    }
+    let mut ranks =
+        spawn_failure_group("stalled_rank_makes_the_other_fail_after_the_timeout", 2, 2);
+    for p in &ranks {
+        p.wait_line("READY", Duration::from_secs(120));
+    }
+    let stalled = nix::unistd::Pid::from_raw(ranks[1].child.id() as i32);
+    nix::sys::signal::kill(stalled, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let stopped_at = Instant::now();
+    let status = ranks[0].wait_exit(Duration::from_secs(90));
+    let took = stopped_at.elapsed();
+    assert_eq!(status.code(), Some(FAILED));
+    let line = ranks[0].wait_line("FAILED", Duration::from_secs(5));
+    assert!(
+        line.contains("timeout") && line.contains("rank 1"),
+        "{line}"
+    );
+    assert!(
+        took >= Duration::from_millis(1500),
+        "failed after {took:?}, before the 2 s timeout could pass"
+    );
+    ranks[1].child.kill().unwrap();
+}
+
+/// Rank side of the launch tests: a small all-reduce and a barrier.
+fn join_and_sum() {
+    let comm = init_from_env(Device::Cpu).unwrap();
+    let mut t = Tensor::from_slice(&[comm.rank() as f32 + 1.0, 10.0]);
+    comm.all_reduce(&mut t, ReduceOp::Sum).unwrap();
+    let w = comm.world_size() as f32;
+    assert_eq!(
+        Vec::<f32>::try_from(&t).unwrap(),
+        vec![w * (w + 1.0) / 2.0, 10.0 * w]
+    );
+    comm.barrier().unwrap();
+    println!("OK rank {} of {}", comm.rank(), comm.world_size());
+}
+
+#[test]
+fn torchrun_environment_with_rank0_hosting_the_store() {
+    if is_rank() {
+        return join_and_sum();
+    }
+    let port = free_port();
+    let mut ranks = spawn_ranks(
+        "torchrun_environment_with_rank0_hosting_the_store",
+        3,
+        |r| torchrun_env(r, 3, port),
+    );
+    for (r, p) in ranks.iter_mut().enumerate() {
+        assert!(p.wait_exit(Duration::from_secs(120)).success(), "rank {r}");
+        assert_eq!(
+            p.wait_line("OK", Duration::from_secs(5)),
+            format!("OK rank {r} of 3")
+        );
+    }
+}
+
+#[test]
+fn slurm_environment_forms_the_group() {
+    if is_rank() {
+        return join_and_sum();
+    }
+    let port = free_port();
+    let mut ranks = spawn_ranks("slurm_environment_forms_the_group", 2, |r| {
+        vec![
+            ("SLURM_PROCID".into(), r.to_string()),
+            ("SLURM_NTASKS".into(), "2".into()),
+            ("SLURM_LOCALID".into(), r.to_string()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.to_string()),
+        ]
+    });
+    for (r, p) in ranks.iter_mut().enumerate() {
+        assert!(p.wait_exit(Duration::from_secs(120)).success(), "rank {r}");
+        assert_eq!(
+            p.wait_line("OK", Duration::from_secs(5)),
+            format!("OK rank {r} of 2")
+        );
+    }
+}
