@@ -1,6 +1,7 @@
 //! `ferl-bench`: benchmarks that print one figure per line (`name value unit`, or JSON with `--json`), side by side
 //! with the peers they are compared against. One module per suite.
 
+mod collectives;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -17,13 +18,18 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Suite {}
+enum Suite {
+    /// CPU collectives of the TCP backend (2 processes on loopback) beside torch.distributed's gloo.
+    Collectives(collectives::CollectivesArgs),
+}
 
 fn main() -> anyhow::Result<()> {
     ferl::enter_worker_mode_if_spawned();
     let cli = Cli::parse();
     let mut out = report::Report::new(cli.json);
-    match cli.suite {}
+    match cli.suite {
+        Suite::Collectives(args) => collectives::run(args, &mut out)?,
+    }
     #[allow(unreachable_code)]
     {
         out.finish();

@@ -1,0 +1,168 @@
+//! `ferl-bench collectives`: the TCP backend's collectives (2 processes on loopback, fp32) beside torch.distributed's
+//! gloo backend measured the same way (same sizes, iteration counts and formula; gloo runs in `unshare -n`).
+//!
+//! Bandwidth is nccl-tests' *bus bandwidth*: `size / time × 2(n−1)/n` for all-reduce and `size / time × (n−1)/n` for
+//! all-gather and reduce-scatter, where `size` is the full buffer (the all-reduce tensor, the all-gather output, the
+//! reduce-scatter input) and n = 2 ranks. Rows: `<op>_<size>_GBps`, `<op>_1KiB_us` (latency), the same with a `gloo_`
+//! prefix, and `<row>_vs_gloo` ratios (bandwidth: ferl / gloo, higher is better; latency: ferl / gloo, lower is better).
+
+use crate::report::Report;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferl_collective::{init_from_env, Communicator, ReduceOp, TcpStoreServer};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+const WORLD: usize = 2;
+const GLOO_SCRIPT: &str = include_str!("collectives/gloo_bench.py");
+
+/// Options of the collectives suite.
+#[derive(Args, Debug)]
+pub struct CollectivesArgs {
+    /// Buffer sizes (KiB/MiB suffixes).
+    #[arg(long, value_delimiter = ',', default_value = "1KiB,1MiB,16MiB,128MiB")]
+    sizes: Vec<String>,
+    /// Skip the gloo comparison.
+    #[arg(long)]
+    no_gloo: bool,
+    /// Internal: run as one rank of the ferl side (environment from the parent).
+    #[arg(long, hide = true)]
+    worker: bool,
+}
+
+fn parse_size(label: &str) -> Result<usize> {
+    let (num, unit) = label.split_at(label.find(|c: char| !c.is_ascii_digit()).unwrap_or(label.len()));
+    let n: usize = num.parse().with_context(|| format!("size {label:?}: expected e.g. 16MiB"))?;
+    Ok(n * match unit {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => bail!("size {label:?}: unknown unit {other:?}"),
+    })
+}
+
+/// Iterations per measurement: about 256 MiB moved, between 5 and 2000 (the gloo script uses the same rule).
+fn iterations(bytes: usize) -> usize {
+    ((256usize << 20) / bytes).clamp(5, 2000)
+}
+
+/// Runs the suite and prints its rows.
+pub fn run(args: CollectivesArgs, out: &mut Report) -> Result<()> {
+    let sizes: Vec<(String, usize)> =
+        args.sizes.iter().map(|s| parse_size(s).map(|b| (s.clone(), b))).collect::<Result<_>>()?;
+    if args.worker {
+        return worker(&sizes);
+    }
+    let ferl = run_ferl(&args.sizes)?;
+    let gloo = if args.no_gloo { Vec::new() } else { run_gloo(&sizes)? };
+    for (name, value, unit) in &ferl {
+        out.row(name, *value, unit);
+        if let Some((_, g, _)) = gloo.iter().find(|(n, _, _)| n == name) {
+            out.row(&format!("gloo_{name}"), *g, unit);
+            out.row(&format!("{name}_vs_gloo"), value / g, "x");
+        }
+    }
+    Ok(())
+}
+
+fn parse_rows(stdout: impl std::io::Read) -> Vec<(String, f64, String)> {
+    BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| {
+            let mut it = line.strip_prefix("ROW ")?.split_whitespace();
+            let name = it.next()?.to_string();
+            let value = it.next()?.parse().ok()?;
+            Some((name, value, it.next()?.to_string()))
+        })
+        .collect()
+}
+
+fn run_ferl(sizes: &[String]) -> Result<Vec<(String, f64, String)>> {
+    let store = TcpStoreServer::bind("127.0.0.1:0")?;
+    let exe = std::env::current_exe()?;
+    let mut children = Vec::new();
+    for rank in 0..WORLD {
+        let child = Command::new(&exe)
+            .args(["collectives", "--worker", "--sizes", &sizes.join(",")])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", WORLD.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", store.local_addr().port().to_string())
+            .env("FERL_STORE_HOSTED", "1")
+            .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+            .spawn()
+            .context("starting a collectives worker")?;
+        children.push(child);
+    }
+    let rows = parse_rows(children[0].stdout.take().context("worker stdout")?);
+    for (rank, mut child) in children.into_iter().enumerate() {
+        if !child.wait()?.success() {
+            bail!("collectives worker rank {rank} failed");
+        }
+    }
+    Ok(rows)
+}
+
+fn run_gloo(sizes: &[(String, usize)]) -> Result<Vec<(String, f64, String)>> {
+    let venv = std::env::var("FERL_VENV")
+        .unwrap_or_else(|_| format!("{}/.cache/ferl/venv", std::env::var("HOME").unwrap_or_default()));
+    let script = std::env::temp_dir().join(format!("ferl-bench-gloo-{}.py", std::process::id()));
+    std::fs::write(&script, GLOO_SCRIPT)?;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-n", "bash", "-c", r#"ip link set lo up && exec "$@""#, "bash", &format!("{venv}/bin/python")])
+        .arg(&script)
+        .args(sizes.iter().map(|(label, bytes)| format!("{label}={bytes}")))
+        .stdout(Stdio::piped());
+    let mut child = cmd.spawn().context("starting the gloo peer under `unshare -n`")?;
+    let rows = parse_rows(child.stdout.take().context("gloo stdout")?);
+    let status = child.wait()?;
+    let _ = std::fs::remove_file(&script);
+    if !status.success() {
+        bail!("the gloo peer failed ({status}); is torch installed in {venv}?");
+    }
+    Ok(rows)
+}
+
+/// One rank of the ferl side; rank 0 prints `ROW` lines.
+fn worker(sizes: &[(String, usize)]) -> Result<()> {
+    let comm = init_from_env(Device::Cpu)?;
+    let w = comm.world_size();
+    for (label, bytes) in sizes {
+        let n = (bytes / 4) as i64;
+        let mut t = Tensor::ones([n], (Kind::Float, Device::Cpu));
+        let part = Tensor::ones([n / w as i64], (Kind::Float, Device::Cpu));
+        let mut full = Tensor::empty([n], (Kind::Float, Device::Cpu));
+        let mut shard = Tensor::empty([n / w as i64], (Kind::Float, Device::Cpu));
+        let ar = timed(comm.as_ref(), *bytes, || comm.all_reduce(&mut t, ReduceOp::Sum))?;
+        let ag = timed(comm.as_ref(), *bytes, || comm.all_gather(&mut full, &part))?;
+        let rs = timed(comm.as_ref(), *bytes, || comm.reduce_scatter(&mut shard, &t, ReduceOp::Sum))?;
+        if comm.rank() == 0 {
+            let ring = (w - 1) as f64 / w as f64;
+            for (op, seconds, factor) in [("all_reduce", ar, 2.0 * ring), ("all_gather", ag, ring), ("reduce_scatter", rs, ring)] {
+                println!("ROW {op}_{label}_GBps {} GB/s", *bytes as f64 / seconds * factor / 1e9);
+                if *bytes <= 64 << 10 {
+                    println!("ROW {op}_{label}_us {} us", seconds * 1e6);
+                }
+            }
+        }
+    }
+    comm.barrier()
+}
+
+/// Seconds per call of `op`, after a warm-up and a barrier.
+fn timed(comm: &dyn Communicator, bytes: usize, mut op: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..if bytes <= 64 << 10 { 20 } else { 2 } {
+        op()?;
+    }
+    comm.barrier()?;
+    let iters = iterations(bytes);
+    let start = Instant::now();
+    for _ in 0..iters {
+        op()?;
+    }
+    Ok(start.elapsed().as_secs_f64() / iters as f64)
+}
