@@ -181,14 +181,13 @@ pub struct HostOps {
         out: *mut TensorHandle,
         err: *mut ErrorBuf,
     ) -> i32,
-    /// A copy of `a` with `src` added at `index` along `dim` (torch's out-of-place `scatter_add`).
-    pub scatter_add: unsafe extern "C" fn(
+    /// In place: `dst[index]` += `src` along `dim` (torch's `scatter_add_`; `index` holds int64).
+    pub scatter_add_into: unsafe extern "C" fn(
         ctx: *mut c_void,
-        a: TensorHandle,
+        dst: TensorHandle,
         dim: i64,
         index: TensorHandle,
         src: TensorHandle,
-        out: *mut TensorHandle,
         err: *mut ErrorBuf,
     ) -> i32,
     /// `a` converted to the dtype of `like`.
@@ -215,11 +214,29 @@ pub struct HostOps {
         src: TensorHandle,
         err: *mut ErrorBuf,
     ) -> i32,
-    /// In place: `dst += src`.
-    pub add_into: unsafe extern "C" fn(
+    /// In place: `dst = dst OP src` for a `BINARY_*` op (broadcasting `src`).
+    pub binary_into: unsafe extern "C" fn(
         ctx: *mut c_void,
+        op: u32,
         dst: TensorHandle,
         src: TensorHandle,
+        err: *mut ErrorBuf,
+    ) -> i32,
+    /// In place: `dst = OP(dst)` for a `UNARY_*` op.
+    pub unary_into: unsafe extern "C" fn(
+        ctx: *mut c_void,
+        op: u32,
+        dst: TensorHandle,
+        err: *mut ErrorBuf,
+    ) -> i32,
+    /// In place: `dst += op(a) @ op(b)` for 2-d tensors (`op` transposes when `trans_* != 0`).
+    pub addmm_into: unsafe extern "C" fn(
+        ctx: *mut c_void,
+        dst: TensorHandle,
+        a: TensorHandle,
+        b: TensorHandle,
+        trans_a: u32,
+        trans_b: u32,
         err: *mut ErrorBuf,
     ) -> i32,
     /// The value of a one-element tensor.

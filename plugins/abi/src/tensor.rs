@@ -254,16 +254,16 @@ impl<'h> Tensor<'h> {
             (ops.gather)(ops.ctx, a, dim, i, o, e)
         })
     }
-    /// torch's out-of-place `scatter_add(dim, index, src)`.
-    pub fn scatter_add(
+    /// In place: `self[index] += src` along `dim` (torch's `scatter_add_`).
+    pub fn scatter_add_into(
         &self,
         dim: i64,
         index: &Tensor<'h>,
         src: &Tensor<'h>,
-    ) -> Result<Tensor<'h>, String> {
-        let (ops, a, i, s) = (self.ops, self.handle, index.handle, src.handle);
-        self.call("scatter_add", |o, e| unsafe {
-            (ops.scatter_add)(ops.ctx, a, dim, i, s, o, e)
+    ) -> Result<(), String> {
+        let (ops, d, i, s) = (self.ops, self.handle, index.handle, src.handle);
+        self.call_status("scatter_add_into", |e| unsafe {
+            (ops.scatter_add_into)(ops.ctx, d, dim, i, s, e)
         })
     }
     /// This tensor converted to `like`'s dtype.
@@ -289,8 +289,39 @@ impl<'h> Tensor<'h> {
     }
     /// In place: `self += src`.
     pub fn add_into(&self, src: &Tensor<'h>) -> Result<(), String> {
+        self.binary_into(BINARY_ADD, src, "add_into")
+    }
+    /// In place: `self -= src`.
+    pub fn sub_into(&self, src: &Tensor<'h>) -> Result<(), String> {
+        self.binary_into(BINARY_SUB, src, "sub_into")
+    }
+    /// In place: `self *= src`.
+    pub fn mul_into(&self, src: &Tensor<'h>) -> Result<(), String> {
+        self.binary_into(BINARY_MUL, src, "mul_into")
+    }
+    fn binary_into(&self, op: u32, src: &Tensor<'h>, what: &str) -> Result<(), String> {
         let (ops, d, s) = (self.ops, self.handle, src.handle);
-        self.call_status("add_into", |e| unsafe { (ops.add_into)(ops.ctx, d, s, e) })
+        self.call_status(what, |e| unsafe { (ops.binary_into)(ops.ctx, op, d, s, e) })
+    }
+    /// In place: `self = exp(self)`.
+    pub fn exp_into(&self) -> Result<(), String> {
+        let (ops, d) = (self.ops, self.handle);
+        self.call_status("exp_into", |e| unsafe {
+            (ops.unary_into)(ops.ctx, UNARY_EXP, d, e)
+        })
+    }
+    /// In place: `self += op(a) @ op(b)`.
+    pub fn addmm_into(
+        &self,
+        a: &Tensor<'h>,
+        b: &Tensor<'h>,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<(), String> {
+        let (ops, d, a, b) = (self.ops, self.handle, a.handle, b.handle);
+        self.call_status("addmm_into", |e| unsafe {
+            (ops.addmm_into)(ops.ctx, d, a, b, trans_a as u32, trans_b as u32, e)
+        })
     }
     /// The value of a one-element tensor.
     pub fn to_f64(&self) -> Result<f64, String> {
