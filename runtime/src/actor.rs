@@ -49,7 +49,11 @@ pub trait Actor: Send + Sync + Sized + 'static {
 /// An actor that answers message `M`.
 pub trait Handler<M: Message>: Actor {
     /// Handles one message; an error reaches the caller as [`crate::Error::Remote`].
-    fn handle(&self, msg: M, ctx: &Context) -> impl Future<Output = anyhow::Result<M::Reply>> + Send;
+    fn handle(
+        &self,
+        msg: M,
+        ctx: &Context,
+    ) -> impl Future<Output = anyhow::Result<M::Reply>> + Send;
 }
 
 /// An actor that answers message `M` with a stream of items.
@@ -89,7 +93,10 @@ pub struct ItemSink<T> {
 
 impl<T: Wire> ItemSink<T> {
     pub(crate) fn new(raw: RawSink) -> Self {
-        Self { raw, _item: std::marker::PhantomData }
+        Self {
+            raw,
+            _item: std::marker::PhantomData,
+        }
     }
     /// Sends one item; fails when the caller has gone away.
     pub async fn send(&self, item: T) -> anyhow::Result<()> {
@@ -101,9 +108,11 @@ impl<T: Wire> ItemSink<T> {
 /// A type-erased actor instance.
 pub type AnyActor = Arc<dyn Any + Send + Sync>;
 /// A type-erased call handler: decode, handle, encode.
-pub type CallFn = fn(AnyActor, AlignedVec, Context) -> BoxFuture<'static, Result<AlignedVec, RemoteError>>;
+pub type CallFn =
+    fn(AnyActor, AlignedVec, Context) -> BoxFuture<'static, Result<AlignedVec, RemoteError>>;
 /// A type-erased stream handler.
-pub type StreamFn = fn(AnyActor, AlignedVec, Context, RawSink) -> BoxFuture<'static, Result<(), RemoteError>>;
+pub type StreamFn =
+    fn(AnyActor, AlignedVec, Context, RawSink) -> BoxFuture<'static, Result<(), RemoteError>>;
 /// A type-erased constructor.
 pub type ConstructFn = fn(AlignedVec, Context) -> BoxFuture<'static, anyhow::Result<AnyActor>>;
 
@@ -118,7 +127,10 @@ pub struct Dispatch {
 impl Dispatch {
     /// Builds a table from entries made by [`call_entry`] and [`stream_entry`].
     pub fn new(calls: Vec<(&'static str, CallFn)>, streams: Vec<(&'static str, StreamFn)>) -> Self {
-        Self { calls: calls.into_iter().collect(), streams: streams.into_iter().collect() }
+        Self {
+            calls: calls.into_iter().collect(),
+            streams: streams.into_iter().collect(),
+        }
     }
 }
 
@@ -136,14 +148,29 @@ fn remote(kind: RemoteErrorKind, message: String) -> RemoteError {
 pub fn call_entry<A: Handler<M>, M: Message>() -> (&'static str, CallFn) {
     (M::NAME, |actor, bytes, ctx| {
         Box::pin(async move {
-            let actor = actor.downcast::<A>().map_err(|_| remote(RemoteErrorKind::Decode, "actor type mismatch".into()))?;
+            let actor = actor
+                .downcast::<A>()
+                .map_err(|_| remote(RemoteErrorKind::Decode, "actor type mismatch".into()))?;
             let msg = M::from_wire(&bytes).map_err(|e| {
-                remote(RemoteErrorKind::Decode, format!("actor {} could not decode {}: {e}", A::NAME, M::NAME))
+                remote(
+                    RemoteErrorKind::Decode,
+                    format!("actor {} could not decode {}: {e}", A::NAME, M::NAME),
+                )
             })?;
             let reply = actor.handle(msg, &ctx).await.map_err(|e| {
-                remote(RemoteErrorKind::Handler, format!("actor {} ({}) failed on {}: {e:#}", A::NAME, ctx.actor_id, M::NAME))
+                remote(
+                    RemoteErrorKind::Handler,
+                    format!(
+                        "actor {} ({}) failed on {}: {e:#}",
+                        A::NAME,
+                        ctx.actor_id,
+                        M::NAME
+                    ),
+                )
             })?;
-            reply.to_wire().map_err(|e| remote(RemoteErrorKind::Decode, e.to_string()))
+            reply
+                .to_wire()
+                .map_err(|e| remote(RemoteErrorKind::Decode, e.to_string()))
         })
     })
 }
@@ -152,20 +179,40 @@ pub fn call_entry<A: Handler<M>, M: Message>() -> (&'static str, CallFn) {
 pub fn stream_entry<A: StreamHandler<M>, M: StreamMessage>() -> (&'static str, StreamFn) {
     (M::NAME, |actor, bytes, ctx, sink| {
         Box::pin(async move {
-            let actor = actor.downcast::<A>().map_err(|_| remote(RemoteErrorKind::Decode, "actor type mismatch".into()))?;
+            let actor = actor
+                .downcast::<A>()
+                .map_err(|_| remote(RemoteErrorKind::Decode, "actor type mismatch".into()))?;
             let msg = M::from_wire(&bytes).map_err(|e| {
-                remote(RemoteErrorKind::Decode, format!("actor {} could not decode {}: {e}", A::NAME, M::NAME))
+                remote(
+                    RemoteErrorKind::Decode,
+                    format!("actor {} could not decode {}: {e}", A::NAME, M::NAME),
+                )
             })?;
-            actor.handle_stream(msg, ItemSink::new(sink), &ctx).await.map_err(|e| {
-                remote(RemoteErrorKind::Handler, format!("actor {} ({}) failed on {}: {e:#}", A::NAME, ctx.actor_id, M::NAME))
-            })
+            actor
+                .handle_stream(msg, ItemSink::new(sink), &ctx)
+                .await
+                .map_err(|e| {
+                    remote(
+                        RemoteErrorKind::Handler,
+                        format!(
+                            "actor {} ({}) failed on {}: {e:#}",
+                            A::NAME,
+                            ctx.actor_id,
+                            M::NAME
+                        ),
+                    )
+                })
         })
     })
 }
 
-fn construct<A: Dispatchable>(args: AlignedVec, ctx: Context) -> BoxFuture<'static, anyhow::Result<AnyActor>> {
+fn construct<A: Dispatchable>(
+    args: AlignedVec,
+    ctx: Context,
+) -> BoxFuture<'static, anyhow::Result<AnyActor>> {
     Box::pin(async move {
-        let args = A::Args::from_wire(&args).map_err(|e| anyhow::anyhow!("arguments of actor type {}: {e}", A::NAME))?;
+        let args = A::Args::from_wire(&args)
+            .map_err(|e| anyhow::anyhow!("arguments of actor type {}: {e}", A::NAME))?;
         let actor = A::start(args, &ctx).await?;
         Ok(Arc::new(actor) as AnyActor)
     })
@@ -185,7 +232,11 @@ pub struct ActorFactory {
 impl ActorFactory {
     /// The factory of `A` (usable in `inventory::submit!`).
     pub const fn of<A: Dispatchable>() -> Self {
-        Self { name: A::NAME, construct: construct::<A>, dispatch: A::dispatch }
+        Self {
+            name: A::NAME,
+            construct: construct::<A>,
+            dispatch: A::dispatch,
+        }
     }
 }
 
@@ -193,12 +244,22 @@ inventory::collect!(ActorFactory);
 
 fn registry() -> &'static RwLock<HashMap<&'static str, ActorFactory>> {
     static REGISTRY: OnceLock<RwLock<HashMap<&'static str, ActorFactory>>> = OnceLock::new();
-    REGISTRY.get_or_init(|| RwLock::new(inventory::iter::<ActorFactory>.into_iter().map(|f| (f.name, *f)).collect()))
+    REGISTRY.get_or_init(|| {
+        RwLock::new(
+            inventory::iter::<ActorFactory>
+                .into_iter()
+                .map(|f| (f.name, *f))
+                .collect(),
+        )
+    })
 }
 
 /// Adds an actor type at run time (plugins); replaces a type of the same name.
 pub fn register(factory: ActorFactory) {
-    registry().write().expect("registry lock").insert(factory.name, factory);
+    registry()
+        .write()
+        .expect("registry lock")
+        .insert(factory.name, factory);
 }
 
 /// Finds an actor type by name.
@@ -208,7 +269,12 @@ pub fn lookup(name: &str) -> Option<ActorFactory> {
 
 /// Names of every registered actor type, sorted.
 pub fn registered_names() -> Vec<&'static str> {
-    let mut names: Vec<_> = registry().read().expect("registry lock").keys().copied().collect();
+    let mut names: Vec<_> = registry()
+        .read()
+        .expect("registry lock")
+        .keys()
+        .copied()
+        .collect();
     names.sort_unstable();
     names
 }

@@ -25,13 +25,21 @@ pub struct ActorRef<A> {
 
 impl<A> Clone for ActorRef<A> {
     fn clone(&self) -> Self {
-        Self { address: self.address.clone(), process: self.process.clone(), _actor: PhantomData }
+        Self {
+            address: self.address.clone(),
+            process: self.process.clone(),
+            _actor: PhantomData,
+        }
     }
 }
 
 impl<A> std::fmt::Debug for ActorRef<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ActorRef({} {} on {} at {})", self.address.type_name, self.address.id, self.address.node, self.address.addr)
+        write!(
+            f,
+            "ActorRef({} {} on {} at {})",
+            self.address.type_name, self.address.id, self.address.node, self.address.addr
+        )
     }
 }
 
@@ -64,7 +72,11 @@ impl<T: Wire> ReplyStream<T> {
 
 impl<A> ActorRef<A> {
     pub(crate) fn new(address: ActorAddress, process: Arc<Process>) -> Self {
-        Self { address: Arc::new(address), process, _actor: PhantomData }
+        Self {
+            address: Arc::new(address),
+            process,
+            _actor: PhantomData,
+        }
     }
 
     /// Where the actor lives (id, type, process address, node).
@@ -78,7 +90,11 @@ impl<A> ActorRef<A> {
     }
 
     fn untyped(&self) -> ActorRef<()> {
-        ActorRef { address: self.address.clone(), process: self.process.clone(), _actor: PhantomData }
+        ActorRef {
+            address: self.address.clone(),
+            process: self.process.clone(),
+            _actor: PhantomData,
+        }
     }
 
     fn label(&self) -> String {
@@ -94,15 +110,26 @@ impl<A> ActorRef<A> {
                     Some(Fate::Dead { node, reason }) => (node, reason),
                     _ => (self.current().node, reason),
                 };
-                Error::ActorDied { actor: self.label(), node, reason }
+                Error::ActorDied {
+                    actor: self.label(),
+                    node,
+                    reason,
+                }
             }
-            Error::Remote { message, .. } => Error::Remote { actor: self.label(), message },
+            Error::Remote { message, .. } => Error::Remote {
+                actor: self.label(),
+                message,
+            },
             other => other,
         }
     }
 
     fn current(&self) -> ActorAddress {
-        self.process.moved.get(&self.address.id).map(|a| a.clone()).unwrap_or_else(|| (*self.address).clone())
+        self.process
+            .moved
+            .get(&self.address.id)
+            .map(|a| a.clone())
+            .unwrap_or_else(|| (*self.address).clone())
     }
 
     /// Where to send now: fails at once for a dead actor, waits while it restarts.
@@ -111,8 +138,16 @@ impl<A> ActorRef<A> {
         let deadline = Instant::now() + RESTART_WAIT;
         loop {
             match self.process.fates.get(&id).map(|f| f.clone()) {
-                Some(Fate::Dead { node, reason }) => return Err(Error::ActorDied { actor: self.label(), node, reason }),
-                Some(Fate::Restarting) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(5)).await,
+                Some(Fate::Dead { node, reason }) => {
+                    return Err(Error::ActorDied {
+                        actor: self.label(),
+                        node,
+                        reason,
+                    })
+                }
+                Some(Fate::Restarting) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(5)).await
+                }
                 Some(Fate::Restarting) => {
                     return Err(Error::ActorDied {
                         actor: self.label(),
@@ -124,15 +159,31 @@ impl<A> ActorRef<A> {
             }
         }
         let addr = self.current().addr;
-        addr.parse().map_err(|_| Error::Codec(format!("actor {} has a bad address `{addr}`", self.label())))
+        addr.parse()
+            .map_err(|_| Error::Codec(format!("actor {} has a bad address `{addr}`", self.label())))
     }
 
-    async fn send(&self, msg: &str, kind: CallKind, payload: rkyv::util::AlignedVec) -> Result<ReplyHandle> {
+    async fn send(
+        &self,
+        msg: &str,
+        kind: CallKind,
+        payload: rkyv::util::AlignedVec,
+    ) -> Result<ReplyHandle> {
         let target = self.target().await?;
-        let handle = self.process.request(target, self.address.id, msg, kind, payload).await.map_err(|e| self.explain(e))?;
+        let handle = self
+            .process
+            .request(target, self.address.id, msg, kind, payload)
+            .await
+            .map_err(|e| self.explain(e))?;
         // A death learned while the request was being queued would otherwise leave it pending.
-        if let Some(Fate::Dead { node, reason }) = self.process.fates.get(&self.address.id).map(|f| f.clone()) {
-            return Err(Error::ActorDied { actor: self.label(), node, reason });
+        if let Some(Fate::Dead { node, reason }) =
+            self.process.fates.get(&self.address.id).map(|f| f.clone())
+        {
+            return Err(Error::ActorDied {
+                actor: self.label(),
+                node,
+                reason,
+            });
         }
         Ok(handle)
     }
@@ -154,7 +205,9 @@ impl<A: Actor> ActorRef<A> {
     where
         A: Handler<M>,
     {
-        self.send(M::NAME, CallKind::Tell, msg.to_wire()?).await.map(|_| ())
+        self.send(M::NAME, CallKind::Tell, msg.to_wire()?)
+            .await
+            .map(|_| ())
     }
 
     /// Sends `msg` and returns the stream of items the actor answers with.
@@ -163,6 +216,10 @@ impl<A: Actor> ActorRef<A> {
         A: StreamHandler<M>,
     {
         let handle = self.send(M::NAME, CallKind::Stream, msg.to_wire()?).await?;
-        Ok(ReplyStream { handle, actor: self.untyped(), _item: PhantomData })
+        Ok(ReplyStream {
+            handle,
+            actor: self.untyped(),
+            _item: PhantomData,
+        })
     }
 }

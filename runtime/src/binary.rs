@@ -22,20 +22,45 @@ pub(crate) struct BinaryServer {
 impl BinaryServer {
     /// Hosts a server for `path` in `process` and returns the spec spawns carry.
     pub(crate) fn host(process: &Arc<Process>, path: PathBuf) -> Result<BinarySpec> {
-        let meta = std::fs::metadata(&path).with_context(|| format!("worker binary {}", path.display()))?;
-        let mtime_ns = meta.modified()?.duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64;
-        let spec = BinarySpec { path: path.display().to_string(), size: meta.len(), mtime_ns, server: process.addr.to_string() };
-        process.host(BINARY_ACTOR, BinaryServer { path, digest: Arc::new(OnceCell::new()) }, 4, 16);
+        let meta = std::fs::metadata(&path)
+            .with_context(|| format!("worker binary {}", path.display()))?;
+        let mtime_ns = meta
+            .modified()?
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos() as u64;
+        let spec = BinarySpec {
+            path: path.display().to_string(),
+            size: meta.len(),
+            mtime_ns,
+            server: process.addr.to_string(),
+        };
+        process.host(
+            BINARY_ACTOR,
+            BinaryServer {
+                path,
+                digest: Arc::new(OnceCell::new()),
+            },
+            4,
+            16,
+        );
         Ok(spec)
     }
 
     async fn read(&self) -> Result<Vec<u8>> {
         let path = self.path.clone();
-        tokio::task::spawn_blocking(move || std::fs::read(&path).with_context(|| format!("reading {}", path.display()))).await?
+        tokio::task::spawn_blocking(move || {
+            std::fs::read(&path).with_context(|| format!("reading {}", path.display()))
+        })
+        .await?
     }
 
     async fn digest(&self) -> Result<String> {
-        let d = self.digest.get_or_try_init(|| async { Ok::<_, anyhow::Error>(hex::encode(Sha256::digest(self.read().await?))) }).await?;
+        let d = self
+            .digest
+            .get_or_try_init(|| async {
+                Ok::<_, anyhow::Error>(hex::encode(Sha256::digest(self.read().await?)))
+            })
+            .await?;
         Ok(d.clone())
     }
 }

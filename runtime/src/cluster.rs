@@ -37,6 +37,8 @@ pub struct HeadOptions {
     pub node: NodeOptions,
     /// Binary workers run (default: this executable).
     pub worker_binary: Option<PathBuf>,
+    /// Cluster token to use (default: a fresh random one).
+    pub token: Option<String>,
 }
 
 /// Settings of a node agent.
@@ -53,19 +55,33 @@ pub struct NodeOptions {
 }
 
 fn default_bound() -> Duration {
-    let ms = std::env::var(HEARTBEAT_BOUND_ENV).ok().and_then(|v| v.parse().ok()).unwrap_or(3000);
+    let ms = std::env::var(HEARTBEAT_BOUND_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
     Duration::from_millis(ms)
 }
 
 impl Default for NodeOptions {
     fn default() -> Self {
-        Self { num_cpus: None, num_gpus: None, resources: Resources::new(), heartbeat_bound: default_bound() }
+        Self {
+            num_cpus: None,
+            num_gpus: None,
+            resources: Resources::new(),
+            heartbeat_bound: default_bound(),
+        }
     }
 }
 
 impl Default for HeadOptions {
     fn default() -> Self {
-        Self { ip: IpAddr::V4(Ipv4Addr::LOCALHOST), port: 0, node: NodeOptions::default(), worker_binary: None }
+        Self {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: 0,
+            node: NodeOptions::default(),
+            worker_binary: None,
+            token: None,
+        }
     }
 }
 
@@ -88,26 +104,47 @@ pub async fn start_head(opts: HeadOptions) -> AnyResult<HeadHandle> {
     let session = Session::create("head")?;
     let ca = ClusterCa::mint()?;
     let creds = ca.issue("head")?;
-    let token = tls::new_token();
+    let token = opts.token.clone().unwrap_or_else(tls::new_token);
     session.save_token(&token)?;
     let bound = opts.node.heartbeat_bound;
-    let process = Process::start(creds.clone(), SocketAddr::new(opts.ip, opts.port), idle_timeout(bound))?;
-    let service = Arc::new(JoinService { token: token.clone(), ca, head_cert: creds.cert_der });
+    let process = Process::start(
+        creds.clone(),
+        SocketAddr::new(opts.ip, opts.port),
+        idle_timeout(bound),
+    )?;
+    let service = Arc::new(JoinService {
+        token: token.clone(),
+        ca,
+        head_cert: creds.cert_der,
+    });
     process.accept_joins(Arc::new(move |conn| Box::pin(service.clone().serve(conn))));
     Head::start(&process, bound);
     session.save_address(&process.addr.to_string())?;
-    let resources = crate::resources::node_resources(opts.node.num_cpus, opts.node.num_gpus, opts.node.resources.clone());
+    let resources = crate::resources::node_resources(
+        opts.node.num_cpus,
+        opts.node.num_gpus,
+        opts.node.resources.clone(),
+    );
     let node = NodeAgent::start(
         &process,
         process.addr,
-        NodeConfig { resources, log_dir: session.logs(), ip: opts.ip.to_string(), heartbeat_interval: bound / 4 },
+        NodeConfig {
+            resources,
+            log_dir: session.logs(),
+            ip: opts.ip.to_string(),
+            heartbeat_interval: bound / 4,
+        },
     )
     .await?;
     let cluster = Cluster::new(process, Some(node));
     if let Some(bin) = opts.worker_binary {
         cluster.set_worker_binary(bin)?;
     }
-    Ok(HeadHandle { cluster, session, token })
+    Ok(HeadHandle {
+        cluster,
+        session,
+        token,
+    })
 }
 
 /// Starts an embedded local cluster (head and node agent in this process), like `ray.init()`.
@@ -115,19 +152,44 @@ pub async fn init(opts: HeadOptions) -> AnyResult<Cluster> {
     Ok(start_head(opts).await?.cluster)
 }
 
+/// Environment variable naming a running cluster's head (`HOST:PORT`) for [`connect_or_init`].
+pub const ADDRESS_ENV: &str = "FERL_ADDRESS";
+
+/// Joins the cluster named by `FERL_ADDRESS` when it is set (token from `FERL_TOKEN` or the local head), else starts
+/// an embedded one with `opts`.
+pub async fn connect_or_init(opts: HeadOptions) -> AnyResult<Cluster> {
+    match std::env::var(ADDRESS_ENV) {
+        Ok(address) if !address.is_empty() => {
+            let cluster = connect(&address, opts.token.clone()).await?;
+            if let Some(bin) = opts.worker_binary {
+                cluster.set_worker_binary(bin)?;
+            }
+            Ok(cluster)
+        }
+        _ => init(opts).await,
+    }
+}
+
 /// The IP this machine uses to reach `head` (no packet is sent).
 pub fn local_ip_for(head: SocketAddr) -> AnyResult<IpAddr> {
     if head.ip().is_loopback() {
         return Ok(head.ip());
     }
-    let sock = std::net::UdpSocket::bind(if head.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+    let sock = std::net::UdpSocket::bind(if head.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })?;
     sock.connect(head)?;
     Ok(sock.local_addr()?.ip())
 }
 
 fn parse_addr(address: &str) -> AnyResult<SocketAddr> {
     use std::net::ToSocketAddrs;
-    address.to_socket_addrs()?.next().with_context(|| format!("cluster address `{address}` does not resolve"))
+    address
+        .to_socket_addrs()?
+        .next()
+        .with_context(|| format!("cluster address `{address}` does not resolve"))
 }
 
 /// Joins the cluster at `address` as a driver. The token is `token`, else `FERL_TOKEN`, else the local head's.
@@ -135,7 +197,11 @@ pub async fn connect(address: &str, token: Option<String>) -> AnyResult<Cluster>
     let head = parse_addr(address)?;
     let token = session::resolve_token(token)?;
     let creds = join(head, &token, idle_timeout(default_bound())).await?;
-    let process = Process::start(creds, SocketAddr::new(local_ip_for(head)?, 0), idle_timeout(default_bound()))?;
+    let process = Process::start(
+        creds,
+        SocketAddr::new(local_ip_for(head)?, 0),
+        idle_timeout(default_bound()),
+    )?;
     let _ = process.head.set(head);
     process.follow_head_events().await?;
     Ok(Cluster::new(process, None))
@@ -163,7 +229,12 @@ impl NodeHandle {
 }
 
 /// Starts a node agent in this process and joins the head at `address`.
-pub async fn start_node(address: &str, token: Option<String>, opts: NodeOptions, ip: Option<IpAddr>) -> AnyResult<NodeHandle> {
+pub async fn start_node(
+    address: &str,
+    token: Option<String>,
+    opts: NodeOptions,
+    ip: Option<IpAddr>,
+) -> AnyResult<NodeHandle> {
     let head = parse_addr(address)?;
     let token = session::resolve_token(token)?;
     let idle = idle_timeout(opts.heartbeat_bound);
@@ -179,10 +250,20 @@ pub async fn start_node(address: &str, token: Option<String>, opts: NodeOptions,
     let agent = NodeAgent::start(
         &process,
         head,
-        NodeConfig { resources, log_dir: session.logs(), ip: ip.to_string(), heartbeat_interval: opts.heartbeat_bound / 4 },
+        NodeConfig {
+            resources,
+            log_dir: session.logs(),
+            ip: ip.to_string(),
+            heartbeat_interval: opts.heartbeat_bound / 4,
+        },
     )
     .await?;
-    Ok(NodeHandle { session, name: agent.name().to_string(), agent, process })
+    Ok(NodeHandle {
+        session,
+        name: agent.name().to_string(),
+        agent,
+        process,
+    })
 }
 
 /// A reserved resource group: its bundles and the node each landed on.
@@ -220,7 +301,14 @@ pub struct SpawnOptions {
 
 impl Default for SpawnOptions {
     fn default() -> Self {
-        Self { spec: SpawnSpec { max_concurrency: 1, mailbox: 1024, namespace: "default".into(), ..Default::default() } }
+        Self {
+            spec: SpawnSpec {
+                max_concurrency: 1,
+                mailbox: 1024,
+                namespace: "default".into(),
+                ..Default::default()
+            },
+        }
     }
 }
 
@@ -283,7 +371,12 @@ pub struct Cluster {
 
 impl Cluster {
     fn new(process: Arc<Process>, node: Option<NodeAgent>) -> Self {
-        Self { process, node, binary: Arc::new(OnceLock::new()), owned: Arc::new(Mutex::new(Vec::new())) }
+        Self {
+            process,
+            node,
+            binary: Arc::new(OnceLock::new()),
+            owned: Arc::new(Mutex::new(Vec::new())),
+        }
     }
 
     pub(crate) fn from_process(process: Arc<Process>) -> Self {
@@ -294,15 +387,19 @@ impl Cluster {
     /// [`crate::enter_worker_mode_if_spawned`] first and register the actor types).
     pub fn set_worker_binary(&self, path: PathBuf) -> AnyResult<()> {
         let spec = BinaryServer::host(&self.process, path)?;
-        self.binary.set(spec).map_err(|_| anyhow::anyhow!("the worker binary is already set"))
+        self.binary
+            .set(spec)
+            .map_err(|_| anyhow::anyhow!("the worker binary is already set"))
     }
 
     fn binary_spec(&self) -> Result<BinarySpec> {
         if let Some(b) = self.binary.get() {
             return Ok(b.clone());
         }
-        let exe = std::env::current_exe().map_err(|e| Error::Cluster(format!("finding this executable: {e}")))?;
-        let spec = BinaryServer::host(&self.process, exe).map_err(|e| Error::Cluster(format!("{e:#}")))?;
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::Cluster(format!("finding this executable: {e}")))?;
+        let spec =
+            BinaryServer::host(&self.process, exe).map_err(|e| Error::Cluster(format!("{e:#}")))?;
         Ok(self.binary.get_or_init(|| spec).clone())
     }
 
@@ -328,8 +425,18 @@ impl Cluster {
     /// Hosts `actor` in this process (no worker); calls go through the same mailbox and codec.
     pub fn spawn_local<A: Dispatchable>(&self, actor: A, opts: SpawnOptions) -> ActorRef<A> {
         let id = self.process.local_id();
-        self.process.host(id, actor, opts.spec.max_concurrency as usize, opts.spec.mailbox as usize);
-        let address = ActorAddress { id, type_name: A::NAME.into(), addr: self.process.addr.to_string(), node: "local".into() };
+        self.process.host(
+            id,
+            actor,
+            opts.spec.max_concurrency as usize,
+            opts.spec.mailbox as usize,
+        );
+        let address = ActorAddress {
+            id,
+            type_name: A::NAME.into(),
+            addr: self.process.addr.to_string(),
+            node: "local".into(),
+        };
         ActorRef::new(address, self.process.clone())
     }
 
@@ -343,34 +450,66 @@ impl Cluster {
     }
 
     /// Finds a named actor.
-    pub async fn get_actor<A: Actor>(&self, namespace: &str, name: &str) -> Result<Option<ActorRef<A>>> {
-        let found = self.process.call_head(&LookupActor { namespace: namespace.into(), name: name.into() }).await?;
+    pub async fn get_actor<A: Actor>(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<ActorRef<A>>> {
+        let found = self
+            .process
+            .call_head(&LookupActor {
+                namespace: namespace.into(),
+                name: name.into(),
+            })
+            .await?;
         match found {
-            Some(a) if a.type_name != A::NAME => {
-                Err(Error::Cluster(format!("actor `{name}` in `{namespace}` is a {}, not a {}", a.type_name, A::NAME)))
-            }
+            Some(a) if a.type_name != A::NAME => Err(Error::Cluster(format!(
+                "actor `{name}` in `{namespace}` is a {}, not a {}",
+                a.type_name,
+                A::NAME
+            ))),
             Some(a) => Ok(Some(ActorRef::new(a, self.process.clone()))),
             None => Ok(None),
         }
     }
 
     /// Reserves bundles all-or-nothing; fails at once if infeasible, waits up to `timeout` while busy.
-    pub async fn create_group(&self, bundles: Vec<Resources>, strategy: Strategy, timeout: Duration) -> Result<ResourceGroup> {
+    pub async fn create_group(
+        &self,
+        bundles: Vec<Resources>,
+        strategy: Strategy,
+        timeout: Duration,
+    ) -> Result<ResourceGroup> {
         let placed = self
             .process
-            .call_head(&CreateGroup { bundles: bundles.clone(), strategy, timeout_ms: timeout.as_millis() as u64 })
+            .call_head(&CreateGroup {
+                bundles: bundles.clone(),
+                strategy,
+                timeout_ms: timeout.as_millis() as u64,
+            })
             .await?;
-        Ok(ResourceGroup { id: placed.group, bundles, nodes: placed.nodes })
+        Ok(ResourceGroup {
+            id: placed.group,
+            bundles,
+            nodes: placed.nodes,
+        })
     }
 
     /// Frees a group's resources and stops its actors.
     pub async fn remove_group(&self, group: &ResourceGroup) -> Result<()> {
-        self.process.call_head(&RemoveGroup { group: group.id }).await
+        self.process
+            .call_head(&RemoveGroup { group: group.id })
+            .await
     }
 
     /// Stores `value` under `key` on the head.
     pub async fn kv_put(&self, key: &str, value: Vec<u8>) -> Result<()> {
-        self.process.call_head(&KvPut { key: key.into(), value }).await
+        self.process
+            .call_head(&KvPut {
+                key: key.into(),
+                value,
+            })
+            .await
     }
 
     /// Reads `key` from the head.
@@ -380,7 +519,12 @@ impl Cluster {
 
     /// Waits until `key` exists (up to `timeout`), then reads it.
     pub async fn kv_wait(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.process.call_head(&KvWait { key: key.into(), timeout_ms: timeout.as_millis() as u64 }).await
+        self.process
+            .call_head(&KvWait {
+                key: key.into(),
+                timeout_ms: timeout.as_millis() as u64,
+            })
+            .await
     }
 
     /// Cluster events (node joins and deaths, actor restarts and deaths) from now on.

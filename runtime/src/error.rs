@@ -53,8 +53,17 @@ pub enum Error {
 impl Error {
     pub(crate) fn from_remote(actor: u64, error: Option<RemoteError>) -> Self {
         match error {
-            Some(RemoteError { kind: RemoteErrorKind::NoSuchActor, message }) => Error::Lost { actor, reason: message },
-            Some(e) => Error::Remote { actor: actor.to_string(), message: e.message },
+            Some(RemoteError {
+                kind: RemoteErrorKind::NoSuchActor,
+                message,
+            }) => Error::Lost {
+                actor,
+                reason: message,
+            },
+            Some(e) => Error::Remote {
+                actor: actor.to_string(),
+                message: e.message,
+            },
             None => Error::Transport(format!("actor {actor} ended a call without a reply")),
         }
     }

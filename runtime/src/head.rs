@@ -37,7 +37,12 @@ struct ActorEntry {
 
 impl ActorEntry {
     fn address(&self, id: u64) -> ActorAddress {
-        ActorAddress { id, type_name: self.spec.type_name.clone(), addr: self.addr.clone(), node: self.node.clone() }
+        ActorAddress {
+            id,
+            type_name: self.spec.type_name.clone(),
+            addr: self.addr.clone(),
+            node: self.node.clone(),
+        }
     }
 }
 
@@ -76,7 +81,11 @@ pub(crate) struct Head(Arc<HeadInner>);
 impl Head {
     /// Starts the head service in `process` with a heartbeat bound.
     pub(crate) fn start(process: &Arc<Process>, heartbeat_bound: Duration) -> Head {
-        let state = HeadState { membership: Some(Membership::new(heartbeat_bound)), next_actor: 100, ..Default::default() };
+        let state = HeadState {
+            membership: Some(Membership::new(heartbeat_bound)),
+            next_actor: 100,
+            ..Default::default()
+        };
         let head = Head(Arc::new(HeadInner {
             process: process.clone(),
             state: Mutex::new(state),
@@ -92,9 +101,17 @@ impl Head {
                 if Arc::strong_count(&ticker.0) <= 1 {
                     break;
                 }
-                let expired = ticker.lock().membership.as_mut().map(|m| m.expire(Instant::now())).unwrap_or_default();
+                let expired = ticker
+                    .lock()
+                    .membership
+                    .as_mut()
+                    .map(|m| m.expire(Instant::now()))
+                    .unwrap_or_default();
                 for node in expired {
-                    ticker.node_lost(&node, &format!("node {node} missed heartbeats for more than {heartbeat_bound:?}"));
+                    ticker.node_lost(
+                        &node,
+                        &format!("node {node} missed heartbeats for more than {heartbeat_bound:?}"),
+                    );
                 }
             }
         });
@@ -113,14 +130,21 @@ impl Head {
     fn node_lost(&self, node: &str, reason: &str) {
         let (dead, addr) = {
             let mut st = self.lock();
-            let Some(entry) = st.nodes.get_mut(node) else { return };
+            let Some(entry) = st.nodes.get_mut(node) else {
+                return;
+            };
             entry.alive = false;
             let addr = entry.addr;
             st.placement.remove_node(node);
             let mut dead = Vec::new();
             for (id, a) in st.actors.iter_mut() {
                 if a.node == node && a.sup.kill(reason) {
-                    dead.push(Event::ActorDied { id: *id, type_name: a.spec.type_name.clone(), node: node.into(), reason: reason.into() });
+                    dead.push(Event::ActorDied {
+                        id: *id,
+                        type_name: a.spec.type_name.clone(),
+                        node: node.into(),
+                        reason: reason.into(),
+                    });
                 }
             }
             for e in &dead {
@@ -134,20 +158,33 @@ impl Head {
         for e in dead {
             self.emit(e);
         }
-        self.emit(Event::NodeDied { node: node.into(), reason: reason.into() });
+        self.emit(Event::NodeDied {
+            node: node.into(),
+            reason: reason.into(),
+        });
     }
 
     async fn ensure_master_port(&self, group: u64) -> Result<()> {
         let target = {
             let st = self.lock();
-            let g = st.groups.get(&group).with_context(|| format!("resource group {group} does not exist"))?;
+            let g = st
+                .groups
+                .get(&group)
+                .with_context(|| format!("resource group {group} does not exist"))?;
             if g.master_port.is_some() {
                 return Ok(());
             }
             let node = &g.slots[0].node;
-            st.nodes.get(node).map(|n| n.addr).with_context(|| format!("node {node} of group {group} is gone"))?
+            st.nodes
+                .get(node)
+                .map(|n| n.addr)
+                .with_context(|| format!("node {node} of group {group} is gone"))?
         };
-        let port = self.0.process.call_at(target, NODE_ACTOR, &FreePort).await?;
+        let port = self
+            .0
+            .process
+            .call_at(target, NODE_ACTOR, &FreePort)
+            .await?;
         if let Some(g) = self.lock().groups.get_mut(&group) {
             g.master_port.get_or_insert(port);
         }
@@ -161,26 +198,46 @@ impl Head {
         let id = {
             let mut st = self.lock();
             if let Some(name) = &spec.name {
-                if st.named.contains_key(&(spec.namespace.clone(), name.clone())) {
-                    bail!("an actor named `{name}` already exists in namespace `{}`", spec.namespace);
+                if st
+                    .named
+                    .contains_key(&(spec.namespace.clone(), name.clone()))
+                {
+                    bail!(
+                        "an actor named `{name}` already exists in namespace `{}`",
+                        spec.namespace
+                    );
                 }
             }
             let (node, own, env) = match spec.bundle {
                 Some((group, bundle)) => {
-                    let g = st.groups.get(&group).with_context(|| format!("resource group {group} does not exist"))?;
+                    let g = st
+                        .groups
+                        .get(&group)
+                        .with_context(|| format!("resource group {group} does not exist"))?;
                     let slot = g.slots.get(bundle as usize).with_context(|| {
                         format!("bundle {bundle} is out of range: resource group {group} has {} bundles", g.slots.len())
                     })?;
-                    (slot.node.clone(), None, rank_env(g, bundle as usize, &st.nodes))
+                    (
+                        slot.node.clone(),
+                        None,
+                        rank_env(g, bundle as usize, &st.nodes),
+                    )
                 }
                 None if spec.resources.values().all(|v| *v <= 0.0) => {
                     let node = least_loaded(&st).context("the cluster has no live node")?;
                     (node, None, Vec::new())
                 }
                 None => {
-                    let slot = match st.placement.reserve(std::slice::from_ref(&spec.resources), Strategy::Pack) {
+                    let slot = match st
+                        .placement
+                        .reserve(std::slice::from_ref(&spec.resources), Strategy::Pack)
+                    {
                         Ok(mut s) => s.remove(0),
-                        Err(e) => bail!("cannot place actor {} needing {}: {e}", spec.type_name, show(&spec.resources)),
+                        Err(e) => bail!(
+                            "cannot place actor {} needing {}: {e}",
+                            spec.type_name,
+                            show(&spec.resources)
+                        ),
                     };
                     let env = gpu_env(&slot);
                     (slot.node.clone(), Some(slot), env)
@@ -197,7 +254,17 @@ impl Head {
                 }
             }
             let sup = Supervisor::new(spec.max_restarts);
-            st.actors.insert(id, ActorEntry { spec, node, addr: String::new(), sup, env, own });
+            st.actors.insert(
+                id,
+                ActorEntry {
+                    spec,
+                    node,
+                    addr: String::new(),
+                    sup,
+                    env,
+                    own,
+                },
+            );
             id
         };
         match self.start_worker(id).await {
@@ -214,9 +281,25 @@ impl Head {
     async fn start_worker(&self, id: u64) -> Result<ActorAddress> {
         let (node_addr, msg, node, type_name) = {
             let st = self.lock();
-            let a = st.actors.get(&id).with_context(|| format!("actor {id} vanished"))?;
-            let n = st.nodes.get(&a.node).filter(|n| n.alive).with_context(|| format!("node {} is gone", a.node))?;
-            (n.addr, StartWorker { id, spec: a.spec.clone(), env: a.env.clone() }, a.node.clone(), a.spec.type_name.clone())
+            let a = st
+                .actors
+                .get(&id)
+                .with_context(|| format!("actor {id} vanished"))?;
+            let n = st
+                .nodes
+                .get(&a.node)
+                .filter(|n| n.alive)
+                .with_context(|| format!("node {} is gone", a.node))?;
+            (
+                n.addr,
+                StartWorker {
+                    id,
+                    spec: a.spec.clone(),
+                    env: a.env.clone(),
+                },
+                a.node.clone(),
+                a.spec.type_name.clone(),
+            )
         };
         let _span = tracing::info_span!("start_worker", actor = id, node = %node).entered();
         drop(_span);
@@ -227,7 +310,10 @@ impl Head {
             .await
             .map_err(|e| anyhow!("starting actor {type_name} {id} on {node}: {e}"))?;
         let mut st = self.lock();
-        let a = st.actors.get_mut(&id).with_context(|| format!("actor {id} was removed while starting"))?;
+        let a = st
+            .actors
+            .get_mut(&id)
+            .with_context(|| format!("actor {id} was removed while starting"))?;
         if let Life::Dead(reason) = &a.sup.life {
             bail!("actor {type_name} {id} was stopped while starting: {reason}");
         }
@@ -239,15 +325,23 @@ impl Head {
     fn worker_exited(&self, id: u64, reason: String) {
         let verdict = {
             let mut st = self.lock();
-            let Some(a) = st.actors.get_mut(&id) else { return };
+            let Some(a) = st.actors.get_mut(&id) else {
+                return;
+            };
             let v = a.sup.worker_exited(&reason);
             let ev = match &v {
-                Verdict::Restart(attempt) => {
-                    Some(Event::ActorRestarting { id, node: a.node.clone(), reason: reason.clone(), attempt: *attempt })
-                }
-                Verdict::Dead(why) => {
-                    Some(Event::ActorDied { id, type_name: a.spec.type_name.clone(), node: a.node.clone(), reason: why.clone() })
-                }
+                Verdict::Restart(attempt) => Some(Event::ActorRestarting {
+                    id,
+                    node: a.node.clone(),
+                    reason: reason.clone(),
+                    attempt: *attempt,
+                }),
+                Verdict::Dead(why) => Some(Event::ActorDied {
+                    id,
+                    type_name: a.spec.type_name.clone(),
+                    node: a.node.clone(),
+                    reason: why.clone(),
+                }),
                 Verdict::Ignore => None,
             };
             if matches!(v, Verdict::Dead(_)) {
@@ -275,11 +369,18 @@ impl Head {
         {
             let mut st = self.lock();
             for id in ids {
-                let Some(a) = st.actors.get_mut(id) else { continue };
+                let Some(a) = st.actors.get_mut(id) else {
+                    continue;
+                };
                 if !a.sup.kill(reason) {
                     continue;
                 }
-                let ev = Event::ActorDied { id: *id, type_name: a.spec.type_name.clone(), node: a.node.clone(), reason: reason.into() };
+                let ev = Event::ActorDied {
+                    id: *id,
+                    type_name: a.spec.type_name.clone(),
+                    node: a.node.clone(),
+                    reason: reason.into(),
+                };
                 let node = st.nodes.get(&st.actors[id].node).map(|n| n.addr);
                 forget_actor(&mut st, *id);
                 stops.push((*id, node, ev));
@@ -287,7 +388,12 @@ impl Head {
         }
         for (id, node, ev) in stops {
             if let Some(addr) = node {
-                if let Err(e) = self.0.process.call_at(addr, NODE_ACTOR, &StopWorker { id }).await {
+                if let Err(e) = self
+                    .0
+                    .process
+                    .call_at(addr, NODE_ACTOR, &StopWorker { id })
+                    .await
+                {
                     tracing::warn!("stopping actor {id}: {e}");
                 }
             }
@@ -298,8 +404,13 @@ impl Head {
     fn status_json(&self) -> serde_json::Value {
         let st = self.lock();
         let used = |n: &str| -> Resources {
-            let Some(cap) = st.placement.node(n) else { return Resources::new() };
-            cap.total.iter().map(|(k, v)| (k.clone(), v - cap.free.get(k).copied().unwrap_or(0.0))).collect()
+            let Some(cap) = st.placement.node(n) else {
+                return Resources::new();
+            };
+            cap.total
+                .iter()
+                .map(|(k, v)| (k.clone(), v - cap.free.get(k).copied().unwrap_or(0.0)))
+                .collect()
         };
         let nodes: Vec<serde_json::Value> = st
             .nodes
@@ -339,7 +450,9 @@ impl Head {
 
 /// Frees an actor's own reservation and name (it is dead or never started).
 fn forget_actor(st: &mut HeadState, id: u64) {
-    let Some(a) = st.actors.get_mut(&id) else { return };
+    let Some(a) = st.actors.get_mut(&id) else {
+        return;
+    };
     let own = a.own.take();
     let name = a.spec.name.clone().map(|n| (a.spec.namespace.clone(), n));
     if let Some(slot) = own {
@@ -356,7 +469,12 @@ fn least_loaded(st: &HeadState) -> Option<String> {
     st.nodes
         .iter()
         .filter(|(_, n)| n.alive)
-        .min_by_key(|(name, _)| st.actors.values().filter(|a| &a.node == *name && !matches!(a.sup.life, Life::Dead(_))).count())
+        .min_by_key(|(name, _)| {
+            st.actors
+                .values()
+                .filter(|a| &a.node == *name && !matches!(a.sup.life, Life::Dead(_)))
+                .count()
+        })
         .map(|(n, _)| n.clone())
 }
 
@@ -370,18 +488,28 @@ fn gpu_env(slot: &BundleSlot) -> Vec<(String, String)> {
 }
 
 /// Environment of the worker in bundle `b`: rank, world size, local rank, rendezvous address, visible GPUs.
-fn rank_env(g: &GroupEntry, b: usize, nodes: &BTreeMap<String, NodeEntry>) -> Vec<(String, String)> {
+fn rank_env(
+    g: &GroupEntry,
+    b: usize,
+    nodes: &BTreeMap<String, NodeEntry>,
+) -> Vec<(String, String)> {
     let slot = &g.slots[b];
     let local_rank = g.slots[..b].iter().filter(|s| s.node == slot.node).count();
     let local_world = g.slots.iter().filter(|s| s.node == slot.node).count();
-    let master = nodes.get(&g.slots[0].node).map(|n| n.ip.clone()).unwrap_or_else(|| "127.0.0.1".into());
+    let master = nodes
+        .get(&g.slots[0].node)
+        .map(|n| n.ip.clone())
+        .unwrap_or_else(|| "127.0.0.1".into());
     let mut env = vec![
         ("RANK".to_string(), b.to_string()),
         ("WORLD_SIZE".into(), g.slots.len().to_string()),
         ("LOCAL_RANK".into(), local_rank.to_string()),
         ("LOCAL_WORLD_SIZE".into(), local_world.to_string()),
         ("MASTER_ADDR".into(), master),
-        ("MASTER_PORT".into(), g.master_port.unwrap_or(29500).to_string()),
+        (
+            "MASTER_PORT".into(),
+            g.master_port.unwrap_or(29500).to_string(),
+        ),
     ];
     env.extend(gpu_env(slot));
     env
@@ -400,7 +528,10 @@ crate::actor_dispatch!(Head, calls: [RegisterNode, Heartbeat, CreateGroup, Remov
 
 impl Handler<RegisterNode> for Head {
     async fn handle(&self, m: RegisterNode, _: &Context) -> Result<String> {
-        let addr: SocketAddr = m.addr.parse().with_context(|| format!("node address `{}`", m.addr))?;
+        let addr: SocketAddr = m
+            .addr
+            .parse()
+            .with_context(|| format!("node address `{}`", m.addr))?;
         let name = {
             let mut st = self.lock();
             st.next_node += 1;
@@ -409,7 +540,16 @@ impl Handler<RegisterNode> for Head {
             if let Some(mem) = st.membership.as_mut() {
                 mem.join(&name, Instant::now());
             }
-            st.nodes.insert(name.clone(), NodeEntry { addr, ip: m.ip, log_dir: m.log_dir, alive: true, resources: m.resources });
+            st.nodes.insert(
+                name.clone(),
+                NodeEntry {
+                    addr,
+                    ip: m.ip,
+                    log_dir: m.log_dir,
+                    alive: true,
+                    resources: m.resources,
+                },
+            );
             name
         };
         self.emit(Event::NodeJoined { node: name.clone() });
@@ -420,7 +560,11 @@ impl Handler<RegisterNode> for Head {
 
 impl Handler<Heartbeat> for Head {
     async fn handle(&self, m: Heartbeat, _: &Context) -> Result<bool> {
-        Ok(self.lock().membership.as_mut().is_some_and(|mem| mem.heartbeat(&m.node, Instant::now())))
+        Ok(self
+            .lock()
+            .membership
+            .as_mut()
+            .is_some_and(|mem| mem.heartbeat(&m.node, Instant::now())))
     }
 }
 
@@ -439,7 +583,15 @@ impl Handler<CreateGroup> for Head {
                         st.next_group += 1;
                         let group = st.next_group;
                         let nodes = slots.iter().map(|s| s.node.clone()).collect();
-                        st.groups.insert(group, GroupEntry { slots, strategy: m.strategy, actors: Vec::new(), master_port: None });
+                        st.groups.insert(
+                            group,
+                            GroupEntry {
+                                slots,
+                                strategy: m.strategy,
+                                actors: Vec::new(),
+                                master_port: None,
+                            },
+                        );
                         Ok(GroupPlaced { group, nodes })
                     }
                     Err(e) => Err(e),
@@ -451,7 +603,10 @@ impl Handler<CreateGroup> for Head {
                 Err(PlaceError::Busy(why)) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        bail!("timed out after {} ms waiting for resources: {why}", m.timeout_ms);
+                        bail!(
+                            "timed out after {} ms waiting for resources: {why}",
+                            m.timeout_ms
+                        );
                     }
                     let _ = tokio::time::timeout(left.min(Duration::from_millis(200)), freed).await;
                 }
@@ -462,8 +617,16 @@ impl Handler<CreateGroup> for Head {
 
 impl Handler<RemoveGroup> for Head {
     async fn handle(&self, m: RemoveGroup, _: &Context) -> Result<()> {
-        let g = self.lock().groups.remove(&m.group).with_context(|| format!("resource group {} does not exist", m.group))?;
-        self.stop_actors(&g.actors, &format!("resource group {} was removed", m.group)).await;
+        let g = self
+            .lock()
+            .groups
+            .remove(&m.group)
+            .with_context(|| format!("resource group {} does not exist", m.group))?;
+        self.stop_actors(
+            &g.actors,
+            &format!("resource group {} was removed", m.group),
+        )
+        .await;
         self.lock().placement.release(&g.slots);
         self.0.freed.notify_waiters();
         Ok(())
@@ -486,7 +649,10 @@ impl Handler<KillActor> for Head {
 impl Handler<LookupActor> for Head {
     async fn handle(&self, m: LookupActor, _: &Context) -> Result<Option<ActorAddress>> {
         let st = self.lock();
-        Ok(st.named.get(&(m.namespace, m.name)).and_then(|id| st.actors.get(id).map(|a| a.address(*id))))
+        Ok(st
+            .named
+            .get(&(m.namespace, m.name))
+            .and_then(|id| st.actors.get(id).map(|a| a.address(*id))))
     }
 }
 
@@ -496,11 +662,21 @@ impl Handler<ResolveActor> for Head {
         loop {
             {
                 let st = self.lock();
-                let a = st.actors.get(&m.id).with_context(|| format!("no actor {} in this cluster", m.id))?;
+                let a = st
+                    .actors
+                    .get(&m.id)
+                    .with_context(|| format!("no actor {} in this cluster", m.id))?;
                 match &a.sup.life {
                     Life::Alive => return Ok(a.address(m.id)),
-                    Life::Dead(r) => bail!("actor {} {} on {} died: {r}", a.spec.type_name, m.id, a.node),
-                    _ if Instant::now() > deadline => bail!("actor {} still starting after 120 s", m.id),
+                    Life::Dead(r) => bail!(
+                        "actor {} {} on {} died: {r}",
+                        a.spec.type_name,
+                        m.id,
+                        a.node
+                    ),
+                    _ if Instant::now() > deadline => {
+                        bail!("actor {} still starting after 120 s", m.id)
+                    }
                     _ => {}
                 }
             }
@@ -555,7 +731,13 @@ impl Handler<WorkerExited> for Head {
 
 impl Handler<Shutdown> for Head {
     async fn handle(&self, _: Shutdown, _: &Context) -> Result<()> {
-        let nodes: Vec<SocketAddr> = self.lock().nodes.values().filter(|n| n.alive).map(|n| n.addr).collect();
+        let nodes: Vec<SocketAddr> = self
+            .lock()
+            .nodes
+            .values()
+            .filter(|n| n.alive)
+            .map(|n| n.addr)
+            .collect();
         let ids: Vec<u64> = self.lock().actors.keys().copied().collect();
         self.stop_actors(&ids, "cluster shut down").await;
         for addr in nodes {
@@ -579,7 +761,9 @@ impl StreamHandler<Subscribe> for Head {
                         return Ok(());
                     }
                 }
-                Err(broadcast::error::RecvError::Lagged(n)) => tracing::warn!("an event subscriber lagged by {n} events"),
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!("an event subscriber lagged by {n} events")
+                }
                 Err(broadcast::error::RecvError::Closed) => return Ok(()),
             }
         }

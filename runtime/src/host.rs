@@ -66,7 +66,10 @@ impl Responder {
     fn sink(&self) -> RawSink {
         match self {
             Responder::LocalStream(tx) => RawSink::Local(tx.clone()),
-            Responder::Remote { req, out } => RawSink::Remote { req: *req, out: out.clone() },
+            Responder::Remote { req, out } => RawSink::Remote {
+                req: *req,
+                out: out.clone(),
+            },
             _ => RawSink::Nowhere,
         }
     }
@@ -97,7 +100,10 @@ pub enum RawSink {
 impl RawSink {
     pub(crate) async fn item(&self, bytes: AlignedVec) -> anyhow::Result<()> {
         match self {
-            RawSink::Local(tx) => tx.send(Ok(bytes)).await.map_err(|_| anyhow::anyhow!("stream receiver dropped")),
+            RawSink::Local(tx) => tx
+                .send(Ok(bytes))
+                .await
+                .map_err(|_| anyhow::anyhow!("stream receiver dropped")),
             RawSink::Remote { req, out } => out.item(*req, bytes).await,
             RawSink::Nowhere => Ok(()),
         }
@@ -128,7 +134,11 @@ pub(crate) fn run_mailbox(
             if max_concurrency <= 1 {
                 handle_one(actor.clone(), dispatch, ctx.clone(), env).await;
             } else {
-                let permit = limit.clone().acquire_owned().await.expect("semaphore never closed");
+                let permit = limit
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("semaphore never closed");
                 let (actor, ctx) = (actor.clone(), ctx.clone());
                 tokio::spawn(async move {
                     handle_one(actor, dispatch, ctx, env).await;
@@ -141,11 +151,19 @@ pub(crate) fn run_mailbox(
 }
 
 fn panicked(msg: &str, actor: u64) -> RemoteError {
-    RemoteError { kind: RemoteErrorKind::Handler, message: format!("handler of {msg} panicked in actor {actor}") }
+    RemoteError {
+        kind: RemoteErrorKind::Handler,
+        message: format!("handler of {msg} panicked in actor {actor}"),
+    }
 }
 
 async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, env: Envelope) {
-    let Envelope { msg, kind, payload, reply } = env;
+    let Envelope {
+        msg,
+        kind,
+        payload,
+        reply,
+    } = env;
     let bytes = match payload.resolve().await {
         Ok(b) => b,
         Err(e) => return reply.finish(Err(e)).await,
@@ -157,7 +175,12 @@ async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, 
         CallKind::Tell | CallKind::Call => {
             let Some(handler) = dispatch.calls.get(msg.as_str()) else {
                 let message = format!("actor {id} has no handler for message {msg}");
-                return reply.finish(Err(RemoteError { kind: RemoteErrorKind::NoSuchHandler, message })).await;
+                return reply
+                    .finish(Err(RemoteError {
+                        kind: RemoteErrorKind::NoSuchHandler,
+                        message,
+                    }))
+                    .await;
             };
             let result = AssertUnwindSafe(handler(actor, bytes, ctx))
                 .catch_unwind()
@@ -168,7 +191,12 @@ async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, 
         CallKind::Stream => {
             let Some(handler) = dispatch.streams.get(msg.as_str()) else {
                 let message = format!("actor {id} has no stream handler for message {msg}");
-                return reply.end(Err(RemoteError { kind: RemoteErrorKind::NoSuchHandler, message })).await;
+                return reply
+                    .end(Err(RemoteError {
+                        kind: RemoteErrorKind::NoSuchHandler,
+                        message,
+                    }))
+                    .await;
             };
             let sink = reply.sink();
             let result = AssertUnwindSafe(handler(actor, bytes, ctx, sink))

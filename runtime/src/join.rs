@@ -27,7 +27,9 @@ async fn send(stream: &mut quinn::SendStream, msg: &JoinMsg) -> Result<()> {
 
 async fn recv(stream: &mut quinn::RecvStream) -> Result<JoinMsg> {
     let mut buf = AlignedVec::new();
-    read_message::<JoinMsg, _>(stream, JOIN_MAX_FRAME, &mut buf).await?.ok_or_else(|| anyhow!("peer closed the join stream"))
+    read_message::<JoinMsg, _>(stream, JOIN_MAX_FRAME, &mut buf)
+        .await?
+        .ok_or_else(|| anyhow!("peer closed the join stream"))
 }
 
 /// The head's side: token and CA.
@@ -53,19 +55,49 @@ impl JoinService {
 
     async fn handshake(&self, conn: &quinn::Connection) -> Result<()> {
         let (mut tx, mut rx) = conn.accept_bi().await?;
-        let JoinMsg::Hello { nonce } = recv(&mut rx).await? else { bail!("expected Hello") };
+        let JoinMsg::Hello { nonce } = recv(&mut rx).await? else {
+            bail!("expected Hello")
+        };
         let ours: [u8; 32] = rand::random();
         let proof = join_proof(&self.token, "head", &nonce, &self.head_cert);
-        send(&mut tx, &JoinMsg::Challenge { nonce: ours.to_vec(), proof }).await?;
-        let JoinMsg::Proof { proof } = recv(&mut rx).await? else { bail!("expected Proof (the joiner gave up: its token differs)") };
-        if !constant_time_eq(&proof, &join_proof(&self.token, "member", &ours, &self.head_cert)) {
-            send(&mut tx, &JoinMsg::Refused { reason: "wrong cluster token".into() }).await?;
+        send(
+            &mut tx,
+            &JoinMsg::Challenge {
+                nonce: ours.to_vec(),
+                proof,
+            },
+        )
+        .await?;
+        let JoinMsg::Proof { proof } = recv(&mut rx).await? else {
+            bail!("expected Proof (the joiner gave up: its token differs)")
+        };
+        if !constant_time_eq(
+            &proof,
+            &join_proof(&self.token, "member", &ours, &self.head_cert),
+        ) {
+            send(
+                &mut tx,
+                &JoinMsg::Refused {
+                    reason: "wrong cluster token".into(),
+                },
+            )
+            .await?;
             let _ = tx.finish();
             tokio::time::sleep(Duration::from_millis(200)).await;
             bail!("wrong cluster token");
         }
-        let creds = self.ca.issue(&format!("member-{}", conn.remote_address()))?;
-        send(&mut tx, &JoinMsg::Accepted { ca_der: creds.ca_der, cert_der: creds.cert_der, key_der: creds.key_der }).await?;
+        let creds = self
+            .ca
+            .issue(&format!("member-{}", conn.remote_address()))?;
+        send(
+            &mut tx,
+            &JoinMsg::Accepted {
+                ca_der: creds.ca_der,
+                cert_der: creds.cert_der,
+                key_der: creds.key_der,
+            },
+        )
+        .await?;
         tx.finish()?;
         // Wait for the joiner to close so the last message is delivered.
         let _ = tokio::time::timeout(JOIN_TIMEOUT, conn.closed()).await;
@@ -75,7 +107,11 @@ impl JoinService {
 
 /// The joiner's side: returns credentials minted by the head at `head`.
 pub async fn join(head: SocketAddr, token: &str, idle: Duration) -> Result<Credentials> {
-    let bind: SocketAddr = if head.is_ipv4() { "0.0.0.0:0".parse()? } else { "[::]:0".parse()? };
+    let bind: SocketAddr = if head.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
     let endpoint = quinn::Endpoint::client(bind)?;
     let result = tokio::time::timeout(JOIN_TIMEOUT, join_on(&endpoint, head, token, idle))
         .await
@@ -85,9 +121,18 @@ pub async fn join(head: SocketAddr, token: &str, idle: Duration) -> Result<Crede
     result
 }
 
-async fn join_on(endpoint: &quinn::Endpoint, head: SocketAddr, token: &str, idle: Duration) -> Result<Credentials> {
+async fn join_on(
+    endpoint: &quinn::Endpoint,
+    head: SocketAddr,
+    token: &str,
+    idle: Duration,
+) -> Result<Credentials> {
     let conn = endpoint
-        .connect_with(transport::join_client(idle)?, head, crate::tls::CLUSTER_SERVER_NAME)?
+        .connect_with(
+            transport::join_client(idle)?,
+            head,
+            crate::tls::CLUSTER_SERVER_NAME,
+        )?
         .await
         .with_context(|| format!("connecting to the head at {head}"))?;
     let head_cert = conn
@@ -97,8 +142,20 @@ async fn join_on(endpoint: &quinn::Endpoint, head: SocketAddr, token: &str, idle
         .ok_or_else(|| anyhow!("the head at {head} presented no certificate"))?;
     let (mut tx, mut rx) = conn.open_bi().await?;
     let nonce: [u8; 32] = rand::random();
-    send(&mut tx, &JoinMsg::Hello { nonce: nonce.to_vec() }).await?;
-    let JoinMsg::Challenge { nonce: theirs, proof } = recv(&mut rx).await.with_context(|| format!("join handshake with {head}"))? else {
+    send(
+        &mut tx,
+        &JoinMsg::Hello {
+            nonce: nonce.to_vec(),
+        },
+    )
+    .await?;
+    let JoinMsg::Challenge {
+        nonce: theirs,
+        proof,
+    } = recv(&mut rx)
+        .await
+        .with_context(|| format!("join handshake with {head}"))?
+    else {
         bail!("the process at {head} did not answer the join handshake");
     };
     if !constant_time_eq(&proof, &join_proof(token, "head", &nonce, &head_cert)) {
@@ -108,11 +165,25 @@ async fn join_on(endpoint: &quinn::Endpoint, head: SocketAddr, token: &str, idle
              given; pass the token printed by `ferl start --head` with --token or FERL_TOKEN)"
         );
     }
-    send(&mut tx, &JoinMsg::Proof { proof: join_proof(token, "member", &theirs, &head_cert) }).await?;
+    send(
+        &mut tx,
+        &JoinMsg::Proof {
+            proof: join_proof(token, "member", &theirs, &head_cert),
+        },
+    )
+    .await?;
     let answer = recv(&mut rx).await?;
     conn.close(0u32.into(), b"done");
     match answer {
-        JoinMsg::Accepted { ca_der, cert_der, key_der } => Ok(Credentials { ca_der, cert_der, key_der }),
+        JoinMsg::Accepted {
+            ca_der,
+            cert_der,
+            key_der,
+        } => Ok(Credentials {
+            ca_der,
+            cert_der,
+            key_der,
+        }),
         JoinMsg::Refused { reason } => bail!("joining the cluster at {head} was refused: {reason}"),
         _ => bail!("unexpected join answer from {head}"),
     }

@@ -66,13 +66,13 @@ pub mod worker;
 pub mod worker_group;
 
 pub use actor::{
-    call_entry, lookup, register, registered_names, stream_entry, Actor, ActorFactory, Context, Dispatch, Dispatchable,
-    Handler, ItemSink, Message, StreamHandler, StreamMessage,
+    call_entry, lookup, register, registered_names, stream_entry, Actor, ActorFactory, Context,
+    Dispatch, Dispatchable, Handler, ItemSink, Message, StreamHandler, StreamMessage,
 };
 pub use actor_ref::{ActorRef, ReplyStream};
 pub use cluster::{
-    bundle, connect, init, start_head, start_node, Cluster, HeadHandle, HeadOptions, NodeHandle, NodeOptions,
-    ResourceGroup, SpawnOptions,
+    bundle, connect, connect_or_init, init, start_head, start_node, Cluster, HeadHandle,
+    HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
 };
 pub use error::{Error, Result};
 pub use inventory;

@@ -14,7 +14,10 @@ pub struct Membership {
 impl Membership {
     /// Nodes silent for longer than `bound` are declared dead.
     pub fn new(bound: Duration) -> Self {
-        Self { bound, last: HashMap::new() }
+        Self {
+            bound,
+            last: HashMap::new(),
+        }
     }
     /// The silence bound.
     pub fn bound(&self) -> Duration {
@@ -61,8 +64,17 @@ mod tests {
         m.join("b", t0);
         assert!(m.heartbeat("a", t0 + Duration::from_secs(2)));
         assert!(m.expire(t0 + Duration::from_millis(2999)).is_empty());
-        assert_eq!(m.expire(t0 + Duration::from_millis(3001)), vec!["b".to_string()]);
-        assert!(!m.heartbeat("b", t0 + Duration::from_secs(4)), "a dead node stays dead");
-        assert_eq!(m.expire(t0 + Duration::from_millis(5001)), vec!["a".to_string()]);
+        assert_eq!(
+            m.expire(t0 + Duration::from_millis(3001)),
+            vec!["b".to_string()]
+        );
+        assert!(
+            !m.heartbeat("b", t0 + Duration::from_secs(4)),
+            "a dead node stays dead"
+        );
+        assert_eq!(
+            m.expire(t0 + Duration::from_millis(5001)),
+            vec!["a".to_string()]
+        );
     }
 }

@@ -55,9 +55,16 @@ pub(crate) struct NodeConfig {
 
 impl NodeAgent {
     /// Registers with the head at `head`, hosts the node service in `process`, and starts heartbeats.
-    pub(crate) async fn start(process: &Arc<Process>, head: SocketAddr, cfg: NodeConfig) -> Result<NodeAgent> {
-        std::fs::create_dir_all(&cfg.log_dir).with_context(|| format!("creating {}", cfg.log_dir.display()))?;
-        let creds_path = cfg.log_dir.join(format!("worker-credentials-{}", std::process::id()));
+    pub(crate) async fn start(
+        process: &Arc<Process>,
+        head: SocketAddr,
+        cfg: NodeConfig,
+    ) -> Result<NodeAgent> {
+        std::fs::create_dir_all(&cfg.log_dir)
+            .with_context(|| format!("creating {}", cfg.log_dir.display()))?;
+        let creds_path = cfg
+            .log_dir
+            .join(format!("worker-credentials-{}", std::process::id()));
         process.creds.save(&creds_path)?;
         let register = RegisterNode {
             addr: process.addr.to_string(),
@@ -66,9 +73,14 @@ impl NodeAgent {
             log_dir: cfg.log_dir.display().to_string(),
         };
         // Host first so the head can call back as soon as it knows us.
-        let bin_cache = std::env::var_os("FERL_BIN_CACHE").map(PathBuf::from).unwrap_or_else(|| {
-            std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| "/tmp".into()).join(".cache/ferl/bin")
-        });
+        let bin_cache = std::env::var_os("FERL_BIN_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                std::env::var_os("HOME")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| "/tmp".into())
+                    .join(".cache/ferl/bin")
+            });
         let mut agent = NodeAgent(Arc::new(NodeInner {
             process: process.clone(),
             head,
@@ -80,22 +92,40 @@ impl NodeAgent {
             workers: Mutex::new(HashMap::new()),
             fetch_lock: tokio::sync::Mutex::new(()),
         }));
-        let name = process.call_at(head, crate::process::HEAD_ACTOR, &register).await.context("registering with the head")?;
-        Arc::get_mut(&mut agent.0).expect("agent not shared yet").name = name.clone();
+        let name = process
+            .call_at(head, crate::process::HEAD_ACTOR, &register)
+            .await
+            .context("registering with the head")?;
+        Arc::get_mut(&mut agent.0)
+            .expect("agent not shared yet")
+            .name = name.clone();
         process.host(NODE_ACTOR, agent.clone(), 1024, 4096);
         tracing::info!(node = %name, addr = %process.addr, "node agent registered");
         let beat = agent.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(cfg.heartbeat_interval).await;
-                match beat.0.process.call_at(head, crate::process::HEAD_ACTOR, &Heartbeat { node: beat.0.name.clone() }).await {
+                match beat
+                    .0
+                    .process
+                    .call_at(
+                        head,
+                        crate::process::HEAD_ACTOR,
+                        &Heartbeat {
+                            node: beat.0.name.clone(),
+                        },
+                    )
+                    .await
+                {
                     Ok(true) => {}
                     Ok(false) => {
                         tracing::error!(node = %beat.0.name, "the head declared this node dead; stopping its workers");
                         beat.stop_all();
                         break;
                     }
-                    Err(e) => tracing::warn!(node = %beat.0.name, "heartbeat to the head failed: {e}"),
+                    Err(e) => {
+                        tracing::warn!(node = %beat.0.name, "heartbeat to the head failed: {e}")
+                    }
                 }
             }
         });
@@ -118,26 +148,44 @@ impl NodeAgent {
         let local = Path::new(&spec.path);
         if !self.0.force_fetch {
             if let Ok(meta) = std::fs::metadata(local) {
-                let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos() as u64);
+                let mtime = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_nanos() as u64);
                 if meta.len() == spec.size && mtime == Some(spec.mtime_ns) {
                     return Ok(local.to_path_buf());
                 }
             }
         }
         let _guard = self.0.fetch_lock.lock().await;
-        let server: SocketAddr = spec.server.parse().with_context(|| format!("binary server address `{}`", spec.server))?;
-        let digest = self.0.process.call_at(server, BINARY_ACTOR, &BinaryDigest).await?;
+        let server: SocketAddr = spec
+            .server
+            .parse()
+            .with_context(|| format!("binary server address `{}`", spec.server))?;
+        let digest = self
+            .0
+            .process
+            .call_at(server, BINARY_ACTOR, &BinaryDigest)
+            .await?;
         let cached = self.0.bin_cache.join(&digest);
         if cached.exists() {
             return Ok(cached);
         }
-        let blob = self.0.process.call_at(server, BINARY_ACTOR, &FetchBinary).await?;
+        let blob = self
+            .0
+            .process
+            .call_at(server, BINARY_ACTOR, &FetchBinary)
+            .await?;
         let got = hex::encode(Sha256::digest(&blob.bytes));
         if got != blob.sha256 || got != digest {
             bail!("binary fetched from the driver at {server} has sha256 {got}, expected {digest}");
         }
         std::fs::create_dir_all(&self.0.bin_cache)?;
-        let tmp = self.0.bin_cache.join(format!(".{digest}.{}", std::process::id()));
+        let tmp = self
+            .0
+            .bin_cache
+            .join(format!(".{digest}.{}", std::process::id()));
         std::fs::write(&tmp, &blob.bytes)?;
         std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
         std::fs::rename(&tmp, &cached)?;
@@ -146,10 +194,20 @@ impl NodeAgent {
     }
 
     async fn start_worker(&self, m: StartWorker) -> Result<(String, u32)> {
-        let binary = self.binary(&m.spec.binary).await.with_context(|| format!("finding the binary {}", m.spec.binary.path))?;
-        let short = m.spec.type_name.rsplit("::").next().unwrap_or(&m.spec.type_name).replace(|c: char| !c.is_alphanumeric(), "_");
+        let binary = self
+            .binary(&m.spec.binary)
+            .await
+            .with_context(|| format!("finding the binary {}", m.spec.binary.path))?;
+        let short = m
+            .spec
+            .type_name
+            .rsplit("::")
+            .next()
+            .unwrap_or(&m.spec.type_name)
+            .replace(|c: char| !c.is_alphanumeric(), "_");
         let log = self.0.log_dir.join(format!("worker-{}-{short}.log", m.id));
-        let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut cmd = tokio::process::Command::new(&binary);
         cmd.env(wenv::ACTOR_ID, m.id.to_string())
             .env(wenv::NODE_ADDR, self.0.process.addr.to_string())
@@ -170,12 +228,20 @@ impl NodeAgent {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().with_context(|| format!("starting worker {}", binary.display()))?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting worker {}", binary.display()))?;
         let pid = child.id().unwrap_or(0);
         let (tx, rx) = oneshot::channel();
         self.0.workers.lock().expect("workers lock").insert(
             m.id,
-            WorkerEntry { pid, spec: m.spec.clone(), addr: None, ready: Some(tx), log: log.clone() },
+            WorkerEntry {
+                pid,
+                spec: m.spec.clone(),
+                addr: None,
+                ready: Some(tx),
+                log: log.clone(),
+            },
         );
         let watcher = self.clone();
         let id = m.id;
@@ -193,14 +259,31 @@ impl NodeAgent {
         match tokio::time::timeout(START_TIMEOUT, rx).await {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => bail!("{e} (log: {})", log.display()),
-            Ok(Err(_)) => bail!("worker for actor {} vanished while starting (log: {})", m.id, log.display()),
+            Ok(Err(_)) => bail!(
+                "worker for actor {} vanished while starting (log: {})",
+                m.id,
+                log.display()
+            ),
             Err(_) => {
                 kill(pid);
-                bail!("worker for actor {} was not ready within {START_TIMEOUT:?} (log: {})", m.id, log.display())
+                bail!(
+                    "worker for actor {} was not ready within {START_TIMEOUT:?} (log: {})",
+                    m.id,
+                    log.display()
+                )
             }
         }
-        let addr = self.0.workers.lock().expect("workers lock").get(&m.id).and_then(|w| w.addr.clone());
-        Ok((addr.ok_or_else(|| anyhow!("worker for actor {} never said hello", m.id))?, pid))
+        let addr = self
+            .0
+            .workers
+            .lock()
+            .expect("workers lock")
+            .get(&m.id)
+            .and_then(|w| w.addr.clone());
+        Ok((
+            addr.ok_or_else(|| anyhow!("worker for actor {} never said hello", m.id))?,
+            pid,
+        ))
     }
 
     async fn worker_gone(&self, id: u64, pid: u32, reason: String) {
@@ -213,12 +296,23 @@ impl NodeAgent {
         };
         let Some(mut entry) = entry else { return };
         if let Some(ready) = entry.ready.take() {
-            let _ = ready.send(Err(format!("{reason} before its actor {} was constructed", entry.spec.type_name)));
+            let _ = ready.send(Err(format!(
+                "{reason} before its actor {} was constructed",
+                entry.spec.type_name
+            )));
             return;
         }
         tracing::warn!(actor = id, log = %entry.log.display(), "{reason}");
-        let report = WorkerExited { id, reason: format!("{reason} (log: {})", entry.log.display()) };
-        if let Err(e) = self.0.process.call_at(self.0.head, crate::process::HEAD_ACTOR, &report).await {
+        let report = WorkerExited {
+            id,
+            reason: format!("{reason} (log: {})", entry.log.display()),
+        };
+        if let Err(e) = self
+            .0
+            .process
+            .call_at(self.0.head, crate::process::HEAD_ACTOR, &report)
+            .await
+        {
             tracing::warn!("reporting the exit of actor {id} to the head failed: {e}");
         }
     }
@@ -226,7 +320,10 @@ impl NodeAgent {
 
 fn kill(pid: u32) {
     if pid > 0 {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
 }
 
@@ -266,7 +363,9 @@ impl Handler<FreePort> for NodeAgent {
 impl Handler<WorkerHello> for NodeAgent {
     async fn handle(&self, m: WorkerHello, _: &Context) -> Result<SpawnSpec> {
         let mut workers = self.0.workers.lock().expect("workers lock");
-        let w = workers.get_mut(&m.id).with_context(|| format!("no worker for actor {} on {}", m.id, self.0.name))?;
+        let w = workers
+            .get_mut(&m.id)
+            .with_context(|| format!("no worker for actor {} on {}", m.id, self.0.name))?;
         w.addr = Some(m.addr);
         Ok(w.spec.clone())
     }
@@ -274,7 +373,13 @@ impl Handler<WorkerHello> for NodeAgent {
 
 impl Handler<WorkerReady> for NodeAgent {
     async fn handle(&self, m: WorkerReady, _: &Context) -> Result<()> {
-        let ready = self.0.workers.lock().expect("workers lock").get_mut(&m.id).and_then(|w| w.ready.take());
+        let ready = self
+            .0
+            .workers
+            .lock()
+            .expect("workers lock")
+            .get_mut(&m.id)
+            .and_then(|w| w.ready.take());
         if let Some(tx) = ready {
             let _ = tx.send(match m.error {
                 None => Ok(()),

@@ -59,7 +59,8 @@ pub struct Placement {
 }
 
 fn fits(avail: &Resources, need: &Resources) -> bool {
-    need.iter().all(|(k, v)| *v <= EPS || avail.get(k).copied().unwrap_or(0.0) + EPS >= *v)
+    need.iter()
+        .all(|(k, v)| *v <= EPS || avail.get(k).copied().unwrap_or(0.0) + EPS >= *v)
 }
 
 fn sub(avail: &mut Resources, need: &Resources) {
@@ -84,12 +85,20 @@ fn sum(bundles: &[Resources]) -> Resources {
 
 /// Formats resources as `{CPU: 2, GPU: 1}`.
 pub fn show(r: &Resources) -> String {
-    let inner: Vec<String> = r.iter().filter(|(_, v)| v.abs() > EPS).map(|(k, v)| format!("{k}: {v}")).collect();
+    let inner: Vec<String> = r
+        .iter()
+        .filter(|(_, v)| v.abs() > EPS)
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
     format!("{{{}}}", inner.join(", "))
 }
 
 /// Assigns bundles to nodes given what each node has; `None` when the strategy cannot be satisfied.
-fn assign(avail: &BTreeMap<String, Resources>, bundles: &[Resources], strategy: Strategy) -> Option<Vec<String>> {
+fn assign(
+    avail: &BTreeMap<String, Resources>,
+    bundles: &[Resources],
+    strategy: Strategy,
+) -> Option<Vec<String>> {
     let mut avail = avail.clone();
     let mut out = vec![String::new(); bundles.len()];
     // Largest bundles first so greedy choices leave room for small ones.
@@ -115,7 +124,12 @@ fn assign(avail: &BTreeMap<String, Resources>, bundles: &[Resources], strategy: 
                         .iter()
                         .find(|n| fits(&avail[*n], &bundles[i]))
                         .cloned()
-                        .or_else(|| avail.iter().find(|(_, a)| fits(a, &bundles[i])).map(|(n, _)| n.clone()))?;
+                        .or_else(|| {
+                            avail
+                                .iter()
+                                .find(|(_, a)| fits(a, &bundles[i]))
+                                .map(|(n, _)| n.clone())
+                        })?;
                     sub(avail.get_mut(&node)?, &bundles[i]);
                     out[i] = node;
                 }
@@ -124,7 +138,11 @@ fn assign(avail: &BTreeMap<String, Resources>, bundles: &[Resources], strategy: 
         Strategy::Spread | Strategy::StrictSpread => {
             let mut uses: BTreeMap<String, usize> = avail.keys().map(|k| (k.clone(), 0)).collect();
             for &i in &order {
-                let mut candidates: Vec<&String> = avail.iter().filter(|(_, a)| fits(a, &bundles[i])).map(|(n, _)| n).collect();
+                let mut candidates: Vec<&String> = avail
+                    .iter()
+                    .filter(|(_, a)| fits(a, &bundles[i]))
+                    .map(|(n, _)| n)
+                    .collect();
                 if strategy == Strategy::StrictSpread {
                     candidates.retain(|n| uses[*n] == 0);
                 }
@@ -142,7 +160,14 @@ impl Placement {
     /// Adds a node with its declared resources (GPU indices `0..GPU`).
     pub fn add_node(&mut self, name: &str, total: Resources) {
         let gpus = total.get("GPU").copied().unwrap_or(0.0).floor() as u32;
-        self.nodes.insert(name.to_string(), NodeCapacity { free: total.clone(), total, free_gpus: (0..gpus).collect() });
+        self.nodes.insert(
+            name.to_string(),
+            NodeCapacity {
+                free: total.clone(),
+                total,
+                free_gpus: (0..gpus).collect(),
+            },
+        );
     }
 
     /// Forgets a node (it died); its reservations vanish with it.
@@ -156,12 +181,24 @@ impl Placement {
     }
 
     /// Reserves every bundle or none.
-    pub fn reserve(&mut self, bundles: &[Resources], strategy: Strategy) -> Result<Vec<BundleSlot>, PlaceError> {
-        let totals: BTreeMap<String, Resources> = self.nodes.iter().map(|(n, c)| (n.clone(), c.total.clone())).collect();
+    pub fn reserve(
+        &mut self,
+        bundles: &[Resources],
+        strategy: Strategy,
+    ) -> Result<Vec<BundleSlot>, PlaceError> {
+        let totals: BTreeMap<String, Resources> = self
+            .nodes
+            .iter()
+            .map(|(n, c)| (n.clone(), c.total.clone()))
+            .collect();
         if assign(&totals, bundles, strategy).is_none() {
             return Err(PlaceError::Infeasible(self.explain(bundles, strategy)));
         }
-        let free: BTreeMap<String, Resources> = self.nodes.iter().map(|(n, c)| (n.clone(), c.free.clone())).collect();
+        let free: BTreeMap<String, Resources> = self
+            .nodes
+            .iter()
+            .map(|(n, c)| (n.clone(), c.free.clone()))
+            .collect();
         let Some(nodes) = assign(&free, bundles, strategy) else {
             return Err(PlaceError::Busy(format!(
                 "{} bundles {} with {strategy:?} fit the cluster but not its free resources now",
@@ -174,8 +211,15 @@ impl Placement {
             let cap = self.nodes.get_mut(&node).expect("assigned node exists");
             sub(&mut cap.free, bundle);
             let want = bundle.get("GPU").copied().unwrap_or(0.0).ceil() as usize;
-            let gpus: Vec<u32> = cap.free_gpus.drain(..want.min(cap.free_gpus.len())).collect();
-            slots.push(BundleSlot { node, resources: bundle.clone(), gpus });
+            let gpus: Vec<u32> = cap
+                .free_gpus
+                .drain(..want.min(cap.free_gpus.len()))
+                .collect();
+            slots.push(BundleSlot {
+                node,
+                resources: bundle.clone(),
+                gpus,
+            });
         }
         Ok(slots)
     }
@@ -192,12 +236,21 @@ impl Placement {
     }
 
     fn explain(&self, bundles: &[Resources], strategy: Strategy) -> String {
-        let cluster = sum(&self.nodes.values().map(|c| c.total.clone()).collect::<Vec<_>>());
+        let cluster = sum(&self
+            .nodes
+            .values()
+            .map(|c| c.total.clone())
+            .collect::<Vec<_>>());
         let need = sum(bundles);
         let missing: Vec<String> = need
             .iter()
             .filter(|(k, v)| **v > cluster.get(*k).copied().unwrap_or(0.0) + EPS)
-            .map(|(k, v)| format!("{k} (needs {v}, cluster has {})", cluster.get(k).copied().unwrap_or(0.0)))
+            .map(|(k, v)| {
+                format!(
+                    "{k} (needs {v}, cluster has {})",
+                    cluster.get(k).copied().unwrap_or(0.0)
+                )
+            })
             .collect();
         if !missing.is_empty() {
             return format!("the cluster lacks {}", missing.join(", "));
@@ -207,7 +260,11 @@ impl Placement {
                 return format!("bundle {i} {} fits no single node", show(b));
             }
         }
-        let nodes: Vec<String> = self.nodes.iter().map(|(n, c)| format!("{n} {}", show(&c.total))).collect();
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|(n, c)| format!("{n} {}", show(&c.total)))
+            .collect();
         match strategy {
             Strategy::StrictPack => format!("STRICT_PACK needs {} on one node; nodes: {}", show(&need), nodes.join(", ")),
             Strategy::StrictSpread => format!(
@@ -253,30 +310,63 @@ mod tests {
         seen.sort();
         assert_eq!(seen, ["node-0", "node-1", "node-2"]);
         p.release(&spread);
-        let sp = p.reserve(&vec![one.clone(); 3], Strategy::StrictSpread).unwrap();
-        assert_eq!(sp.iter().map(|s| &s.node).collect::<std::collections::BTreeSet<_>>().len(), 3);
+        let sp = p
+            .reserve(&vec![one.clone(); 3], Strategy::StrictSpread)
+            .unwrap();
+        assert_eq!(
+            sp.iter()
+                .map(|s| &s.node)
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
+            3
+        );
         p.release(&sp);
-        let sk = p.reserve(&vec![one.clone(); 4], Strategy::StrictPack).unwrap();
+        let sk = p
+            .reserve(&vec![one.clone(); 4], Strategy::StrictPack)
+            .unwrap();
         assert!(sk.iter().all(|s| s.node == sk[0].node));
         // Pack spills over when one node is not enough; strict pack does not.
         let spill = p.reserve(&vec![one.clone(); 6], Strategy::Pack).unwrap();
         assert_eq!(spill.len(), 6);
         p.release(&spill);
         p.release(&sk);
-        assert!(matches!(p.reserve(&vec![one; 5], Strategy::StrictPack), Err(PlaceError::Infeasible(_))));
+        assert!(matches!(
+            p.reserve(&vec![one; 5], Strategy::StrictPack),
+            Err(PlaceError::Infeasible(_))
+        ));
     }
 
     #[test]
     fn guarantee_4_infeasible_names_missing_resources_and_busy_is_distinct() {
         let mut p = cluster(2, 2.0, 1.0);
-        let err = p.reserve(&[res(&[("GPU", 4.0)])], Strategy::Pack).unwrap_err();
-        assert!(matches!(&err, PlaceError::Infeasible(m) if m.contains("GPU")), "{err}");
-        let err = p.reserve(&vec![res(&[("CPU", 1.0)]); 3], Strategy::StrictSpread).unwrap_err();
-        assert!(matches!(&err, PlaceError::Infeasible(m) if m.contains("STRICT_SPREAD")), "{err}");
-        let err = p.reserve(&[res(&[("TPU", 1.0)])], Strategy::Spread).unwrap_err();
-        assert!(matches!(&err, PlaceError::Infeasible(m) if m.contains("TPU")), "{err}");
-        let all = p.reserve(&vec![res(&[("CPU", 2.0)]); 2], Strategy::Spread).unwrap();
-        assert!(matches!(p.reserve(&[res(&[("CPU", 1.0)])], Strategy::Pack), Err(PlaceError::Busy(_))));
+        let err = p
+            .reserve(&[res(&[("GPU", 4.0)])], Strategy::Pack)
+            .unwrap_err();
+        assert!(
+            matches!(&err, PlaceError::Infeasible(m) if m.contains("GPU")),
+            "{err}"
+        );
+        let err = p
+            .reserve(&vec![res(&[("CPU", 1.0)]); 3], Strategy::StrictSpread)
+            .unwrap_err();
+        assert!(
+            matches!(&err, PlaceError::Infeasible(m) if m.contains("STRICT_SPREAD")),
+            "{err}"
+        );
+        let err = p
+            .reserve(&[res(&[("TPU", 1.0)])], Strategy::Spread)
+            .unwrap_err();
+        assert!(
+            matches!(&err, PlaceError::Infeasible(m) if m.contains("TPU")),
+            "{err}"
+        );
+        let all = p
+            .reserve(&vec![res(&[("CPU", 2.0)]); 2], Strategy::Spread)
+            .unwrap();
+        assert!(matches!(
+            p.reserve(&[res(&[("CPU", 1.0)])], Strategy::Pack),
+            Err(PlaceError::Busy(_))
+        ));
         p.release(&all);
         assert!(p.reserve(&[res(&[("CPU", 1.0)])], Strategy::Pack).is_ok());
     }
@@ -284,8 +374,13 @@ mod tests {
     #[test]
     fn guarantee_4_gpu_indices_are_reserved_and_returned() {
         let mut p = cluster(1, 8.0, 4.0);
-        let a = p.reserve(&vec![res(&[("GPU", 1.0)]); 2], Strategy::Pack).unwrap();
-        assert_eq!(a.iter().map(|s| s.gpus.clone()).collect::<Vec<_>>(), vec![vec![0], vec![1]]);
+        let a = p
+            .reserve(&vec![res(&[("GPU", 1.0)]); 2], Strategy::Pack)
+            .unwrap();
+        assert_eq!(
+            a.iter().map(|s| s.gpus.clone()).collect::<Vec<_>>(),
+            vec![vec![0], vec![1]]
+        );
         let b = p.reserve(&[res(&[("GPU", 2.0)])], Strategy::Pack).unwrap();
         assert_eq!(b[0].gpus, vec![2, 3]);
         p.release(&a);

@@ -37,7 +37,8 @@ pub(crate) enum Fate {
 }
 
 /// Handles the join handshake (head only).
-pub(crate) type JoinHandler = Arc<dyn Fn(quinn::Connection) -> BoxFuture<'static, ()> + Send + Sync>;
+pub(crate) type JoinHandler =
+    Arc<dyn Fn(quinn::Connection) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A process of the cluster.
 pub struct Process {
@@ -75,7 +76,11 @@ impl Process {
         let inbound: Arc<dyn Inbound> = process.clone();
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
-                tokio::spawn(transport::serve_connection(incoming, inbound.clone(), DEFAULT_MAX_FRAME));
+                tokio::spawn(transport::serve_connection(
+                    incoming,
+                    inbound.clone(),
+                    DEFAULT_MAX_FRAME,
+                ));
             }
         });
         Ok(process)
@@ -88,7 +93,10 @@ impl Process {
 
     /// The head's address.
     pub(crate) fn head_addr(&self) -> Result<SocketAddr, Error> {
-        self.head.get().copied().ok_or_else(|| Error::Cluster("this process is not connected to a head".into()))
+        self.head
+            .get()
+            .copied()
+            .ok_or_else(|| Error::Cluster("this process is not connected to a head".into()))
     }
 
     /// A fresh id for an in-process-only actor.
@@ -97,13 +105,30 @@ impl Process {
     }
 
     /// Hosts an already built actor under `id`.
-    pub(crate) fn host_any(self: &Arc<Self>, id: u64, actor: AnyActor, dispatch: &'static Dispatch, conc: usize, mailbox: usize) {
-        let ctx = Context { actor_id: id, process: self.clone() };
-        self.actors.insert(id, run_mailbox(actor, dispatch, ctx, conc, mailbox));
+    pub(crate) fn host_any(
+        self: &Arc<Self>,
+        id: u64,
+        actor: AnyActor,
+        dispatch: &'static Dispatch,
+        conc: usize,
+        mailbox: usize,
+    ) {
+        let ctx = Context {
+            actor_id: id,
+            process: self.clone(),
+        };
+        self.actors
+            .insert(id, run_mailbox(actor, dispatch, ctx, conc, mailbox));
     }
 
     /// Hosts a typed actor under `id`.
-    pub(crate) fn host<A: Dispatchable>(self: &Arc<Self>, id: u64, actor: A, conc: usize, mailbox: usize) {
+    pub(crate) fn host<A: Dispatchable>(
+        self: &Arc<Self>,
+        id: u64,
+        actor: A,
+        conc: usize,
+        mailbox: usize,
+    ) {
         self.host_any(id, Arc::new(actor), A::dispatch(), conc, mailbox);
     }
 
@@ -122,7 +147,12 @@ impl Process {
         payload: AlignedVec,
     ) -> Result<ReplyHandle, Error> {
         if addr != self.addr {
-            return self.conns.get(addr).await?.request(id, msg, kind, payload).await;
+            return self
+                .conns
+                .get(addr)
+                .await?
+                .request(id, msg, kind, payload)
+                .await;
         }
         let (reply, handle) = match kind {
             CallKind::Tell => (Responder::Nobody, ReplyHandle::None),
@@ -135,17 +165,32 @@ impl Process {
                 (Responder::LocalStream(tx), ReplyHandle::LocalStream(rx))
             }
         };
-        let env = Envelope { msg: msg.to_string(), kind, payload: Payload::Ready(payload), reply };
+        let env = Envelope {
+            msg: msg.to_string(),
+            kind,
+            payload: Payload::Ready(payload),
+            reply,
+        };
         let mailbox = self.actors.get(&id).map(|m| m.clone());
         match mailbox {
             Some(m) if m.send(env).await.is_ok() => Ok(handle),
-            _ => Err(Error::Lost { actor: id, reason: format!("no actor {id} is hosted in process {}", self.addr) }),
+            _ => Err(Error::Lost {
+                actor: id,
+                reason: format!("no actor {id} is hosted in process {}", self.addr),
+            }),
         }
     }
 
     /// Calls a typed message on actor `id` at `addr` and waits for the reply.
-    pub(crate) async fn call_at<M: Message>(&self, addr: SocketAddr, id: u64, msg: &M) -> Result<M::Reply, Error> {
-        let handle = self.request(addr, id, M::NAME, CallKind::Call, msg.to_wire()?).await?;
+    pub(crate) async fn call_at<M: Message>(
+        &self,
+        addr: SocketAddr,
+        id: u64,
+        msg: &M,
+    ) -> Result<M::Reply, Error> {
+        let handle = self
+            .request(addr, id, M::NAME, CallKind::Call, msg.to_wire()?)
+            .await?;
         let bytes = handle.once().await?;
         Ok(M::Reply::from_wire(&bytes)?)
     }
@@ -153,23 +198,41 @@ impl Process {
     /// Calls the head service.
     pub(crate) async fn call_head<M: Message>(&self, msg: &M) -> Result<M::Reply, Error> {
         let head = self.head_addr()?;
-        self.call_at(head, HEAD_ACTOR, msg).await.map_err(|e| match e {
-            Error::Remote { message, .. } => Error::Cluster(message),
-            Error::Lost { reason, .. } => Error::Cluster(format!("head at {head} lost: {reason}")),
-            other => other,
-        })
+        self.call_at(head, HEAD_ACTOR, msg)
+            .await
+            .map_err(|e| match e {
+                Error::Remote { message, .. } => Error::Cluster(message),
+                Error::Lost { reason, .. } => {
+                    Error::Cluster(format!("head at {head} lost: {reason}"))
+                }
+                other => other,
+            })
     }
 
     /// Opens a stream of typed items from actor `id` at `addr`.
-    pub(crate) async fn stream_at<M: StreamMessage>(&self, addr: SocketAddr, id: u64, msg: &M) -> Result<ReplyHandle, Error> {
-        self.request(addr, id, M::NAME, CallKind::Stream, msg.to_wire()?).await
+    pub(crate) async fn stream_at<M: StreamMessage>(
+        &self,
+        addr: SocketAddr,
+        id: u64,
+        msg: &M,
+    ) -> Result<ReplyHandle, Error> {
+        self.request(addr, id, M::NAME, CallKind::Stream, msg.to_wire()?)
+            .await
     }
 
     /// Records a cluster event: fails pending calls to dead actors, remembers new addresses, tells subscribers.
     pub(crate) fn apply_event(&self, event: &Event) {
         match event {
-            Event::ActorDied { id, node, reason, .. } => {
-                self.fates.insert(*id, Fate::Dead { node: node.clone(), reason: reason.clone() });
+            Event::ActorDied {
+                id, node, reason, ..
+            } => {
+                self.fates.insert(
+                    *id,
+                    Fate::Dead {
+                        node: node.clone(),
+                        reason: reason.clone(),
+                    },
+                );
                 self.conns.fail_actor(*id, reason);
             }
             Event::ActorRestarting { id, reason, .. } => {
@@ -195,7 +258,7 @@ impl Process {
                 match item.and_then(|b| Event::from_wire(&b).map_err(Error::from)) {
                     Ok(event) => process.apply_event(&event),
                     Err(e) => {
-                        tracing::warn!("event stream from the head failed: {e}");
+                        tracing::debug!("event stream from the head ended: {e}");
                         break;
                     }
                 }
@@ -222,7 +285,12 @@ impl Inbound for Process {
                 None => env,
             };
             let message = format!("no actor {actor} is hosted in process {}", self.addr);
-            env.reply.finish(Err(RemoteError { kind: RemoteErrorKind::NoSuchActor, message })).await;
+            env.reply
+                .finish(Err(RemoteError {
+                    kind: RemoteErrorKind::NoSuchActor,
+                    message,
+                }))
+                .await;
         })
     }
 
@@ -231,7 +299,10 @@ impl Inbound for Process {
             Some(handler) => handler(conn),
             None => Box::pin(async move {
                 tracing::warn!(peer = %conn.remote_address(), "refused a connection without a cluster certificate");
-                conn.close(2u32.into(), b"no cluster certificate: join through the head with the cluster token");
+                conn.close(
+                    2u32.into(),
+                    b"no cluster certificate: join through the head with the cluster token",
+                );
             }),
         }
     }
@@ -241,11 +312,16 @@ impl ReplyHandle {
     /// Waits for a single reply.
     pub(crate) async fn once(self) -> Result<AlignedVec, Error> {
         match self {
-            ReplyHandle::Once(rx) => rx.await.unwrap_or_else(|_| Err(Error::Transport("reply channel dropped".into()))),
+            ReplyHandle::Once(rx) => rx
+                .await
+                .unwrap_or_else(|_| Err(Error::Transport("reply channel dropped".into()))),
             ReplyHandle::LocalOnce(rx) => match rx.await {
                 Ok(Ok(bytes)) => Ok(bytes),
                 Ok(Err(e)) => Err(Error::from_remote(0, Some(e))),
-                Err(_) => Err(Error::Lost { actor: 0, reason: "actor stopped before replying".into() }),
+                Err(_) => Err(Error::Lost {
+                    actor: 0,
+                    reason: "actor stopped before replying".into(),
+                }),
             },
             _ => Err(Error::Transport("no reply expected".into())),
         }
@@ -255,7 +331,10 @@ impl ReplyHandle {
     pub(crate) async fn next(&mut self) -> Option<Result<AlignedVec, Error>> {
         match self {
             ReplyHandle::Stream(rx) => rx.recv().await,
-            ReplyHandle::LocalStream(rx) => rx.recv().await.map(|r| r.map_err(|e| Error::from_remote(0, Some(e)))),
+            ReplyHandle::LocalStream(rx) => rx
+                .recv()
+                .await
+                .map(|r| r.map_err(|e| Error::from_remote(0, Some(e)))),
             _ => None,
         }
     }

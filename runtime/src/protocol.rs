@@ -128,7 +128,18 @@ pub enum JoinMsg {
 pub type Resources = BTreeMap<String, f64>;
 
 /// How the bundles of a resource group are spread over nodes.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Archive,
+    Serialize,
+    Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub enum Strategy {
     /// As few nodes as possible, but may use several.
     Pack,

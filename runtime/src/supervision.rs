@@ -38,7 +38,11 @@ pub struct Supervisor {
 impl Supervisor {
     /// A starting actor that may be restarted `max_restarts` times.
     pub fn new(max_restarts: u32) -> Self {
-        Self { life: Life::Starting, max_restarts, restarts: 0 }
+        Self {
+            life: Life::Starting,
+            max_restarts,
+            restarts: 0,
+        }
     }
     /// Its worker is up.
     pub fn started(&mut self) {
@@ -57,7 +61,10 @@ impl Supervisor {
             }
             _ => {
                 let why = if self.max_restarts > 0 {
-                    format!("{reason} (after {} restarts, max_restarts = {})", self.restarts, self.max_restarts)
+                    format!(
+                        "{reason} (after {} restarts, max_restarts = {})",
+                        self.restarts, self.max_restarts
+                    )
                 } else {
                     reason.to_string()
                 };
@@ -88,7 +95,9 @@ mod tests {
         s.started();
         assert_eq!(s.worker_exited("SIGKILL"), Verdict::Restart(2));
         s.started();
-        assert!(matches!(s.worker_exited("SIGKILL"), Verdict::Dead(r) if r.contains("max_restarts = 2")));
+        assert!(
+            matches!(s.worker_exited("SIGKILL"), Verdict::Dead(r) if r.contains("max_restarts = 2"))
+        );
         assert_eq!(s.worker_exited("again"), Verdict::Ignore);
     }
 

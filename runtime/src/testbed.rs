@@ -76,14 +76,20 @@ impl Actor for Counter {
         if start == u64::MAX {
             bail!("refusing to start at u64::MAX (constructor failure test)");
         }
-        Ok(Self { total: AtomicU64::new(start), seen: Mutex::new(Vec::new()) })
+        Ok(Self {
+            total: AtomicU64::new(start),
+            seen: Mutex::new(Vec::new()),
+        })
     }
 }
 
 impl Counter {
     /// A counter built without a cluster (for in-process actors).
     pub fn starting_at(start: u64) -> Self {
-        Self { total: AtomicU64::new(start), seen: Mutex::new(Vec::new()) }
+        Self {
+            total: AtomicU64::new(start),
+            seen: Mutex::new(Vec::new()),
+        }
     }
 }
 

@@ -37,8 +37,9 @@ impl Credentials {
     }
     /// Reads credentials written by [`Credentials::save`].
     pub fn load(path: &std::path::Path) -> Result<Self> {
-        let bytes = std::fs::read(path).with_context(|| format!("reading credentials {}", path.display()))?;
-        Ok(Self::from_wire(&bytes).with_context(|| format!("credentials file {}", path.display()))?)
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("reading credentials {}", path.display()))?;
+        Self::from_wire(&bytes).with_context(|| format!("credentials file {}", path.display()))
     }
 }
 
@@ -52,7 +53,9 @@ impl ClusterCa {
     pub fn mint() -> Result<Self> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, "ferl cluster CA");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "ferl cluster CA");
         let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
         Ok(Self { issuer })
     }
@@ -77,7 +80,9 @@ fn provider() -> Arc<CryptoProvider> {
 
 fn roots(creds: &Credentials) -> Result<rustls::RootCertStore> {
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(CertificateDer::from(creds.ca_der.clone())).context("adding the cluster CA")?;
+    roots
+        .add(CertificateDer::from(creds.ca_der.clone()))
+        .context("adding the cluster CA")?;
     Ok(roots)
 }
 
@@ -88,13 +93,19 @@ fn key(creds: &Credentials) -> PrivateKeyDer<'static> {
 /// Server side: present our certificate; accept clients with a cluster certificate, and (for the join only) clients
 /// without one — the transport lets such a connection do nothing but the join handshake.
 pub fn server_config(creds: &Credentials) -> Result<rustls::ServerConfig> {
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots(creds)?), provider())
-        .allow_unauthenticated()
-        .build()?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        Arc::new(roots(creds)?),
+        provider(),
+    )
+    .allow_unauthenticated()
+    .build()?;
     let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(vec![CertificateDer::from(creds.cert_der.clone())], key(creds))?;
+        .with_single_cert(
+            vec![CertificateDer::from(creds.cert_der.clone())],
+            key(creds),
+        )?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     Ok(cfg)
 }
@@ -104,7 +115,10 @@ pub fn client_config(creds: &Credentials) -> Result<rustls::ClientConfig> {
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(roots(creds)?)
-        .with_client_auth_cert(vec![CertificateDer::from(creds.cert_der.clone())], key(creds))?;
+        .with_client_auth_cert(
+            vec![CertificateDer::from(creds.cert_der.clone())],
+            key(creds),
+        )?;
     cfg.alpn_protocols = vec![ALPN.to_vec()];
     Ok(cfg)
 }
@@ -141,7 +155,12 @@ impl ServerCertVerifier for TokenAuthenticatedHead {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
     fn verify_tls13_signature(
         &self,
@@ -149,7 +168,12 @@ impl ServerCertVerifier for TokenAuthenticatedHead {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
     }
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
@@ -186,11 +210,26 @@ mod tests {
     #[test]
     fn guarantee_7_proofs_depend_on_token_nonce_and_certificate() {
         let p = join_proof("t", "head", b"n", b"cert");
-        assert!(constant_time_eq(&p, &join_proof("t", "head", b"n", b"cert")));
-        assert!(!constant_time_eq(&p, &join_proof("u", "head", b"n", b"cert")));
-        assert!(!constant_time_eq(&p, &join_proof("t", "node", b"n", b"cert")));
-        assert!(!constant_time_eq(&p, &join_proof("t", "head", b"m", b"cert")));
-        assert!(!constant_time_eq(&p, &join_proof("t", "head", b"n", b"other")));
+        assert!(constant_time_eq(
+            &p,
+            &join_proof("t", "head", b"n", b"cert")
+        ));
+        assert!(!constant_time_eq(
+            &p,
+            &join_proof("u", "head", b"n", b"cert")
+        ));
+        assert!(!constant_time_eq(
+            &p,
+            &join_proof("t", "node", b"n", b"cert")
+        ));
+        assert!(!constant_time_eq(
+            &p,
+            &join_proof("t", "head", b"m", b"cert")
+        ));
+        assert!(!constant_time_eq(
+            &p,
+            &join_proof("t", "head", b"n", b"other")
+        ));
     }
 
     #[test]

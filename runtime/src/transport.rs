@@ -23,7 +23,7 @@ use crate::error::Error;
 use crate::host::{Envelope, Payload, Responder};
 use crate::protocol::{ArchivedCallKind, ArchivedFrame, CallKind, Frame, RemoteError};
 use crate::tls::{self, Credentials};
-use crate::wire::{encode_frame, read_frame};
+use crate::wire::{encode_frame, read_frame, FrameError};
 
 /// Payloads larger than this travel on their own stream.
 pub const BULK_THRESHOLD: usize = 4 << 20;
@@ -52,12 +52,21 @@ fn transport_config(idle: Duration) -> quinn::TransportConfig {
 }
 
 /// Builds the process's endpoint, listening on `bind`.
-pub(crate) fn endpoint(creds: &Credentials, bind: SocketAddr, idle: Duration) -> Result<quinn::Endpoint> {
+pub(crate) fn endpoint(
+    creds: &Credentials,
+    bind: SocketAddr,
+    idle: Duration,
+) -> Result<quinn::Endpoint> {
     let transport = Arc::new(transport_config(idle));
-    let mut server = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(tls::server_config(creds)?)?));
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(QuicServerConfig::try_from(
+        tls::server_config(creds)?,
+    )?));
     server.transport_config(transport.clone());
-    let mut endpoint = quinn::Endpoint::server(server, bind).with_context(|| format!("binding UDP {bind}"))?;
-    let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(tls::client_config(creds)?)?));
+    let mut endpoint =
+        quinn::Endpoint::server(server, bind).with_context(|| format!("binding UDP {bind}"))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(
+        tls::client_config(creds)?,
+    )?));
     client.transport_config(transport);
     endpoint.set_default_client_config(client);
     Ok(endpoint)
@@ -70,7 +79,9 @@ pub fn join_client_config(idle: Duration) -> Result<quinn::ClientConfig> {
 
 /// A client config for the join handshake.
 pub(crate) fn join_client(idle: Duration) -> Result<quinn::ClientConfig> {
-    let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(tls::join_client_config()?)?));
+    let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(
+        tls::join_client_config()?,
+    )?));
     client.transport_config(Arc::new(transport_config(idle)));
     Ok(client)
 }
@@ -131,7 +142,10 @@ fn spawn_bulk_reader(conn: quinn::Connection, inbox: Arc<BulkInbox>) {
                 let id = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
                 let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
                 if len > MAX_BULK {
-                    return close(&conn, &format!("bulk payload of {len} bytes exceeds the maximum of {MAX_BULK}"));
+                    return close(
+                        &conn,
+                        &format!("bulk payload of {len} bytes exceeds the maximum of {MAX_BULK}"),
+                    );
                 }
                 let mut bytes = AlignedVec::<16>::with_capacity(len as usize);
                 bytes.resize(len as usize, 0);
@@ -190,7 +204,10 @@ impl Outbox {
     async fn frame(&self, frame: &Frame) -> Result<()> {
         let mut bytes = Vec::new();
         encode_frame(frame, &mut bytes)?;
-        self.tx.send(bytes).await.map_err(|_| anyhow::anyhow!("connection to {} closed", self.conn.remote_address()))
+        self.tx
+            .send(bytes)
+            .await
+            .map_err(|_| anyhow::anyhow!("connection to {} closed", self.conn.remote_address()))
     }
 
     fn bulk(&self, bytes: AlignedVec) -> u64 {
@@ -206,15 +223,30 @@ impl Outbox {
 
     pub(crate) async fn reply(&self, req: u64, result: Result<AlignedVec, RemoteError>) {
         let frame = match result {
-            Ok(body) if body.len() > BULK_THRESHOLD => Frame::Reply { req, bulk: self.bulk(body), body: Vec::new() },
-            Ok(body) => Frame::Reply { req, bulk: 0, body: body.to_vec() },
-            Err(error) => Frame::End { req, error: Some(error) },
+            Ok(body) if body.len() > BULK_THRESHOLD => Frame::Reply {
+                req,
+                bulk: self.bulk(body),
+                body: Vec::new(),
+            },
+            Ok(body) => Frame::Reply {
+                req,
+                bulk: 0,
+                body: body.to_vec(),
+            },
+            Err(error) => Frame::End {
+                req,
+                error: Some(error),
+            },
         };
         let _ = self.frame(&frame).await;
     }
 
     pub(crate) async fn item(&self, req: u64, body: AlignedVec) -> Result<()> {
-        self.frame(&Frame::Item { req, body: body.to_vec() }).await
+        self.frame(&Frame::Item {
+            req,
+            body: body.to_vec(),
+        })
+        .await
     }
 
     pub(crate) async fn end(&self, req: u64, error: Option<RemoteError>) {
@@ -224,7 +256,11 @@ impl Outbox {
 
 /// Serves one accepted connection: the join handshake when the peer has no cluster certificate, else its call
 /// streams and bulk streams.
-pub(crate) async fn serve_connection(incoming: quinn::Incoming, inbound: Arc<dyn Inbound>, max_frame: usize) {
+pub(crate) async fn serve_connection(
+    incoming: quinn::Incoming,
+    inbound: Arc<dyn Inbound>,
+    max_frame: usize,
+) {
     let conn = match incoming.await {
         Ok(c) => c,
         Err(e) => return tracing::debug!("incoming connection failed: {e}"),
@@ -235,7 +271,14 @@ pub(crate) async fn serve_connection(incoming: quinn::Incoming, inbound: Arc<dyn
     let inbox = Arc::new(BulkInbox::default());
     spawn_bulk_reader(conn.clone(), inbox.clone());
     while let Ok((send, recv)) = conn.accept_bi().await {
-        tokio::spawn(serve_call_stream(conn.clone(), send, recv, inbound.clone(), inbox.clone(), max_frame));
+        tokio::spawn(serve_call_stream(
+            conn.clone(),
+            send,
+            recv,
+            inbound.clone(),
+            inbox.clone(),
+            max_frame,
+        ));
     }
 }
 
@@ -249,21 +292,37 @@ async fn serve_call_stream(
 ) {
     let (tx, rx) = mpsc::channel(1024);
     tokio::spawn(write_loop(send, rx));
-    let out = Outbox { tx, conn: conn.clone(), next_bulk: Arc::new(AtomicU64::new(0)) };
+    let out = Outbox {
+        tx,
+        conn: conn.clone(),
+        next_bulk: Arc::new(AtomicU64::new(0)),
+    };
     let mut reader = BufReader::with_capacity(64 << 10, recv);
     let mut buf = AlignedVec::new();
     loop {
         match read_frame(&mut reader, max_frame, &mut buf).await {
             Ok(true) => {}
             Ok(false) => return,
+            Err(FrameError::Io(e)) => return tracing::debug!("call stream ended: {e}"),
             Err(e) => return close(&conn, &e.to_string()),
         }
         let frame = match rkyv::access::<ArchivedFrame, rancor::Error>(&buf) {
             Ok(f) => f,
             Err(e) => return close(&conn, &format!("malformed frame: {e}")),
         };
-        let ArchivedFrame::Call { req, actor, msg, kind, bulk, payload } = frame else {
-            return close(&conn, "unexpected frame on a call stream (only calls flow this way)");
+        let ArchivedFrame::Call {
+            req,
+            actor,
+            msg,
+            kind,
+            bulk,
+            payload,
+        } = frame
+        else {
+            return close(
+                &conn,
+                "unexpected frame on a call stream (only calls flow this way)",
+            );
         };
         let kind = match kind {
             ArchivedCallKind::Tell => CallKind::Tell,
@@ -279,9 +338,17 @@ async fn serve_call_stream(
         };
         let reply = match kind {
             CallKind::Tell => Responder::Nobody,
-            _ => Responder::Remote { req: req.to_native(), out: out.clone() },
+            _ => Responder::Remote {
+                req: req.to_native(),
+                out: out.clone(),
+            },
         };
-        let env = Envelope { msg: msg.as_str().to_string(), kind, payload, reply };
+        let env = Envelope {
+            msg: msg.as_str().to_string(),
+            kind,
+            payload,
+            reply,
+        };
         inbound.deliver(actor.to_native(), env).await;
     }
 }
@@ -311,7 +378,11 @@ pub(crate) struct PeerConn {
 }
 
 impl PeerConn {
-    async fn open(endpoint: &quinn::Endpoint, addr: SocketAddr, max_frame: usize) -> Result<Arc<Self>> {
+    async fn open(
+        endpoint: &quinn::Endpoint,
+        addr: SocketAddr,
+        max_frame: usize,
+    ) -> Result<Arc<Self>> {
         let conn = endpoint
             .connect(addr, tls::CLUSTER_SERVER_NAME)?
             .await
@@ -319,8 +390,18 @@ impl PeerConn {
         let (send, recv) = conn.open_bi().await?;
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(write_loop(send, rx));
-        let out = Outbox { tx, conn: conn.clone(), next_bulk: Arc::new(AtomicU64::new(0)) };
-        let peer = Arc::new(Self { addr, conn: conn.clone(), out, pending: DashMap::new(), next_req: AtomicU64::new(1) });
+        let out = Outbox {
+            tx,
+            conn: conn.clone(),
+            next_bulk: Arc::new(AtomicU64::new(0)),
+        };
+        let peer = Arc::new(Self {
+            addr,
+            conn: conn.clone(),
+            out,
+            pending: DashMap::new(),
+            next_req: AtomicU64::new(1),
+        });
         let inbox = Arc::new(BulkInbox::default());
         spawn_bulk_reader(conn.clone(), inbox.clone());
         tokio::spawn(read_replies(peer.clone(), recv, inbox, max_frame));
@@ -338,7 +419,13 @@ impl PeerConn {
     }
 
     /// Sends a request to `actor` in the peer process.
-    pub(crate) async fn request(&self, actor: u64, msg: &str, kind: CallKind, payload: AlignedVec) -> Result<ReplyHandle, Error> {
+    pub(crate) async fn request(
+        &self,
+        actor: u64,
+        msg: &str,
+        kind: CallKind,
+        payload: AlignedVec,
+    ) -> Result<ReplyHandle, Error> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let handle = match kind {
             CallKind::Tell => ReplyHandle::None,
@@ -358,7 +445,14 @@ impl PeerConn {
         } else {
             (0, payload.to_vec())
         };
-        let frame = Frame::Call { req, actor, msg: msg.to_string(), kind, bulk, payload };
+        let frame = Frame::Call {
+            req,
+            actor,
+            msg: msg.to_string(),
+            kind,
+            bulk,
+            payload,
+        };
         if let Err(e) = self.out.frame(&frame).await {
             self.pending.remove(&req);
             return Err(Error::Transport(e.to_string()));
@@ -386,10 +480,16 @@ impl PeerConn {
     fn fail(&self, req: u64, reason: &str) {
         match self.pending.remove(&req).map(|(_, p)| p) {
             Some(Pending::Once(actor, tx)) => {
-                let _ = tx.send(Err(Error::Lost { actor, reason: reason.to_string() }));
+                let _ = tx.send(Err(Error::Lost {
+                    actor,
+                    reason: reason.to_string(),
+                }));
             }
             Some(Pending::Stream(actor, tx)) => {
-                let _ = tx.send(Err(Error::Lost { actor, reason: reason.to_string() }));
+                let _ = tx.send(Err(Error::Lost {
+                    actor,
+                    reason: reason.to_string(),
+                }));
             }
             None => {}
         }
@@ -400,7 +500,9 @@ impl PeerConn {
         let reqs: Vec<u64> = self
             .pending
             .iter()
-            .filter(|e| matches!(e.value(), Pending::Once(a, _) | Pending::Stream(a, _) if *a == actor))
+            .filter(
+                |e| matches!(e.value(), Pending::Once(a, _) | Pending::Stream(a, _) if *a == actor),
+            )
             .map(|e| *e.key())
             .collect();
         for req in reqs {
@@ -409,13 +511,22 @@ impl PeerConn {
     }
 }
 
-async fn read_replies(peer: Arc<PeerConn>, recv: quinn::RecvStream, inbox: Arc<BulkInbox>, max_frame: usize) {
+async fn read_replies(
+    peer: Arc<PeerConn>,
+    recv: quinn::RecvStream,
+    inbox: Arc<BulkInbox>,
+    max_frame: usize,
+) {
     let mut reader = BufReader::with_capacity(64 << 10, recv);
     let mut buf = AlignedVec::new();
     loop {
         match read_frame(&mut reader, max_frame, &mut buf).await {
             Ok(true) => {}
             Ok(false) => break,
+            Err(FrameError::Io(e)) => {
+                tracing::debug!("reply stream from {} ended: {e}", peer.addr);
+                break;
+            }
             Err(e) => {
                 close(&peer.conn, &e.to_string());
                 break;
@@ -430,11 +541,15 @@ async fn read_replies(peer: Arc<PeerConn>, recv: quinn::RecvStream, inbox: Arc<B
         };
         match frame {
             ArchivedFrame::Reply { req, bulk, body } => {
-                let Some((_, Pending::Once(_, tx))) = peer.pending.remove(&req.to_native()) else { continue };
+                let Some((_, Pending::Once(_, tx))) = peer.pending.remove(&req.to_native()) else {
+                    continue;
+                };
                 if bulk.to_native() != 0 {
                     let rx = inbox.wait(bulk.to_native());
                     tokio::spawn(async move {
-                        let r = rx.await.map_err(|_| Error::Transport("bulk reply stream failed".into()));
+                        let r = rx
+                            .await
+                            .map_err(|_| Error::Transport("bulk reply stream failed".into()));
                         let _ = tx.send(r);
                     });
                 } else {
@@ -453,13 +568,14 @@ async fn read_replies(peer: Arc<PeerConn>, recv: quinn::RecvStream, inbox: Arc<B
                 }
             }
             ArchivedFrame::End { req, error } => {
-                let error: Option<RemoteError> = match rkyv::deserialize::<Option<RemoteError>, rancor::Error>(error) {
-                    Ok(e) => e,
-                    Err(e) => {
-                        close(&peer.conn, &format!("malformed error in frame: {e}"));
-                        break;
-                    }
-                };
+                let error: Option<RemoteError> =
+                    match rkyv::deserialize::<Option<RemoteError>, rancor::Error>(error) {
+                        Ok(e) => e,
+                        Err(e) => {
+                            close(&peer.conn, &format!("malformed error in frame: {e}"));
+                            break;
+                        }
+                    };
                 match peer.pending.remove(&req.to_native()).map(|(_, p)| p) {
                     Some(Pending::Once(actor, tx)) => {
                         let _ = tx.send(Err(Error::from_remote(actor, error)));
@@ -491,7 +607,11 @@ pub(crate) struct Connections {
 
 impl Connections {
     pub(crate) fn new(endpoint: quinn::Endpoint, max_frame: usize) -> Self {
-        Self { endpoint, peers: DashMap::new(), max_frame }
+        Self {
+            endpoint,
+            peers: DashMap::new(),
+            max_frame,
+        }
     }
 
     /// The connection to `addr`, opening it if needed (or if the previous one closed).
@@ -503,7 +623,10 @@ impl Connections {
                 .await
                 .map_err(|e| {
                     self.peers.remove_if(&addr, |_, c| Arc::ptr_eq(c, &cell));
-                    Error::Unreachable { addr: addr.to_string(), reason: format!("{e:#}") }
+                    Error::Unreachable {
+                        addr: addr.to_string(),
+                        reason: format!("{e:#}"),
+                    }
                 })?
                 .clone();
             if !peer.is_closed() {
@@ -511,7 +634,10 @@ impl Connections {
             }
             self.peers.remove_if(&addr, |_, c| Arc::ptr_eq(c, &cell));
         }
-        Err(Error::Unreachable { addr: addr.to_string(), reason: "connection closed".into() })
+        Err(Error::Unreachable {
+            addr: addr.to_string(),
+            reason: "connection closed".into(),
+        })
     }
 
     /// Fails pending calls to `actor` on every connection.

@@ -33,16 +33,22 @@ pub trait Wire: Sized + Send + 'static {
 
 impl<T> Wire for T
 where
-    T: Archive + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>> + Send + 'static,
-    T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>> + Deserialize<T, Strategy<Pool, rancor::Error>>,
+    T: Archive
+        + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
+        + Send
+        + 'static,
+    T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
+        + Deserialize<T, Strategy<Pool, rancor::Error>>,
 {
     fn to_wire(&self) -> Result<AlignedVec, WireError> {
         rkyv::to_bytes::<rancor::Error>(self).map_err(|e| WireError::Encode(e.to_string()))
     }
 
     fn from_wire(bytes: &[u8]) -> Result<Self, WireError> {
-        let decode = |b: &[u8]| rkyv::from_bytes::<T, rancor::Error>(b).map_err(|e| WireError::Malformed(e.to_string()));
-        if (bytes.as_ptr() as usize) % 16 == 0 {
+        let decode = |b: &[u8]| {
+            rkyv::from_bytes::<T, rancor::Error>(b).map_err(|e| WireError::Malformed(e.to_string()))
+        };
+        if (bytes.as_ptr() as usize).is_multiple_of(16) {
             decode(bytes)
         } else {
             let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
@@ -160,14 +166,23 @@ mod tests {
 
     #[tokio::test]
     async fn guarantee_8_round_trip_and_validation() {
-        let v = Sample { id: 7, name: "x".into(), data: vec![1, 2, 3] };
+        let v = Sample {
+            id: 7,
+            name: "x".into(),
+            data: vec![1, 2, 3],
+        };
         let mut out = Vec::new();
         encode_frame(&v, &mut out).unwrap();
         let mut buf = AlignedVec::new();
-        let got: Sample = read_message(&mut out.as_slice(), 1024, &mut buf).await.unwrap().unwrap();
+        let got: Sample = read_message(&mut out.as_slice(), 1024, &mut buf)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(got, v);
         // Clean end of stream.
-        let none: Option<Sample> = read_message(&mut [].as_slice(), 1024, &mut buf).await.unwrap();
+        let none: Option<Sample> = read_message(&mut [].as_slice(), 1024, &mut buf)
+            .await
+            .unwrap();
         assert!(none.is_none());
     }
 
@@ -177,20 +192,43 @@ mod tests {
         let mut big = Vec::new();
         big.extend_from_slice(&(1u32 << 30).to_le_bytes());
         big.extend_from_slice(&WIRE_VERSION.to_le_bytes());
-        let err = read_frame(&mut big.as_slice(), 1024, &mut buf).await.unwrap_err();
-        assert!(matches!(err, FrameError::TooLarge { len: 1073741824, max: 1024 }), "{err}");
+        let err = read_frame(&mut big.as_slice(), 1024, &mut buf)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                FrameError::TooLarge {
+                    len: 1073741824,
+                    max: 1024
+                }
+            ),
+            "{err}"
+        );
 
         let mut wrong = Vec::new();
-        encode_frame(&Sample { id: 1, name: String::new(), data: vec![] }, &mut wrong).unwrap();
+        encode_frame(
+            &Sample {
+                id: 1,
+                name: String::new(),
+                data: vec![],
+            },
+            &mut wrong,
+        )
+        .unwrap();
         wrong[4] = 99;
-        let err = read_frame(&mut wrong.as_slice(), 1024, &mut buf).await.unwrap_err();
+        let err = read_frame(&mut wrong.as_slice(), 1024, &mut buf)
+            .await
+            .unwrap_err();
         assert!(matches!(err, FrameError::WrongVersion { got: 99 }), "{err}");
 
         let mut garbage = Vec::new();
         garbage.extend_from_slice(&34u32.to_le_bytes());
         garbage.extend_from_slice(&WIRE_VERSION.to_le_bytes());
         garbage.extend_from_slice(&[0xff; 32]);
-        let err = read_message::<Sample, _>(&mut garbage.as_slice(), 1024, &mut buf).await.unwrap_err();
+        let err = read_message::<Sample, _>(&mut garbage.as_slice(), 1024, &mut buf)
+            .await
+            .unwrap_err();
         assert!(matches!(err, FrameError::Malformed(_)), "{err}");
     }
 }

@@ -34,10 +34,19 @@ pub mod env {
 /// If this process was started as a worker, host its actor until the node agent goes away, then exit; otherwise
 /// return at once. Every binary that spawns actors calls this first thing in `main`.
 pub fn enter_worker_mode_if_spawned() {
-    let Ok(id) = std::env::var(env::ACTOR_ID) else { return };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("building the worker's tokio runtime");
+    let Ok(id) = std::env::var(env::ACTOR_ID) else {
+        return;
+    };
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("building the worker's tokio runtime");
     let code = match rt.block_on(run(id)) {
         Ok(()) => 0,
         Err(e) => {
@@ -53,17 +62,41 @@ fn var(name: &str) -> Result<String> {
 }
 
 async fn run(id: String) -> Result<()> {
-    let id: u64 = id.parse().with_context(|| format!("{} = `{id}` is not a number", env::ACTOR_ID))?;
+    let id: u64 = id
+        .parse()
+        .with_context(|| format!("{} = `{id}` is not a number", env::ACTOR_ID))?;
     let node: SocketAddr = var(env::NODE_ADDR)?.parse()?;
     let head: SocketAddr = var(env::HEAD_ADDR)?.parse()?;
     let creds = Credentials::load(&PathBuf::from(var(env::CREDS)?))?;
     let ip = var(env::BIND_IP).unwrap_or_else(|_| "127.0.0.1".into());
-    let process = Process::start(creds, SocketAddr::new(ip.parse()?, 0), Duration::from_secs(10))?;
+    let process = Process::start(
+        creds,
+        SocketAddr::new(ip.parse()?, 0),
+        Duration::from_secs(10),
+    )?;
     let _ = process.head.set(head);
-    let spec = process.call_at(node, NODE_ACTOR, &WorkerHello { id, addr: process.addr.to_string() }).await?;
+    let spec = process
+        .call_at(
+            node,
+            NODE_ACTOR,
+            &WorkerHello {
+                id,
+                addr: process.addr.to_string(),
+            },
+        )
+        .await?;
     let built = construct(&process, id, &spec).await;
     let error = built.as_ref().err().map(|e| format!("{e:#}"));
-    process.call_at(node, NODE_ACTOR, &WorkerReady { id, error: error.clone() }).await?;
+    process
+        .call_at(
+            node,
+            NODE_ACTOR,
+            &WorkerReady {
+                id,
+                error: error.clone(),
+            },
+        )
+        .await?;
     built?;
     if let Err(e) = process.follow_head_events().await {
         tracing::warn!("worker for actor {id} cannot follow cluster events: {e}");
@@ -74,21 +107,36 @@ async fn run(id: String) -> Result<()> {
     Err(anyhow!("node agent at {node} went away"))
 }
 
-async fn construct(process: &Arc<Process>, id: u64, spec: &crate::protocol::SpawnSpec) -> Result<()> {
+async fn construct(
+    process: &Arc<Process>,
+    id: u64,
+    spec: &crate::protocol::SpawnSpec,
+) -> Result<()> {
     let factory = actor::lookup(&spec.type_name).ok_or_else(|| {
         anyhow!(
             "actor type `{}` is not registered in {} (registered: {})",
             spec.type_name,
-            std::env::current_exe().map(|p| p.display().to_string()).unwrap_or_default(),
+            std::env::current_exe()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
             actor::registered_names().join(", ")
         )
     })?;
     let mut args = AlignedVec::<16>::with_capacity(spec.args.len());
     args.extend_from_slice(&spec.args);
-    let ctx = Context { actor_id: id, process: process.clone() };
+    let ctx = Context {
+        actor_id: id,
+        process: process.clone(),
+    };
     let actor = (factory.construct)(args, ctx)
         .await
         .with_context(|| format!("constructor of actor {} {id} failed", spec.type_name))?;
-    process.host_any(id, actor, (factory.dispatch)(), spec.max_concurrency.max(1) as usize, spec.mailbox.max(1) as usize);
+    process.host_any(
+        id,
+        actor,
+        (factory.dispatch)(),
+        spec.max_concurrency.max(1) as usize,
+        spec.mailbox.max(1) as usize,
+    );
     Ok(())
 }

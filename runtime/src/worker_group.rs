@@ -16,7 +16,9 @@ pub struct WorkerGroup<A> {
 
 impl<A> Clone for WorkerGroup<A> {
     fn clone(&self) -> Self {
-        Self { members: self.members.clone() }
+        Self {
+            members: self.members.clone(),
+        }
     }
 }
 
@@ -25,7 +27,9 @@ pub fn split_even<T>(items: Vec<T>, parts: usize) -> Vec<Vec<T>> {
     let parts = parts.max(1);
     let (base, extra) = (items.len() / parts, items.len() % parts);
     let mut it = items.into_iter();
-    (0..parts).map(|r| it.by_ref().take(base + usize::from(r < extra)).collect()).collect()
+    (0..parts)
+        .map(|r| it.by_ref().take(base + usize::from(r < extra)).collect())
+        .collect()
 }
 
 impl<A: Actor> WorkerGroup<A> {
@@ -37,8 +41,11 @@ impl<A: Actor> WorkerGroup<A> {
         args: impl Fn(usize) -> A::Args,
         opts: SpawnOptions,
     ) -> Result<Self> {
-        let spawns = (0..group.len()).map(|rank| cluster.spawn::<A>(args(rank), opts.clone().in_bundle(group, rank)));
-        Ok(Self { members: try_join_all(spawns).await? })
+        let spawns = (0..group.len())
+            .map(|rank| cluster.spawn::<A>(args(rank), opts.clone().in_bundle(group, rank)));
+        Ok(Self {
+            members: try_join_all(spawns).await?,
+        })
     }
 
     /// Wraps existing actors (rank = position).
@@ -75,12 +82,23 @@ impl<A: Actor> WorkerGroup<A> {
     }
 
     /// Splits `items` evenly by rank, builds one message per chunk, and gathers replies in rank order.
-    pub async fn call_split<T, M: Message>(&self, items: Vec<T>, make: impl Fn(usize, Vec<T>) -> M) -> Result<Vec<M::Reply>>
+    pub async fn call_split<T, M: Message>(
+        &self,
+        items: Vec<T>,
+        make: impl Fn(usize, Vec<T>) -> M,
+    ) -> Result<Vec<M::Reply>>
     where
         A: Handler<M>,
     {
         let chunks = split_even(items, self.members.len());
-        try_join_all(self.members.iter().zip(chunks).enumerate().map(|(rank, (m, chunk))| m.call(make(rank, chunk)))).await
+        try_join_all(
+            self.members
+                .iter()
+                .zip(chunks)
+                .enumerate()
+                .map(|(rank, (m, chunk))| m.call(make(rank, chunk))),
+        )
+        .await
     }
 
     /// Sends a message to rank 0 only.

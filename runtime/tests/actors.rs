@@ -10,22 +10,47 @@ use ferl_runtime::{bundle, Error, SpawnOptions, Strategy, WorkerGroup};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_1_call_tell_and_stream_work_in_and_across_processes() {
     let cluster = common::cluster().await;
-    let remote = cluster.spawn::<Counter>(10, SpawnOptions::new()).await.unwrap();
-    assert_ne!(remote.call(Pid).await.unwrap(), std::process::id(), "a spawned actor runs in its own process");
+    let remote = cluster
+        .spawn::<Counter>(10, SpawnOptions::new())
+        .await
+        .unwrap();
+    assert_ne!(
+        remote.call(Pid).await.unwrap(),
+        std::process::id(),
+        "a spawned actor runs in its own process"
+    );
     let local = cluster.spawn_local(Counter::starting_at(10), SpawnOptions::new());
     for actor in [&remote] {
         assert_eq!(actor.call(Add(5)).await.unwrap(), 15);
         actor.tell(Add(1)).await.unwrap();
         assert_eq!(actor.call(Get).await.unwrap(), 16);
-        let items = actor.stream(CountTo(5)).await.unwrap().collect().await.unwrap();
+        let items = actor
+            .stream(CountTo(5))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap();
         assert_eq!(items, vec![0, 1, 2, 3, 4]);
         let err = actor.call(Fail("boom".into())).await.unwrap_err();
-        assert!(matches!(&err, Error::Remote { message, .. } if message.contains("boom")), "{err}");
+        assert!(
+            matches!(&err, Error::Remote { message, .. } if message.contains("boom")),
+            "{err}"
+        );
     }
     assert_eq!(local.call(Add(5)).await.unwrap(), 15);
     local.tell(Add(1)).await.unwrap();
     assert_eq!(local.call(Get).await.unwrap(), 16);
-    assert_eq!(local.stream(CountTo(3)).await.unwrap().collect().await.unwrap(), vec![0, 1, 2]);
+    assert_eq!(
+        local
+            .stream(CountTo(3))
+            .await
+            .unwrap()
+            .collect()
+            .await
+            .unwrap(),
+        vec![0, 1, 2]
+    );
     // A large argument goes over a bulk stream and comes back intact.
     let big: Vec<u8> = (0..(6 << 20)).map(|i| (i % 251) as u8).collect();
     assert_eq!(remote.call(Echo(big.clone())).await.unwrap(), big);
@@ -35,7 +60,10 @@ async fn guarantee_1_call_tell_and_stream_work_in_and_across_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_2_fifo_per_sender() {
     let cluster = common::cluster().await;
-    let actor = cluster.spawn::<Counter>(0, SpawnOptions::new()).await.unwrap();
+    let actor = cluster
+        .spawn::<Counter>(0, SpawnOptions::new())
+        .await
+        .unwrap();
     let mut tasks = Vec::new();
     for sender in 0..4u32 {
         let a = actor.clone();
@@ -55,8 +83,16 @@ async fn guarantee_2_fifo_per_sender() {
     let seen = actor.call(Recorded).await.unwrap();
     assert_eq!(seen.len(), 1200);
     for sender in 0..4u32 {
-        let seqs: Vec<u64> = seen.iter().filter(|(s, _)| *s == sender).map(|(_, q)| *q).collect();
-        assert_eq!(seqs, (0..300).collect::<Vec<_>>(), "sender {sender} out of order");
+        let seqs: Vec<u64> = seen
+            .iter()
+            .filter(|(s, _)| *s == sender)
+            .map(|(_, q)| *q)
+            .collect();
+        assert_eq!(
+            seqs,
+            (0..300).collect::<Vec<_>>(),
+            "sender {sender} out of order"
+        );
     }
     cluster.shutdown().await;
 }
@@ -70,42 +106,88 @@ async fn guarantee_3_bounded_mailbox_and_max_concurrency() {
     for _ in 0..3 {
         local.tell(Sleep(300)).await.unwrap();
     }
-    assert!(t0.elapsed() >= Duration::from_millis(250), "senders must wait on a full mailbox ({:?})", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "senders must wait on a full mailbox ({:?})",
+        t0.elapsed()
+    );
     // Concurrency 4: eight 500 ms sleeps take about 1 s, not 4 s.
-    let wide = cluster.spawn::<Counter>(0, SpawnOptions::new().max_concurrency(4)).await.unwrap();
+    let wide = cluster
+        .spawn::<Counter>(0, SpawnOptions::new().max_concurrency(4))
+        .await
+        .unwrap();
     let t0 = Instant::now();
     let calls: Vec<_> = (0..8).map(|_| wide.call(Sleep(500))).collect();
     futures::future::try_join_all(calls).await.unwrap();
-    assert!(t0.elapsed() < Duration::from_millis(3000), "max_concurrency 4 ran sequentially ({:?})", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_millis(3000),
+        "max_concurrency 4 ran sequentially ({:?})",
+        t0.elapsed()
+    );
     cluster.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_9_worker_group_broadcast_split_gather_rank0() {
     let cluster = common::cluster().await;
-    let group = cluster.create_group(vec![bundle(&[("CPU", 1.0)]); 3], Strategy::Pack, Duration::from_secs(5)).await.unwrap();
-    let workers = WorkerGroup::<Counter>::spawn(&cluster, &group, |rank| 100 * rank as u64, SpawnOptions::new()).await.unwrap();
+    let group = cluster
+        .create_group(
+            vec![bundle(&[("CPU", 1.0)]); 3],
+            Strategy::Pack,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let workers = WorkerGroup::<Counter>::spawn(
+        &cluster,
+        &group,
+        |rank| 100 * rank as u64,
+        SpawnOptions::new(),
+    )
+    .await
+    .unwrap();
     assert_eq!(workers.call_all(Add(1)).await.unwrap(), vec![1, 101, 201]);
     let sums = workers
         .call_split((1..=10u64).collect(), |_, chunk| Add(chunk.iter().sum()))
         .await
         .unwrap();
-    assert_eq!(sums, vec![1 + 10, 101 + 18, 201 + 27], "chunks [1..4], [5..7], [8..10] in rank order");
+    assert_eq!(
+        sums,
+        vec![1 + 10, 101 + 18, 201 + 27],
+        "chunks [1..4], [5..7], [8..10] in rank order"
+    );
     assert_eq!(workers.call_rank0(Get).await.unwrap(), 11);
     let ranks = workers.call_all(GetEnv("RANK".into())).await.unwrap();
-    assert_eq!(ranks, vec![Some("0".into()), Some("1".into()), Some("2".into())]);
+    assert_eq!(
+        ranks,
+        vec![Some("0".into()), Some("1".into()), Some("2".into())]
+    );
     cluster.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_10_named_actors_and_kv_rendezvous() {
     let cluster = common::cluster().await;
-    let a = cluster.spawn::<Counter>(7, SpawnOptions::new().name("jobs", "counter")).await.unwrap();
-    let found = cluster.get_actor::<Counter>("jobs", "counter").await.unwrap().expect("named actor found");
+    let a = cluster
+        .spawn::<Counter>(7, SpawnOptions::new().name("jobs", "counter"))
+        .await
+        .unwrap();
+    let found = cluster
+        .get_actor::<Counter>("jobs", "counter")
+        .await
+        .unwrap()
+        .expect("named actor found");
     assert_eq!(found.id(), a.id());
     assert_eq!(found.call(Get).await.unwrap(), 7);
-    assert!(cluster.get_actor::<Counter>("other", "counter").await.unwrap().is_none());
-    let dup = cluster.spawn::<Counter>(0, SpawnOptions::new().name("jobs", "counter")).await.unwrap_err();
+    assert!(cluster
+        .get_actor::<Counter>("other", "counter")
+        .await
+        .unwrap()
+        .is_none());
+    let dup = cluster
+        .spawn::<Counter>(0, SpawnOptions::new().name("jobs", "counter"))
+        .await
+        .unwrap_err();
     assert!(dup.to_string().contains("already exists"), "{dup}");
 
     assert_eq!(cluster.kv_get("k").await.unwrap(), None);
@@ -114,10 +196,19 @@ async fn guarantee_10_named_actors_and_kv_rendezvous() {
         tokio::spawn(async move { c.kv_wait("master", Duration::from_secs(20)).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    cluster.kv_put("master", b"127.0.0.1:29500".to_vec()).await.unwrap();
+    cluster
+        .kv_put("master", b"127.0.0.1:29500".to_vec())
+        .await
+        .unwrap();
     assert_eq!(waiter.await.unwrap().unwrap(), b"127.0.0.1:29500");
-    assert_eq!(cluster.kv_get("master").await.unwrap().unwrap(), b"127.0.0.1:29500");
-    let err = cluster.kv_wait("never", Duration::from_millis(200)).await.unwrap_err();
+    assert_eq!(
+        cluster.kv_get("master").await.unwrap().unwrap(),
+        b"127.0.0.1:29500"
+    );
+    let err = cluster
+        .kv_wait("never", Duration::from_millis(200))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("never"), "{err}");
     cluster.shutdown().await;
 }
@@ -125,7 +216,10 @@ async fn guarantee_10_named_actors_and_kv_rendezvous() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_5_calls_to_killed_or_unbuildable_actors_fail_promptly() {
     let cluster = common::cluster().await;
-    let a = cluster.spawn::<Counter>(1, SpawnOptions::new()).await.unwrap();
+    let a = cluster
+        .spawn::<Counter>(1, SpawnOptions::new())
+        .await
+        .unwrap();
     let pending = {
         let a = a.clone();
         tokio::spawn(async move { a.call(Sleep(60_000)).await })
@@ -133,12 +227,25 @@ async fn guarantee_5_calls_to_killed_or_unbuildable_actors_fail_promptly() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     cluster.kill(&a).await.unwrap();
     let t0 = Instant::now();
-    let err = tokio::time::timeout(Duration::from_secs(20), pending).await.expect("pending call must not hang").unwrap().unwrap_err();
-    assert!(matches!(&err, Error::ActorDied { node, .. } if node.starts_with("node-")), "{err}");
+    let err = tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("pending call must not hang")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ActorDied { node, .. } if node.starts_with("node-")),
+        "{err}"
+    );
     let err = a.call(Get).await.unwrap_err();
-    assert!(matches!(&err, Error::ActorDied { reason, .. } if reason.contains("killed")), "{err}");
+    assert!(
+        matches!(&err, Error::ActorDied { reason, .. } if reason.contains("killed")),
+        "{err}"
+    );
     assert!(t0.elapsed() < Duration::from_secs(20));
-    let err = cluster.spawn::<Counter>(u64::MAX, SpawnOptions::new()).await.unwrap_err();
+    let err = cluster
+        .spawn::<Counter>(u64::MAX, SpawnOptions::new())
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("constructor"), "{err}");
     cluster.shutdown().await;
 }

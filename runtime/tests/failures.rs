@@ -8,14 +8,21 @@ use ferl_runtime::testbed::*;
 use ferl_runtime::{bundle, Error, Event, SpawnOptions};
 
 fn sigkill(pid: u32) {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_returns() {
     let cluster = common::cluster().await;
     let mut events = cluster.events();
-    let actor = cluster.spawn::<Counter>(5, SpawnOptions::new().max_restarts(1)).await.unwrap();
+    let actor = cluster
+        .spawn::<Counter>(5, SpawnOptions::new().max_restarts(1))
+        .await
+        .unwrap();
     let pid = actor.call(Pid).await.unwrap();
     let pending = {
         let a = actor.clone();
@@ -23,14 +30,23 @@ async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_return
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     sigkill(pid);
-    let err = tokio::time::timeout(Duration::from_secs(20), pending).await.expect("never hang").unwrap().unwrap_err();
-    assert!(matches!(&err, Error::ActorDied { actor, node, .. } if actor.contains("Counter") && node.starts_with("node-")), "{err}");
+    let err = tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("never hang")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ActorDied { actor, node, .. } if actor.contains("Counter") && node.starts_with("node-")),
+        "{err}"
+    );
     // The constructor runs again: the count restarts at 5, in a new process.
     let t0 = Instant::now();
     let new_pid = loop {
         match actor.call(Pid).await {
             Ok(p) => break p,
-            Err(_) if t0.elapsed() < Duration::from_secs(30) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(_) if t0.elapsed() < Duration::from_secs(30) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
             Err(e) => panic!("restarted actor never answered: {e}"),
         }
     };
@@ -51,7 +67,10 @@ async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_return
                 break;
             }
             other => {
-                assert!(t0.elapsed() < Duration::from_secs(20), "still answering after SIGKILL: {other:?}");
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "still answering after SIGKILL: {other:?}"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -63,10 +82,27 @@ async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_return
 async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
     let bound = Duration::from_millis(1500);
     let head = common::head(2.0, bound).await;
-    let mut node = common::node(&head, &["--num-cpus", "2", "--resources", "special=1", "--heartbeat-ms", "1500"], &[]);
+    let mut node = common::node(
+        &head,
+        &[
+            "--num-cpus",
+            "2",
+            "--resources",
+            "special=1",
+            "--heartbeat-ms",
+            "1500",
+        ],
+        &[],
+    );
     let cluster = &head.cluster;
     let mut events = cluster.events();
-    let actor = cluster.spawn::<Counter>(1, SpawnOptions::new().resources(bundle(&[("special", 1.0)]))).await.unwrap();
+    let actor = cluster
+        .spawn::<Counter>(
+            1,
+            SpawnOptions::new().resources(bundle(&[("special", 1.0)])),
+        )
+        .await
+        .unwrap();
     assert_eq!(actor.address().node, node.name);
     let pending = {
         let a = actor.clone();
@@ -77,7 +113,10 @@ async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
     let t0 = Instant::now();
     let deadline = bound * 4 + Duration::from_secs(5);
     loop {
-        let ev = tokio::time::timeout(deadline, events.recv()).await.expect("node death detected").unwrap();
+        let ev = tokio::time::timeout(deadline, events.recv())
+            .await
+            .expect("node death detected")
+            .unwrap();
         if let Event::NodeDied { node: n, reason } = ev {
             assert_eq!(n, node.name);
             assert!(reason.contains("heartbeats"), "{reason}");
@@ -85,9 +124,22 @@ async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
         }
     }
     assert!(t0.elapsed() < deadline, "detected after {:?}", t0.elapsed());
-    let err = tokio::time::timeout(Duration::from_secs(5), pending).await.expect("pending call fails").unwrap().unwrap_err();
-    assert!(matches!(&err, Error::ActorDied { node: n, .. } if *n == node.name), "{err}");
+    let err = tokio::time::timeout(Duration::from_secs(5), pending)
+        .await
+        .expect("pending call fails")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ActorDied { node: n, .. } if *n == node.name),
+        "{err}"
+    );
     let status = cluster.status().await.unwrap();
-    let dead = status["nodes"].as_array().unwrap().iter().find(|n| n["name"] == node.name.as_str()).unwrap().clone();
+    let dead = status["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == node.name.as_str())
+        .unwrap()
+        .clone();
     assert_eq!(dead["alive"], false);
 }

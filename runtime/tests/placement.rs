@@ -17,31 +17,68 @@ async fn guarantee_4_each_strategy_places_as_named_over_three_nodes() {
     let one = || bundle(&[("CPU", 1.0)]);
     let t = Duration::from_secs(5);
 
-    let g = cluster.create_group(vec![one(); 3], Strategy::StrictSpread, t).await.unwrap();
-    assert_eq!(g.nodes.iter().collect::<BTreeSet<_>>().len(), 3, "STRICT_SPREAD: {:?}", g.nodes);
+    let g = cluster
+        .create_group(vec![one(); 3], Strategy::StrictSpread, t)
+        .await
+        .unwrap();
+    assert_eq!(
+        g.nodes.iter().collect::<BTreeSet<_>>().len(),
+        3,
+        "STRICT_SPREAD: {:?}",
+        g.nodes
+    );
     cluster.remove_group(&g).await.unwrap();
 
-    let g = cluster.create_group(vec![one(); 2], Strategy::StrictPack, t).await.unwrap();
+    let g = cluster
+        .create_group(vec![one(); 2], Strategy::StrictPack, t)
+        .await
+        .unwrap();
     assert_eq!(g.nodes[0], g.nodes[1], "STRICT_PACK: {:?}", g.nodes);
     cluster.remove_group(&g).await.unwrap();
 
-    let g = cluster.create_group(vec![one(); 2], Strategy::Pack, t).await.unwrap();
-    assert_eq!(g.nodes[0], g.nodes[1], "PACK fits on one node: {:?}", g.nodes);
+    let g = cluster
+        .create_group(vec![one(); 2], Strategy::Pack, t)
+        .await
+        .unwrap();
+    assert_eq!(
+        g.nodes[0], g.nodes[1],
+        "PACK fits on one node: {:?}",
+        g.nodes
+    );
     cluster.remove_group(&g).await.unwrap();
 
-    let g = cluster.create_group(vec![one(); 3], Strategy::Spread, t).await.unwrap();
-    assert_eq!(g.nodes.iter().collect::<BTreeSet<_>>().len(), 3, "SPREAD: {:?}", g.nodes);
+    let g = cluster
+        .create_group(vec![one(); 3], Strategy::Spread, t)
+        .await
+        .unwrap();
+    assert_eq!(
+        g.nodes.iter().collect::<BTreeSet<_>>().len(),
+        3,
+        "SPREAD: {:?}",
+        g.nodes
+    );
     cluster.remove_group(&g).await.unwrap();
 
-    let g = cluster.create_group(vec![one(); 5], Strategy::Pack, t).await.unwrap();
-    assert!(g.nodes.iter().collect::<BTreeSet<_>>().len() >= 3, "PACK spills over: {:?}", g.nodes);
+    let g = cluster
+        .create_group(vec![one(); 5], Strategy::Pack, t)
+        .await
+        .unwrap();
+    assert!(
+        g.nodes.iter().collect::<BTreeSet<_>>().len() >= 3,
+        "PACK spills over: {:?}",
+        g.nodes
+    );
     cluster.remove_group(&g).await.unwrap();
 
     let status = cluster.status().await.unwrap();
     let nodes = status["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 3);
     for n in nodes {
-        assert_eq!(n["resources_used"]["CPU"].as_f64().unwrap(), 0.0, "removing groups frees resources: {n}");
+        assert_eq!(
+            n["resources_used"]["CPU"].as_f64().unwrap(),
+            0.0,
+            "removing groups frees resources: {n}"
+        );
         assert!(n["log_dir"].as_str().unwrap().contains("logs"));
     }
 }
@@ -52,22 +89,73 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
     let _n2 = common::node(&head, &["--num-cpus", "2"], &[]);
     let cluster = &head.cluster;
     let t0 = Instant::now();
-    let err = cluster.create_group(vec![bundle(&[("GPU", 1.0)])], Strategy::Pack, Duration::from_secs(60)).await.unwrap_err();
-    assert!(err.to_string().contains("infeasible") && err.to_string().contains("GPU"), "{err}");
-    let err = cluster.create_group(vec![bundle(&[("CPU", 1.0)]); 3], Strategy::StrictSpread, Duration::from_secs(60)).await.unwrap_err();
+    let err = cluster
+        .create_group(
+            vec![bundle(&[("GPU", 1.0)])],
+            Strategy::Pack,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("infeasible") && err.to_string().contains("GPU"),
+        "{err}"
+    );
+    let err = cluster
+        .create_group(
+            vec![bundle(&[("CPU", 1.0)]); 3],
+            Strategy::StrictSpread,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("STRICT_SPREAD"), "{err}");
-    let err = cluster.create_group(vec![bundle(&[("CPU", 3.0)])], Strategy::Pack, Duration::from_secs(60)).await.unwrap_err();
+    let err = cluster
+        .create_group(
+            vec![bundle(&[("CPU", 3.0)])],
+            Strategy::Pack,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("fits no single node"), "{err}");
-    assert!(t0.elapsed() < Duration::from_secs(10), "infeasible groups must fail fast");
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "infeasible groups must fail fast"
+    );
 
-    let all = cluster.create_group(vec![bundle(&[("CPU", 2.0)]); 2], Strategy::StrictSpread, Duration::from_secs(5)).await.unwrap();
+    let all = cluster
+        .create_group(
+            vec![bundle(&[("CPU", 2.0)]); 2],
+            Strategy::StrictSpread,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
     let t0 = Instant::now();
-    let err = cluster.create_group(vec![bundle(&[("CPU", 1.0)])], Strategy::Pack, Duration::from_millis(700)).await.unwrap_err();
-    assert!(t0.elapsed() >= Duration::from_millis(600) && err.to_string().contains("timed out"), "{err}");
+    let err = cluster
+        .create_group(
+            vec![bundle(&[("CPU", 1.0)])],
+            Strategy::Pack,
+            Duration::from_millis(700),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(600) && err.to_string().contains("timed out"),
+        "{err}"
+    );
     // A waiting group is placed as soon as resources are freed.
     let waiter = {
         let c = cluster.clone();
-        tokio::spawn(async move { c.create_group(vec![bundle(&[("CPU", 2.0)])], Strategy::Pack, Duration::from_secs(30)).await })
+        tokio::spawn(async move {
+            c.create_group(
+                vec![bundle(&[("CPU", 2.0)])],
+                Strategy::Pack,
+                Duration::from_secs(30),
+            )
+            .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     cluster.remove_group(&all).await.unwrap();
@@ -80,13 +168,22 @@ async fn guarantee_4_bundle_workers_get_rank_and_device_environment_and_die_with
     let n2 = common::node(&head, &["--num-cpus", "4", "--num-gpus", "2"], &[]);
     let cluster = &head.cluster;
     let g = cluster
-        .create_group(vec![bundle(&[("GPU", 1.0), ("CPU", 1.0)]); 2], Strategy::StrictPack, Duration::from_secs(5))
+        .create_group(
+            vec![bundle(&[("GPU", 1.0), ("CPU", 1.0)]); 2],
+            Strategy::StrictPack,
+            Duration::from_secs(5),
+        )
         .await
         .unwrap();
     assert_eq!(g.nodes, vec![n2.name.clone(), n2.name.clone()]);
     let mut actors = Vec::new();
     for i in 0..2 {
-        actors.push(cluster.spawn::<Counter>(0, SpawnOptions::new().in_bundle(&g, i).env("EXTRA", "yes")).await.unwrap());
+        actors.push(
+            cluster
+                .spawn::<Counter>(0, SpawnOptions::new().in_bundle(&g, i).env("EXTRA", "yes"))
+                .await
+                .unwrap(),
+        );
     }
     let env = |a: usize, k: &str| {
         let a = actors[a].clone();
@@ -103,13 +200,30 @@ async fn guarantee_4_bundle_workers_get_rank_and_device_environment_and_die_with
     assert_eq!(env(1, "MASTER_PORT").await.unwrap(), port.to_string());
     assert_eq!(env(0, "EXTRA").await.as_deref(), Some("yes"));
     // A bundle index outside the group is an error naming the group.
-    let err = cluster.spawn::<Counter>(0, SpawnOptions::new().in_bundle(&g, 5)).await.unwrap_err();
+    let err = cluster
+        .spawn::<Counter>(0, SpawnOptions::new().in_bundle(&g, 5))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("out of range"), "{err}");
     cluster.remove_group(&g).await.unwrap();
     for a in &actors {
         let err = a.call(Get).await.unwrap_err();
-        assert!(matches!(&err, Error::ActorDied { reason, .. } if reason.contains("removed")), "{err}");
+        assert!(
+            matches!(&err, Error::ActorDied { reason, .. } if reason.contains("removed")),
+            "{err}"
+        );
     }
-    let again = cluster.create_group(vec![bundle(&[("GPU", 2.0)])], Strategy::Pack, Duration::from_secs(5)).await.unwrap();
-    assert_eq!(again.nodes, vec![n2.name.clone()], "GPUs returned when the group was removed");
+    let again = cluster
+        .create_group(
+            vec![bundle(&[("GPU", 2.0)])],
+            Strategy::Pack,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        again.nodes,
+        vec![n2.name.clone()],
+        "GPUs returned when the group was removed"
+    );
 }

@@ -13,9 +13,17 @@ use ferl_runtime::{bundle, SpawnOptions};
 async fn guarantee_7_wrong_token_is_refused_with_a_clear_error() {
     let head = common::head(2.0, Duration::from_secs(3)).await;
     let addr = head.cluster.head_address().unwrap().to_string();
-    let err = ferl_runtime::connect(&addr, Some("not-the-token".into())).await.err().expect("refused");
-    assert!(format!("{err:#}").contains("wrong cluster token"), "{err:#}");
-    let ok = ferl_runtime::connect(&addr, Some(head.token.clone())).await.expect("the right token joins");
+    let err = ferl_runtime::connect(&addr, Some("not-the-token".into()))
+        .await
+        .err()
+        .expect("refused");
+    assert!(
+        format!("{err:#}").contains("wrong cluster token"),
+        "{err:#}"
+    );
+    let ok = ferl_runtime::connect(&addr, Some(head.token.clone()))
+        .await
+        .expect("the right token joins");
     ok.kv_put("joined", vec![1]).await.unwrap();
     assert_eq!(head.cluster.kv_get("joined").await.unwrap(), Some(vec![1]));
     // A node agent with a wrong token exits with the reason.
@@ -24,23 +32,35 @@ async fn guarantee_7_wrong_token_is_refused_with_a_clear_error() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("wrong cluster token"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("wrong cluster token"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 async fn member_connection(head: &ferl_runtime::HeadHandle) -> quinn::Connection {
     let addr = head.cluster.head_address().unwrap();
-    let creds = ferl_runtime::join::join(addr, &head.token, Duration::from_secs(10)).await.unwrap();
+    let creds = ferl_runtime::join::join(addr, &head.token, Duration::from_secs(10))
+        .await
+        .unwrap();
     let cfg = ferl_runtime::tls::client_config(&creds).unwrap();
     let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
     let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
-    endpoint.connect(addr, ferl_runtime::tls::CLUSTER_SERVER_NAME).unwrap().await.unwrap()
+    endpoint
+        .connect(addr, ferl_runtime::tls::CLUSTER_SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap()
 }
 
 async fn closed_reason_after(conn: &quinn::Connection, bytes: &[u8]) -> String {
     let (mut send, _recv) = conn.open_bi().await.unwrap();
     send.write_all(bytes).await.unwrap();
-    let reason = tokio::time::timeout(Duration::from_secs(10), conn.closed()).await.expect("connection closed");
+    let reason = tokio::time::timeout(Duration::from_secs(10), conn.closed())
+        .await
+        .expect("connection closed");
     reason.to_string()
 }
 
@@ -69,13 +89,25 @@ async fn guarantee_8_garbage_oversized_and_wrong_version_frames_close_only_that_
     // Without a certificate, anything but the join handshake is refused.
     let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     let join_cfg = ferl_runtime::transport::join_client_config(Duration::from_secs(5)).unwrap();
-    let conn = endpoint.connect_with(join_cfg, head.cluster.head_address().unwrap(), "ferl.cluster").unwrap().await.unwrap();
+    let conn = endpoint
+        .connect_with(
+            join_cfg,
+            head.cluster.head_address().unwrap(),
+            "ferl.cluster",
+        )
+        .unwrap()
+        .await
+        .unwrap();
     let reason = closed_reason_after(&conn, &garbage).await;
     assert!(reason.contains("join"), "{reason}");
 
     // The head is unharmed.
     head.cluster.kv_put("still", vec![2]).await.unwrap();
-    let a = head.cluster.spawn::<Counter>(3, SpawnOptions::new()).await.unwrap();
+    let a = head
+        .cluster
+        .spawn::<Counter>(3, SpawnOptions::new())
+        .await
+        .unwrap();
     assert_eq!(a.call(Get).await.unwrap(), 3);
 }
 
@@ -87,12 +119,18 @@ async fn guarantee_11_node_without_the_binary_fetches_it_by_sha256_once() {
     let _n = common::node(
         &head,
         &["--num-cpus", "2", "--resources", "remote=2"],
-        &[("FERL_NODE_FORCE_FETCH", "1"), ("FERL_BIN_CACHE", &cache_path)],
+        &[
+            ("FERL_NODE_FORCE_FETCH", "1"),
+            ("FERL_BIN_CACHE", &cache_path),
+        ],
     );
     let remote = || SpawnOptions::new().resources(bundle(&[("remote", 1.0)]));
     let a = head.cluster.spawn::<Counter>(4, remote()).await.unwrap();
     assert_eq!(a.call(Get).await.unwrap(), 4);
-    let files: Vec<_> = std::fs::read_dir(cache.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let files: Vec<_> = std::fs::read_dir(cache.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     assert_eq!(files.len(), 1, "{files:?}");
     assert_eq!(files[0].len(), 64, "cached under its sha256: {files:?}");
     let bytes = std::fs::read(common::testbed()).unwrap();

@@ -6,7 +6,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 fn flag(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
@@ -14,7 +16,13 @@ fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
     if let Some(c) = flag(args, "--num-cpus") {
         opts.num_cpus = Some(c.parse().context("--num-cpus")?);
     }
-    opts.num_gpus = Some(flag(args, "--num-gpus").map(|g| g.parse()).transpose().context("--num-gpus")?.unwrap_or(0));
+    opts.num_gpus = Some(
+        flag(args, "--num-gpus")
+            .map(|g| g.parse())
+            .transpose()
+            .context("--num-gpus")?
+            .unwrap_or(0),
+    );
     if let Some(r) = flag(args, "--resources") {
         opts.resources = ferl_runtime::resources::parse_pairs(&[r])?;
     }
@@ -26,14 +34,21 @@ fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
 
 fn main() -> Result<()> {
     ferl_runtime::enter_worker_mode_if_spawned();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
     let args: Vec<String> = std::env::args().collect();
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         match args.get(1).map(String::as_str) {
             Some("head") => {
-                let opts = ferl_runtime::HeadOptions { node: node_options(&args)?, ..Default::default() };
+                let opts = ferl_runtime::HeadOptions {
+                    node: node_options(&args)?,
+                    ..Default::default()
+                };
                 let head = ferl_runtime::start_head(opts).await?;
                 println!("ADDRESS {}", head.cluster.head_address()?);
                 println!("TOKEN {}", head.token);
@@ -42,7 +57,13 @@ fn main() -> Result<()> {
             }
             Some("node") => {
                 let address = flag(&args, "--address").context("node needs --address")?;
-                let node = ferl_runtime::start_node(&address, flag(&args, "--token"), node_options(&args)?, None).await?;
+                let node = ferl_runtime::start_node(
+                    &address,
+                    flag(&args, "--token"),
+                    node_options(&args)?,
+                    None,
+                )
+                .await?;
                 println!("NODE {}", node.name);
                 node.wait().await
             }

@@ -26,11 +26,18 @@ pub fn private_tmp() {
 pub async fn head(cpus: f64, heartbeat: Duration) -> HeadHandle {
     private_tmp();
     let opts = HeadOptions {
-        node: NodeOptions { num_cpus: Some(cpus), num_gpus: Some(0), heartbeat_bound: heartbeat, ..Default::default() },
+        node: NodeOptions {
+            num_cpus: Some(cpus),
+            num_gpus: Some(0),
+            heartbeat_bound: heartbeat,
+            ..Default::default()
+        },
         worker_binary: Some(testbed()),
         ..Default::default()
     };
-    ferl_runtime::start_head(opts).await.expect("starting the head")
+    ferl_runtime::start_head(opts)
+        .await
+        .expect("starting the head")
 }
 
 /// An embedded cluster with 4 CPUs.
@@ -55,12 +62,21 @@ impl Drop for NodeProc {
 pub fn node(head: &HeadHandle, flags: &[&str], env: &[(&str, &str)]) -> NodeProc {
     let address = head.cluster.head_address().unwrap().to_string();
     let mut cmd = Command::new(testbed());
-    cmd.arg("node").args(["--address", &address, "--token", &head.token]).args(flags);
-    cmd.envs(env.iter().copied()).env("FERL_TMPDIR", std::env::var("FERL_TMPDIR").unwrap());
+    cmd.arg("node")
+        .args(["--address", &address, "--token", &head.token])
+        .args(flags);
+    cmd.envs(env.iter().copied())
+        .env("FERL_TMPDIR", std::env::var("FERL_TMPDIR").unwrap());
     cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
     let mut child = cmd.spawn().expect("starting a node agent");
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).expect("node agent output");
-    let name = line.trim().strip_prefix("NODE ").unwrap_or_else(|| panic!("node agent said `{line}`")).to_string();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("node agent output");
+    let name = line
+        .trim()
+        .strip_prefix("NODE ")
+        .unwrap_or_else(|| panic!("node agent said `{line}`"))
+        .to_string();
     NodeProc { child, name }
 }
