@@ -1,0 +1,361 @@
+//! Sharded checkpoints that outlive the cluster shape.
+//!
+//! # Format (one `global_step_N/` folder)
+//! - `model_world_size_{W}_rank_{r}.safetensors`: for every unit, rank `r`'s slice `[r * shard, (r + 1) * shard)` of the
+//!   unit's padded flat fp32 master (tensor name = unit name, e.g. `layers.3`).
+//! - `optim_world_size_{W}_rank_{r}.safetensors`: the same slices of AdamW's `{unit}.exp_avg` and `{unit}.exp_avg_sq`.
+//! - `fsdp_meta.json` ([`CheckpointMeta`]): world size, global step, AdamW step count, and the unit layout (member
+//!   tensors, shapes, offsets, unpadded sizes). Rank 0 writes it after every rank has written its files, so its
+//!   presence marks a complete checkpoint.
+//!
+//! The files are the same whatever the strategy (a NO_SHARD rank writes its slice of its replica), and loading works
+//! at any world size and strategy: each rank reads only the old slices overlapping its new range and reslices them.
+
+use crate::store::{local_range, ShardedParams};
+use crate::units::{FlatUnit, UnitPlan};
+use crate::FsdpOptions;
+use anyhow::{bail, Context, Result};
+use ferl_collective::Communicator;
+use ferl_trainer::model::config::ModelConfig;
+use ferl_trainer::model::layout::ModelLayout;
+use ferl_trainer::model::weights::{save_hf_folder, write_safetensors};
+use ferl_trainer::optim::{AdamW, AdamWConfig};
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tch::{Device, Kind, Tensor};
+
+/// Name of the metadata file of a sharded checkpoint.
+pub const META_FILE: &str = "fsdp_meta.json";
+const FORMAT: &str = "ferl-fsdp/1";
+
+/// What a sharded checkpoint holds and how it was cut.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// Format tag (`ferl-fsdp/1`).
+    pub format: String,
+    /// Number of ranks that wrote the checkpoint.
+    pub world_size: usize,
+    /// Training steps completed when it was taken.
+    pub global_step: i64,
+    /// AdamW's step count (bias correction).
+    pub optimizer_step: i64,
+    /// The flat units, in order.
+    pub units: Vec<FlatUnit>,
+}
+
+/// The model file of rank `r` at world size `w`.
+pub fn model_file(dir: &Path, w: usize, r: usize) -> PathBuf {
+    dir.join(format!("model_world_size_{w}_rank_{r}.safetensors"))
+}
+
+/// The optimizer file of rank `r` at world size `w`.
+pub fn optim_file(dir: &Path, w: usize, r: usize) -> PathBuf {
+    dir.join(format!("optim_world_size_{w}_rank_{r}.safetensors"))
+}
+
+/// One rank's part of a checkpoint, copied out of the live state so it can be written while training continues.
+pub struct ShardSnapshot {
+    /// Metadata (identical on every rank).
+    pub meta: CheckpointMeta,
+    /// The rank that took it.
+    pub rank: usize,
+    /// Unit name → this rank's slice of the master.
+    pub model: Vec<(String, Tensor)>,
+    /// `{unit}.exp_avg` / `{unit}.exp_avg_sq` → this rank's slices of the AdamW moments.
+    pub optim: Vec<(String, Tensor)>,
+}
+
+impl ShardSnapshot {
+    /// Copies this rank's slices of the masters and of `optimizer`'s moments (CPU copies) after `global_step` steps.
+    pub fn take(store: &ShardedParams, optimizer: &AdamW, global_step: i64) -> Result<Self> {
+        let (rank, world) = store.rank_and_world();
+        let plan = store.plan();
+        if optimizer.exp_avg.len() != plan.units.len() {
+            bail!(
+                "checkpoint: the optimizer has {} state tensors but the store has {} units",
+                optimizer.exp_avg.len(),
+                plan.units.len()
+            );
+        }
+        let (mut model, mut optim) = (Vec::new(), Vec::new());
+        for (u, unit) in plan.units.iter().enumerate() {
+            let shard = unit.shard_len(world);
+            let (start, _) = store.local_range(u);
+            let at = shard * rank as i64 - start;
+            let cut = |t: &Tensor| t.narrow(0, at, shard).to_device(Device::Cpu).copy();
+            model.push((unit.name.clone(), cut(&store.local_masters()[u])));
+            optim.push((format!("{}.exp_avg", unit.name), cut(&optimizer.exp_avg[u])));
+            optim.push((
+                format!("{}.exp_avg_sq", unit.name),
+                cut(&optimizer.exp_avg_sq[u]),
+            ));
+        }
+        Ok(Self {
+            meta: CheckpointMeta {
+                format: FORMAT.into(),
+                world_size: world,
+                global_step,
+                optimizer_step: optimizer.step,
+                units: plan.units.clone(),
+            },
+            rank,
+            model,
+            optim,
+        })
+    }
+
+    /// Writes this rank's two files into `dir` (created if needed). Rank 0 should call [`ShardSnapshot::write_meta`]
+    /// once every rank's `write` has returned.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let w = self.meta.world_size;
+        write_safetensors(&model_file(dir, w, self.rank), &self.model)?;
+        write_safetensors(&optim_file(dir, w, self.rank), &self.optim)?;
+        Ok(())
+    }
+
+    /// Writes `fsdp_meta.json`, marking the checkpoint complete.
+    pub fn write_meta(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(META_FILE);
+        let tmp = dir.join(format!("{META_FILE}.tmp"));
+        std::fs::write(&tmp, serde_json::to_string_pretty(&self.meta)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))
+    }
+}
+
+/// Saves a sharded checkpoint from every rank (collective: all ranks call it): each writes its files, then rank 0
+/// writes the metadata once all have finished.
+pub fn save_sharded(
+    store: &mut ShardedParams,
+    optimizer: &AdamW,
+    global_step: i64,
+    dir: &Path,
+) -> Result<()> {
+    let snap = ShardSnapshot::take(store, optimizer, global_step)?;
+    let written = snap.write(dir);
+    let ok = store.all_reduce_sum(&[if written.is_ok() { 0.0 } else { 1.0 }])?;
+    written?;
+    if ok[0] != 0.0 {
+        bail!(
+            "checkpoint {}: {} rank(s) failed to write their shards",
+            dir.display(),
+            ok[0]
+        );
+    }
+    if snap.rank == 0 {
+        snap.write_meta(dir)?;
+    }
+    Ok(())
+}
+
+/// Reads `dir/fsdp_meta.json`.
+pub fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
+    let path = dir.join(META_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "reading {} (an incomplete or non-ferl checkpoint?)",
+            path.display()
+        )
+    })?;
+    let meta: CheckpointMeta =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    if meta.format != FORMAT {
+        bail!(
+            "{}: format `{}`, expected `{FORMAT}`",
+            path.display(),
+            meta.format
+        );
+    }
+    Ok(meta)
+}
+
+/// Reads ranges of units out of one kind of shard file, keeping each file's bytes once read.
+struct ShardReader<'a> {
+    dir: &'a Path,
+    meta: &'a CheckpointMeta,
+    file: fn(&Path, usize, usize) -> PathBuf,
+    bytes: HashMap<usize, Vec<u8>>,
+}
+
+impl ShardReader<'_> {
+    /// Elements `[lo, hi)` of unit `u`'s unpadded flat buffer, for tensor `name` of the shard files (fp32, CPU).
+    fn range(&mut self, u: usize, name: &str, lo: i64, hi: i64) -> Result<Tensor> {
+        let out = Tensor::zeros([hi - lo], (Kind::Float, Device::Cpu));
+        let shard = self.meta.units[u].shard_len(self.meta.world_size);
+        let mut pos = lo;
+        while pos < hi {
+            let k = (pos / shard) as usize;
+            let end = hi.min((k as i64 + 1) * shard);
+            let path = (self.file)(self.dir, self.meta.world_size, k);
+            if !self.bytes.contains_key(&k) {
+                let b =
+                    std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+                self.bytes.insert(k, b);
+            }
+            let st = SafeTensors::deserialize(&self.bytes[&k])
+                .with_context(|| format!("parsing {}", path.display()))?;
+            let view = st
+                .tensor(name)
+                .with_context(|| format!("{}: tensor `{name}` missing", path.display()))?;
+            if view.dtype() != safetensors::Dtype::F32 || view.shape() != [shard as usize] {
+                bail!(
+                    "{}: tensor `{name}` is {:?} {:?}, expected F32 [{shard}]",
+                    path.display(),
+                    view.dtype(),
+                    view.shape()
+                );
+            }
+            let t = Tensor::from_data_size(view.data(), &[shard], Kind::Float);
+            let src = t.narrow(0, pos - k as i64 * shard, end - pos);
+            out.narrow(0, pos - lo, end - pos).copy_(&src);
+            pos = end;
+        }
+        Ok(out)
+    }
+}
+
+/// Fails unless the checkpoint's units are exactly the ones `plan` makes from the model.
+fn check_units(dir: &Path, meta: &CheckpointMeta, plan: &UnitPlan) -> Result<()> {
+    if meta.units.len() != plan.units.len() {
+        bail!(
+            "{}: the checkpoint has {} units, the model has {}",
+            dir.display(),
+            meta.units.len(),
+            plan.units.len()
+        );
+    }
+    for (a, b) in meta.units.iter().zip(&plan.units) {
+        if a != b {
+            bail!("{}: unit `{}` of the checkpoint does not match the model's `{}` (tensor names, shapes or order differ)", dir.display(), a.name, b.name);
+        }
+    }
+    Ok(())
+}
+
+/// A store and optimizer restored from a sharded checkpoint.
+pub struct LoadedShards {
+    /// The restored parameter store at the new world size.
+    pub store: ShardedParams,
+    /// AdamW with restored moments and step count.
+    pub optimizer: AdamW,
+    /// The checkpoint's metadata (`global_step` = steps completed).
+    pub meta: CheckpointMeta,
+}
+
+/// Loads the checkpoint in `dir` into a store over `comm` (any world size, any strategy): each rank reads only the
+/// old slices overlapping its new range.
+pub fn load_sharded(
+    dir: &Path,
+    layout: ModelLayout,
+    comm: Arc<dyn Communicator>,
+    opts: FsdpOptions,
+    adam: AdamWConfig,
+) -> Result<LoadedShards> {
+    let meta = read_meta(dir)?;
+    let plan = UnitPlan::new(&layout);
+    check_units(dir, &meta, &plan)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let ranges: Vec<(i64, i64)> = plan
+        .units
+        .iter()
+        .map(|u| local_range(opts.strategy, u.shard_len(world), rank, world))
+        .collect();
+    // Reads the local range of every unit for tensor names `name(unit)`: real elements from the files, padding zero.
+    let read_all =
+        |file: fn(&Path, usize, usize) -> PathBuf, suffix: &str| -> Result<Vec<Tensor>> {
+            let mut reader = ShardReader {
+                dir,
+                meta: &meta,
+                file,
+                bytes: HashMap::new(),
+            };
+            let mut out = Vec::new();
+            for (u, unit) in plan.units.iter().enumerate() {
+                let (start, len) = ranges[u];
+                let local = Tensor::zeros([len], (Kind::Float, Device::Cpu));
+                let hi = (start + len).min(unit.numel);
+                if hi > start {
+                    let name = format!("{}{suffix}", unit.name);
+                    local
+                        .narrow(0, 0, hi - start)
+                        .copy_(&reader.range(u, &name, start, hi)?);
+                }
+                out.push(local);
+            }
+            Ok(out)
+        };
+    let masters = read_all(model_file, "")?;
+    let exp_avg = read_all(optim_file, ".exp_avg")?;
+    let exp_avg_sq = read_all(optim_file, ".exp_avg_sq")?;
+    let store = ShardedParams::from_local_masters(layout, plan, masters, comm, opts)?;
+    let device = store.local_masters()[0].device();
+    let mut optimizer = AdamW::new(adam, store.local_masters());
+    optimizer.exp_avg = exp_avg.into_iter().map(|t| t.to_device(device)).collect();
+    optimizer.exp_avg_sq = exp_avg_sq
+        .into_iter()
+        .map(|t| t.to_device(device))
+        .collect();
+    optimizer.step = meta.optimizer_step;
+    Ok(LoadedShards {
+        store,
+        optimizer,
+        meta,
+    })
+}
+
+/// The full, unsharded fp32 tensors of a sharded checkpoint, in the model layout's order, with their names.
+pub fn assemble_full(dir: &Path) -> Result<(CheckpointMeta, Vec<(String, Tensor)>)> {
+    let meta = read_meta(dir)?;
+    let mut reader = ShardReader {
+        dir,
+        meta: &meta,
+        file: model_file,
+        bytes: HashMap::new(),
+    };
+    let mut named: Vec<(usize, String, Tensor)> = Vec::new();
+    for (u, unit) in meta.units.iter().enumerate() {
+        let flat = reader.range(u, &unit.name, 0, unit.numel)?;
+        for (i, e) in unit.entries.iter().enumerate() {
+            named.push((e.layout_index, e.name.clone(), unit.view(&flat, i).copy()));
+        }
+    }
+    named.sort_by_key(|(i, _, _)| *i);
+    let tensors = named.into_iter().map(|(_, n, t)| (n, t)).collect();
+    Ok((meta, tensors))
+}
+
+/// Writes the Hugging Face folder `out` (config.json, model.safetensors in `kind`, side files from `side_from`) from
+/// the sharded checkpoint `dir` of a model with `cfg`.
+pub fn export_hf(
+    dir: &Path,
+    cfg: &ModelConfig,
+    out: &Path,
+    kind: Kind,
+    side_from: &[&Path],
+) -> Result<()> {
+    let layout = ModelLayout::new(cfg);
+    let (_, named) = assemble_full(dir)?;
+    if named.len() != layout.tensors.len() {
+        bail!(
+            "{}: the checkpoint has {} tensors, the model config implies {}",
+            dir.display(),
+            named.len(),
+            layout.tensors.len()
+        );
+    }
+    for ((name, shape), (n, t)) in layout.tensors.iter().zip(&named) {
+        if name != n || t.size() != *shape {
+            bail!(
+                "{}: tensor `{n}` {:?} where the config implies `{name}` {shape:?}",
+                dir.display(),
+                t.size()
+            );
+        }
+    }
+    let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
+    save_hf_folder(out, cfg, &layout, &params, kind, side_from)
+}

@@ -1,0 +1,148 @@
+//! FSDP2-style sharding for ferl's SFT engine (design note 8): a [`ParamStore`](ferl_trainer::params::ParamStore)
+//! that shards parameters, gradients and AdamW state over a [`Communicator`](ferl_collective::Communicator) group.
+//!
+//! # Data model
+//! The model's tensors are grouped per stage (embedding, each decoder layer, final norm + head) into [`FlatUnit`]s:
+//! one flat fp32 buffer per unit, padded to a multiple of the world size. Rank `r` keeps slice `r` of each buffer as its
+//! fp32 master (FULL_SHARD, SHARD_GRAD_OP) or the whole buffer (NO_SHARD). The optimizer (`ferl_trainer::optim::AdamW`,
+//! element-wise) runs on those local buffers only.
+//!
+//! # Using it (one trainer rank)
+//! ```no_run
+//! # use std::sync::Arc;
+//! # fn demo(comm: Arc<dyn ferl_collective::Communicator>) -> anyhow::Result<()> {
+//! use ferl_fsdp::{FsdpOptions, ShardedParams, ShardingStrategy};
+//! use ferl_trainer::model::load_model;
+//! let model = load_model(std::path::Path::new("assets/models/tiny-qwen2"))?;
+//! let opts = FsdpOptions::new(ShardingStrategy::FullShard, tch::Kind::Float, tch::Device::Cpu);
+//! // Every rank passes the same full tensors; each keeps only its shard.
+//! let store = ShardedParams::new(model.layout.clone(), &model.params, comm, opts)?;
+//! // Build `Engine::new(cfg, store, kind, ..)`, `AdamW::new(cfg, store.local_masters())`, a `Stepper`, then call
+//! // `ferl_fsdp::global_step(&mut stepper, &my_slice_of_the_global_batch)` every step on every rank.
+//! # Ok(()) }
+//! ```
+//! Checkpoints: [`save_sharded`] / [`load_sharded`] (any world size on load), [`assemble_full`] and [`export_hf`].
+//!
+//! # Modules
+//! - [`units`]: the flat unit layout (who owns which elements).
+//! - [`store`]: [`ShardedParams`] — gather (all-gather + prefetch), reduce-scatter, release, norms.
+//! - [`checkpoint`]: sharded checkpoints that load at any world size, and assembly of full tensors.
+//! - [`global`]: the exact token-mean over the global batch across ranks.
+//! - `worker`: the thread that runs the collectives in order while the main thread computes.
+
+pub mod checkpoint;
+pub mod global;
+pub mod store;
+pub mod units;
+mod worker;
+
+pub use checkpoint::{
+    assemble_full, export_hf, load_sharded, read_meta, save_sharded, CheckpointMeta, LoadedShards,
+    ShardSnapshot,
+};
+pub use global::global_step;
+pub use store::{CommStats, ShardedParams};
+pub use units::{FlatUnit, UnitPlan};
+
+use anyhow::{bail, Result};
+use ferl_config::{Dtype, FsdpConfig};
+use std::str::FromStr;
+use tch::{Device, Kind};
+
+/// How parameters, gradients and optimizer state are split across ranks (PyTorch FSDP's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardingStrategy {
+    /// Everything sharded; parameters are gathered per stage and freed after use (ZeRO-3).
+    FullShard,
+    /// Gradients and optimizer state sharded; gathered parameters are kept until the step's backward ends (ZeRO-2).
+    ShardGradOp,
+    /// Full replicas on every rank; gradients are all-reduced (DDP).
+    NoShard,
+}
+
+impl FromStr for ShardingStrategy {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_uppercase().as_str() {
+            "FULL_SHARD" => Self::FullShard,
+            "SHARD_GRAD_OP" => Self::ShardGradOp,
+            "NO_SHARD" => Self::NoShard,
+            other => bail!(
+                "sharding strategy `{other}` is not supported (supported: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD)"
+            ),
+        })
+    }
+}
+
+impl ShardingStrategy {
+    /// The strategy verl's `model.fsdp_config` implies: `fsdp_size: 1` replicates (NO_SHARD),
+    /// `reshard_after_forward: false` keeps parameters through backward (SHARD_GRAD_OP), otherwise FULL_SHARD.
+    pub fn from_fsdp_config(cfg: &FsdpConfig) -> Self {
+        if cfg.fsdp_size == 1 {
+            Self::NoShard
+        } else if !cfg.reshard_after_forward {
+            Self::ShardGradOp
+        } else {
+            Self::FullShard
+        }
+    }
+}
+
+/// How a [`ShardedParams`] runs.
+#[derive(Clone, Copy, Debug)]
+pub struct FsdpOptions {
+    /// Sharding strategy.
+    pub strategy: ShardingStrategy,
+    /// dtype parameters are gathered and computed in (bf16 for mixed precision).
+    pub compute_kind: Kind,
+    /// dtype gradients are reduced in (fp32 unless asked otherwise).
+    pub reduce_kind: Kind,
+    /// Device the stages compute on (and the communicator's device).
+    pub device: Device,
+    /// Keep fp32 masters, gradients and optimizer state in host memory (a no-op when `device` is the CPU).
+    pub cpu_offload: bool,
+    /// Start the next stage's all-gather while the current stage computes.
+    pub prefetch: bool,
+}
+
+impl FsdpOptions {
+    /// fp32 reduction, no offload, prefetch on.
+    pub fn new(strategy: ShardingStrategy, compute_kind: Kind, device: Device) -> Self {
+        Self {
+            strategy,
+            compute_kind,
+            reduce_kind: Kind::Float,
+            device,
+            cpu_offload: false,
+            prefetch: true,
+        }
+    }
+
+    /// Options from verl's `model.fsdp_config`: compute dtype from `mixed_precision.param_dtype` (else
+    /// `model_dtype`), reduce dtype from `mixed_precision.reduce_dtype`, offload from `cpu_offload`/`offload_params`,
+    /// prefetch always on (it never changes results).
+    pub fn from_fsdp_config(cfg: &FsdpConfig, device: Device) -> Self {
+        let (compute, reduce) = match &cfg.mixed_precision {
+            Some(mp) => (kind_of(mp.param_dtype), kind_of(mp.reduce_dtype)),
+            None => (kind_of(cfg.model_dtype), Kind::Float),
+        };
+        Self {
+            strategy: ShardingStrategy::from_fsdp_config(cfg),
+            compute_kind: compute,
+            reduce_kind: reduce,
+            device,
+            cpu_offload: cfg.cpu_offload || cfg.offload_params,
+            prefetch: true,
+        }
+    }
+}
+
+/// The tch kind of a config dtype.
+pub fn kind_of(d: Dtype) -> Kind {
+    match d {
+        Dtype::Fp32 => Kind::Float,
+        Dtype::Bf16 => Kind::BFloat16,
+        Dtype::Fp16 => Kind::Half,
+    }
+}

@@ -1,0 +1,506 @@
+//! [`ShardedParams`]: the [`ParamStore`] that shards the model over a [`Communicator`] group.
+//!
+//! # Invariants
+//! 1. `master[u]` is fp32 on the master device: this rank's shard of unit `u` (FULL_SHARD, SHARD_GRAD_OP) or the whole
+//!    padded flat buffer (NO_SHARD). `grads[u]` has the same shape and device.
+//! 2. After [`ShardedParams::finish_grads`] (which `grad_sq_norm` and `master_and_grads` run), `grads[u]` holds the
+//!    *sum over ranks* of every gradient accumulated since `zero_grads`, restricted to this rank's range.
+//! 3. Gathered copies never outlive a change of the masters: every cache and prefetch is dropped before the optimizer
+//!    sees the masters, and gathers read copies of the shards, never the masters themselves.
+//! 4. Which stage is prefetched depends only on the sequence of `gather` calls, which is the same on every rank, so
+//!    every rank submits the same collectives in the same order.
+
+use crate::units::UnitPlan;
+use crate::worker::{CommWorker, Pending};
+use crate::{FsdpOptions, ShardingStrategy};
+use anyhow::{bail, Context, Result};
+use ferl_collective::Communicator;
+use ferl_trainer::model::layout::{ModelLayout, Stage};
+use ferl_trainer::params::{ParamStore, StageParams};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+
+/// Reduce-scatters allowed in flight before `accumulate_grads` waits for the oldest.
+const MAX_PENDING_REDUCTIONS: usize = 4;
+
+/// Counters of the store's communication, for benchmarks and logs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CommStats {
+    /// Unit all-gathers submitted (prefetches included).
+    pub all_gathers: u64,
+    /// Unit all-gathers that were already in flight (prefetched) when `gather` asked for them.
+    pub prefetch_hits: u64,
+    /// Unit reduce-scatters (or, for NO_SHARD, all-reduces) submitted.
+    pub reductions: u64,
+    /// Time `gather` spent blocked on an all-gather.
+    pub gather_wait: Duration,
+}
+
+/// Parameters sharded over a group of ranks; see the crate docs for the constructor contract.
+pub struct ShardedParams {
+    layout: ModelLayout,
+    plan: UnitPlan,
+    opts: FsdpOptions,
+    rank: usize,
+    world: usize,
+    master_device: Device,
+    worker: CommWorker,
+    master: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    full: Vec<Option<Tensor>>,
+    inflight: Vec<(usize, Pending)>,
+    pending_reductions: VecDeque<(usize, Pending)>,
+    dirty: bool,
+    prev: Option<Stage>,
+    last: Option<Stage>,
+    next_of: HashMap<(Option<Stage>, Stage), Stage>,
+    stats: CommStats,
+}
+
+impl ShardedParams {
+    /// Shards the full fp32 parameters `full` (in `layout.tensors` order, identical on every rank — e.g. from
+    /// `load_model` or `init_params` with one seed) over `comm`'s group; this rank keeps only its part.
+    pub fn new(
+        layout: ModelLayout,
+        full: &[Tensor],
+        comm: Arc<dyn Communicator>,
+        opts: FsdpOptions,
+    ) -> Result<Self> {
+        if full.len() != layout.tensors.len() {
+            bail!(
+                "ShardedParams::new: {} tensors given, the layout has {}",
+                full.len(),
+                layout.tensors.len()
+            );
+        }
+        for ((name, shape), t) in layout.tensors.iter().zip(full) {
+            if t.size() != *shape {
+                bail!(
+                    "ShardedParams::new: tensor `{name}` has shape {:?}, the layout says {shape:?}",
+                    t.size()
+                );
+            }
+        }
+        let plan = UnitPlan::new(&layout);
+        let world = comm.world_size();
+        let rank = comm.rank();
+        let locals = plan
+            .units
+            .iter()
+            .map(|u| {
+                let parts: Vec<Option<&Tensor>> = u
+                    .entries
+                    .iter()
+                    .map(|e| Some(&full[e.layout_index]))
+                    .collect();
+                let flat = u.flatten(&parts, world, Kind::Float, Device::Cpu);
+                let (start, len) = local_range(opts.strategy, u.shard_len(world), rank, world);
+                flat.narrow(0, start, len).copy()
+            })
+            .collect();
+        Self::from_local_masters(layout, plan, locals, comm, opts)
+    }
+
+    /// A store from this rank's local master buffers (one per unit of `plan`, as invariant 1 describes).
+    pub(crate) fn from_local_masters(
+        layout: ModelLayout,
+        plan: UnitPlan,
+        locals: Vec<Tensor>,
+        comm: Arc<dyn Communicator>,
+        opts: FsdpOptions,
+    ) -> Result<Self> {
+        let world = comm.world_size();
+        let rank = comm.rank();
+        let master_device = if opts.cpu_offload {
+            Device::Cpu
+        } else {
+            opts.device
+        };
+        if opts.cpu_offload {
+            if opts.device == Device::Cpu {
+                tracing::info!(
+                    "cpu_offload: compute already runs on the CPU, so offloading changes nothing"
+                );
+            } else {
+                tracing::info!(
+                    "cpu_offload: fp32 master shards and AdamW state are kept in host memory"
+                );
+            }
+        }
+        let mut master = Vec::with_capacity(locals.len());
+        for (u, t) in plan.units.iter().zip(locals) {
+            let (_, len) = local_range(opts.strategy, u.shard_len(world), rank, world);
+            if t.numel() as i64 != len {
+                bail!(
+                    "unit `{}`: local master has {} elements, expected {len}",
+                    u.name,
+                    t.numel()
+                );
+            }
+            master.push(t.to_kind(Kind::Float).to_device(master_device));
+        }
+        let grads = master.iter().map(Tensor::zeros_like).collect();
+        let full = (0..master.len()).map(|_| None).collect();
+        Ok(Self {
+            layout,
+            plan,
+            opts,
+            rank,
+            world,
+            master_device,
+            worker: CommWorker::new(comm),
+            master,
+            grads,
+            full,
+            inflight: Vec::new(),
+            pending_reductions: VecDeque::new(),
+            dirty: false,
+            prev: None,
+            last: None,
+            next_of: HashMap::new(),
+            stats: CommStats::default(),
+        })
+    }
+
+    /// The flat units the model is sharded into.
+    pub fn plan(&self) -> &UnitPlan {
+        &self.plan
+    }
+
+    /// The options the store runs with.
+    pub fn options(&self) -> &FsdpOptions {
+        &self.opts
+    }
+
+    /// This rank and the group size.
+    pub fn rank_and_world(&self) -> (usize, usize) {
+        (self.rank, self.world)
+    }
+
+    /// Communication counters since the store was built.
+    pub fn comm_stats(&self) -> CommStats {
+        self.stats
+    }
+
+    /// Where unit `u`'s local master starts inside its padded flat buffer, and how long it is.
+    pub fn local_range(&self, u: usize) -> (i64, i64) {
+        local_range(
+            self.opts.strategy,
+            self.plan.units[u].shard_len(self.world),
+            self.rank,
+            self.world,
+        )
+    }
+
+    /// The local fp32 masters, one per unit (invariant 1).
+    pub fn local_masters(&self) -> &[Tensor] {
+        &self.master
+    }
+
+    /// Sums `values` over the ranks (through the store's communication thread, in order with its other collectives).
+    pub fn all_reduce_sum(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        if self.world == 1 {
+            return Ok(values.to_vec());
+        }
+        let t = Tensor::from_slice(values).to_device(self.opts.device);
+        let out = self
+            .worker
+            .all_reduce(t)
+            .wait()
+            .context("summing scalars over ranks")?;
+        Ok(Vec::<f64>::try_from(&out.to_device(Device::Cpu))?)
+    }
+
+    /// Full parameters of all ranks, assembled (fp32, CPU, layout order): an all-gather of every unit.
+    pub fn full_params(&mut self) -> Result<Vec<Tensor>> {
+        self.finish_grads()?;
+        let mut flats = Vec::with_capacity(self.master.len());
+        for u in 0..self.master.len() {
+            let flat = match self.opts.strategy {
+                ShardingStrategy::NoShard => self.master[u].copy(),
+                _ => self
+                    .worker
+                    .all_gather(self.master[u].to_device(self.opts.device).copy())
+                    .wait()
+                    .with_context(|| format!("gathering unit `{}`", self.plan.units[u].name))?,
+            };
+            flats.push(flat.to_device(Device::Cpu));
+        }
+        Ok(self.plan.unflatten(&flats, self.layout.tensors.len()))
+    }
+
+    fn sharded(&self) -> bool {
+        self.opts.strategy != ShardingStrategy::NoShard
+    }
+
+    /// Records that `stage` follows the previous gathers and returns the stage predicted to come next.
+    fn observe(&mut self, stage: Stage) -> Option<Stage> {
+        if let Some(last) = self.last {
+            self.next_of.insert((self.prev, last), stage);
+        }
+        self.prev = self.last;
+        self.last = Some(stage);
+        self.predicted()
+    }
+
+    fn predicted(&self) -> Option<Stage> {
+        self.last
+            .and_then(|l| self.next_of.get(&(self.prev, l)).copied())
+    }
+
+    /// Submits the all-gather of unit `u` unless it is cached or in flight.
+    fn start_gather(&mut self, u: usize) {
+        if self.full[u].is_some() || self.inflight.iter().any(|(i, _)| *i == u) {
+            return;
+        }
+        let shard = self.master[u]
+            .to_device(self.opts.device)
+            .to_kind(self.opts.compute_kind)
+            .copy();
+        self.stats.all_gathers += 1;
+        let p = self.worker.all_gather(shard);
+        self.inflight.push((u, p));
+    }
+
+    /// Makes `full[u]` present: the master itself or a cast copy (NO_SHARD), or the finished all-gather.
+    fn materialise(&mut self, u: usize) -> Result<()> {
+        if self.full[u].is_some() {
+            return Ok(());
+        }
+        let t = if self.sharded() {
+            let pos = self
+                .inflight
+                .iter()
+                .position(|(i, _)| *i == u)
+                .context("an all-gather was started for every unit of the stage")?;
+            let (_, p) = self.inflight.remove(pos);
+            let started = Instant::now();
+            let t = p
+                .wait()
+                .with_context(|| format!("all-gather of unit `{}`", self.plan.units[u].name))?;
+            self.stats.gather_wait += started.elapsed();
+            t
+        } else if self.opts.compute_kind == Kind::Float && self.master_device == self.opts.device {
+            self.master[u].shallow_clone()
+        } else {
+            self.master[u]
+                .to_device(self.opts.device)
+                .to_kind(self.opts.compute_kind)
+        };
+        self.full[u] = Some(t);
+        Ok(())
+    }
+
+    fn prefetch(&mut self, next: Stage, current: Stage) {
+        if !self.sharded() || !self.opts.prefetch || next == current {
+            return;
+        }
+        let wanted = self.plan.stage_units[&next].clone();
+        let current = &self.plan.stage_units[&current];
+        // An unclaimed prefetch for another stage would only hold memory: let it finish unobserved.
+        self.inflight
+            .retain(|(u, _)| wanted.contains(u) || current.contains(u));
+        for u in wanted {
+            self.start_gather(u);
+        }
+    }
+
+    /// Adds a finished reduction of unit `u` into its gradient.
+    fn apply_reduction(&mut self, u: usize, p: Pending) -> Result<()> {
+        let t = p.wait().with_context(|| {
+            format!(
+                "reduce-scatter of unit `{}`'s gradient",
+                self.plan.units[u].name
+            )
+        })?;
+        let _g = tch::no_grad_guard();
+        let _ = self.grads[u].g_add_(&t.to_device(self.master_device).to_kind(Kind::Float));
+        Ok(())
+    }
+
+    /// Waits for every gradient reduction in flight and, for NO_SHARD, all-reduces the accumulated gradients; drops
+    /// gathered copies and prefetches. Idempotent; `grad_sq_norm` calls it.
+    pub fn finish_grads(&mut self) -> Result<()> {
+        while let Some((u, p)) = self.pending_reductions.pop_front() {
+            self.apply_reduction(u, p)?;
+        }
+        if self.dirty && !self.sharded() && self.world > 1 {
+            let mut pending = Vec::with_capacity(self.grads.len());
+            for u in 0..self.grads.len() {
+                let g = self.grads[u]
+                    .to_device(self.opts.device)
+                    .to_kind(self.opts.reduce_kind)
+                    .copy();
+                self.stats.reductions += 1;
+                pending.push(self.worker.all_reduce(g));
+            }
+            for (u, p) in pending.into_iter().enumerate() {
+                let t = p.wait().with_context(|| {
+                    format!(
+                        "all-reduce of unit `{}`'s gradient",
+                        self.plan.units[u].name
+                    )
+                })?;
+                let _g = tch::no_grad_guard();
+                self.grads[u].copy_(&t);
+            }
+        }
+        self.dirty = false;
+        self.drop_gathered();
+        Ok(())
+    }
+
+    fn drop_gathered(&mut self) {
+        self.inflight.clear();
+        for f in &mut self.full {
+            *f = None;
+        }
+    }
+}
+
+/// Where a rank's local master lies inside a unit's padded flat buffer: its shard, or everything for NO_SHARD.
+pub fn local_range(
+    strategy: ShardingStrategy,
+    shard: i64,
+    rank: usize,
+    world: usize,
+) -> (i64, i64) {
+    match strategy {
+        ShardingStrategy::NoShard => (0, shard * world as i64),
+        _ => (shard * rank as i64, shard),
+    }
+}
+
+impl ParamStore for ShardedParams {
+    fn layout(&self) -> &ModelLayout {
+        &self.layout
+    }
+
+    fn gather(&mut self, stage: Stage) -> Result<StageParams> {
+        let units = self
+            .plan
+            .stage_units
+            .get(&stage)
+            .with_context(|| format!("stage {stage:?} is not part of the model layout"))?
+            .clone();
+        let next = self.observe(stage);
+        if self.sharded() {
+            for &u in &units {
+                if self.inflight.iter().any(|(i, _)| *i == u) {
+                    self.stats.prefetch_hits += 1;
+                }
+                self.start_gather(u);
+            }
+        }
+        if let Some(next) = next {
+            self.prefetch(next, stage);
+        }
+        for &u in &units {
+            self.materialise(u)?;
+        }
+        let refs = &self.plan.stage_refs[&stage];
+        let tensors = refs
+            .iter()
+            .map(|&(u, e)| {
+                let flat = self.full[u].as_ref().expect("materialised above");
+                self.plan.units[u]
+                    .view(flat, e)
+                    .detach()
+                    .set_requires_grad(true)
+            })
+            .collect();
+        Ok(StageParams { tensors })
+    }
+
+    fn accumulate_grads(&mut self, stage: Stage, grads: &[Tensor]) -> Result<()> {
+        let refs = self.plan.stage_refs[&stage].clone();
+        if grads.len() != refs.len() {
+            bail!(
+                "stage {stage:?}: {} gradients for {} parameters",
+                grads.len(),
+                refs.len()
+            );
+        }
+        self.dirty = true;
+        for u in self.plan.stage_units[&stage].clone() {
+            let unit = &self.plan.units[u];
+            let mut parts: Vec<Option<&Tensor>> = vec![None; unit.entries.len()];
+            for (k, &(ru, e)) in refs.iter().enumerate() {
+                if ru == u {
+                    parts[e] = Some(&grads[k]);
+                }
+            }
+            if self.sharded() {
+                let flat =
+                    unit.flatten(&parts, self.world, self.opts.reduce_kind, self.opts.device);
+                self.stats.reductions += 1;
+                let p = self.worker.reduce_scatter(flat);
+                self.pending_reductions.push_back((u, p));
+            } else {
+                let flat = unit.flatten(&parts, self.world, Kind::Float, self.master_device);
+                let _g = tch::no_grad_guard();
+                let _ = self.grads[u].g_add_(&flat);
+            }
+        }
+        while self.pending_reductions.len() > MAX_PENDING_REDUCTIONS {
+            let (u, p) = self.pending_reductions.pop_front().expect("non-empty");
+            self.apply_reduction(u, p)?;
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, stage: Stage) {
+        if self.opts.strategy != ShardingStrategy::FullShard {
+            return; // SHARD_GRAD_OP keeps gathered parameters until the step's backward ends; NO_SHARD holds views.
+        }
+        let keep: Vec<usize> = self
+            .predicted()
+            .map(|n| self.plan.stage_units[&n].clone())
+            .unwrap_or_default();
+        for &u in &self.plan.stage_units[&stage] {
+            if !keep.contains(&u) {
+                self.full[u] = None;
+            }
+        }
+    }
+
+    /// Finishes pending reductions first (see [`ShardedParams::finish_grads`]); panics if a collective fails there,
+    /// which cannot happen when `grad_sq_norm` ran first, as `Stepper::step` does.
+    fn master_and_grads(&mut self) -> (&mut [Tensor], &mut [Tensor]) {
+        if let Err(e) = self.finish_grads() {
+            panic!("ShardedParams: finishing gradient reductions before the optimizer step failed: {e:#}");
+        }
+        (&mut self.master, &mut self.grads)
+    }
+
+    fn grad_sq_norm(&mut self) -> Result<f64> {
+        self.finish_grads()?;
+        let _g = tch::no_grad_guard();
+        let mut local = 0.0;
+        for g in &self.grads {
+            local += g.square().sum(Kind::Double).double_value(&[]);
+        }
+        if self.sharded() && self.world > 1 {
+            Ok(self.all_reduce_sum(&[local])?[0])
+        } else {
+            Ok(local)
+        }
+    }
+
+    fn zero_grads(&mut self) {
+        while let Some((u, p)) = self.pending_reductions.pop_front() {
+            if let Err(e) = p.wait() {
+                tracing::warn!(unit = %self.plan.units[u].name, "discarding a failed gradient reduction: {e:#}");
+            }
+        }
+        self.dirty = false;
+        let _g = tch::no_grad_guard();
+        for g in &mut self.grads {
+            let _ = g.zero_();
+        }
+        // Masters may have changed since the last gather (optimizer step, restore): start from fresh gathers.
+        self.drop_gathered();
+    }
+}

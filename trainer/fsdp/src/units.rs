@@ -1,0 +1,235 @@
+//! Flat sharding units: the model's tensors grouped per stage into one flat fp32 buffer each, padded to a multiple of
+//! the world size so every rank holds an equal slice.
+//!
+//! # Invariants
+//! 1. Every tensor of the layout belongs to exactly one unit: the unit of the first stage (in layout order) that uses
+//!    it. A tied output matrix therefore lives in the embedding unit and the head stage refers to it there.
+//! 2. A unit's flat buffer is its tensors' elements in stage order, back to back, followed by zero padding up to
+//!    `padded = ceil(numel / world) * world`; rank `r` owns `[r * shard, (r + 1) * shard)` with `shard = padded / world`.
+//! 3. Padding elements have zero value and zero gradient forever (AdamW keeps zeros at zero).
+
+use ferl_trainer::model::layout::{ModelLayout, Stage};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use tch::{Kind, Tensor};
+
+/// One tensor's place inside a unit's flat buffer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlatEntry {
+    /// Hugging Face name of the tensor.
+    pub name: String,
+    /// Index into `ModelLayout::tensors`.
+    pub layout_index: usize,
+    /// Shape of the tensor.
+    pub shape: Vec<i64>,
+    /// First element inside the flat buffer.
+    pub offset: i64,
+    /// Number of elements.
+    pub numel: i64,
+}
+
+/// The tensors sharded together as one flat buffer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FlatUnit {
+    /// Name of the unit (`embedding`, `layers.3`, `head`).
+    pub name: String,
+    /// Member tensors in flat order.
+    pub entries: Vec<FlatEntry>,
+    /// Elements of all members (unpadded).
+    pub numel: i64,
+}
+
+impl FlatUnit {
+    /// Elements after padding to a multiple of `world`.
+    pub fn padded(&self, world: usize) -> i64 {
+        let w = world as i64;
+        (self.numel + w - 1) / w * w
+    }
+
+    /// Elements of one rank's shard at `world` ranks.
+    pub fn shard_len(&self, world: usize) -> i64 {
+        self.padded(world) / world as i64
+    }
+
+    /// Flattens `parts` (one per entry, in entry order; `None` or undefined means zeros) into one padded 1-D tensor
+    /// of `kind` on `device`.
+    pub fn flatten(
+        &self,
+        parts: &[Option<&Tensor>],
+        world: usize,
+        kind: Kind,
+        device: tch::Device,
+    ) -> Tensor {
+        let out = Tensor::zeros([self.padded(world)], (kind, device));
+        let _g = tch::no_grad_guard();
+        for (e, part) in self.entries.iter().zip(parts) {
+            if let Some(t) = part.filter(|t| t.defined()) {
+                let mut dst = out.narrow(0, e.offset, e.numel);
+                dst.copy_(&t.reshape([-1]));
+            }
+        }
+        out
+    }
+
+    /// The view of entry `i` inside `flat` (a full, possibly padded flat buffer of this unit).
+    pub fn view(&self, flat: &Tensor, i: usize) -> Tensor {
+        let e = &self.entries[i];
+        flat.narrow(0, e.offset, e.numel).view(e.shape.as_slice())
+    }
+}
+
+/// Units of a model and, per stage, where each of its tensors lives.
+#[derive(Clone, Debug)]
+pub struct UnitPlan {
+    /// Units in layout stage order.
+    pub units: Vec<FlatUnit>,
+    /// Per stage: for each tensor the stage takes, `(unit, entry)`.
+    pub stage_refs: HashMap<Stage, Vec<(usize, usize)>>,
+    /// Per stage: the distinct units it touches, in first-use order.
+    pub stage_units: HashMap<Stage, Vec<usize>>,
+}
+
+/// The name a stage's unit gets.
+pub fn unit_name(stage: Stage) -> String {
+    match stage {
+        Stage::Embedding => "embedding".into(),
+        Stage::Decoder(l) => format!("layers.{l}"),
+        Stage::Head => "head".into(),
+    }
+}
+
+impl UnitPlan {
+    /// Groups `layout`'s tensors into units (invariant 1).
+    pub fn new(layout: &ModelLayout) -> Self {
+        let mut owner: HashMap<usize, (usize, usize)> = HashMap::new();
+        let mut units: Vec<FlatUnit> = Vec::new();
+        let mut stage_refs = HashMap::new();
+        let mut stage_units = HashMap::new();
+        for (stage, ids) in &layout.stages {
+            let mut unit = FlatUnit {
+                name: unit_name(*stage),
+                entries: Vec::new(),
+                numel: 0,
+            };
+            let uid = units.len();
+            for &i in ids {
+                if owner.contains_key(&i) {
+                    continue;
+                }
+                let (name, shape) = &layout.tensors[i];
+                let numel: i64 = shape.iter().product();
+                owner.insert(i, (uid, unit.entries.len()));
+                unit.entries.push(FlatEntry {
+                    name: name.clone(),
+                    layout_index: i,
+                    shape: shape.clone(),
+                    offset: unit.numel,
+                    numel,
+                });
+                unit.numel += numel;
+            }
+            if !unit.entries.is_empty() {
+                units.push(unit);
+            }
+            let refs: Vec<(usize, usize)> = ids.iter().map(|i| owner[i]).collect();
+            let mut touched: Vec<usize> = Vec::new();
+            for (u, _) in &refs {
+                if !touched.contains(u) {
+                    touched.push(*u);
+                }
+            }
+            stage_refs.insert(*stage, refs);
+            stage_units.insert(*stage, touched);
+        }
+        Self {
+            units,
+            stage_refs,
+            stage_units,
+        }
+    }
+
+    /// Flattens full tensors in layout order into one unpadded-plus-padding flat buffer per unit (fp32, CPU).
+    pub fn flatten_full(&self, full: &[Tensor], world: usize) -> Vec<Tensor> {
+        self.units
+            .iter()
+            .map(|u| {
+                let parts: Vec<Option<&Tensor>> = u
+                    .entries
+                    .iter()
+                    .map(|e| Some(&full[e.layout_index]))
+                    .collect();
+                u.flatten(&parts, world, Kind::Float, tch::Device::Cpu)
+            })
+            .collect()
+    }
+
+    /// Splits unit flat buffers back into full tensors in layout order (`count` = number of layout tensors).
+    pub fn unflatten(&self, flats: &[Tensor], count: usize) -> Vec<Tensor> {
+        let mut out: Vec<Option<Tensor>> = (0..count).map(|_| None).collect();
+        for (u, flat) in self.units.iter().zip(flats) {
+            for (i, e) in u.entries.iter().enumerate() {
+                out[e.layout_index] = Some(u.view(flat, i).copy());
+            }
+        }
+        out.into_iter()
+            .map(|t| t.expect("every layout tensor belongs to a unit"))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferl_trainer::model::config::ModelConfig;
+
+    fn layout(tie: bool) -> ModelLayout {
+        let raw = serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 12, "num_hidden_layers": 2, "vocab_size": 11, "tie_word_embeddings": tie,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0
+        });
+        ModelLayout::new(&ModelConfig::from_value(raw, std::path::Path::new("test")).unwrap())
+    }
+
+    #[test]
+    fn every_tensor_has_one_unit_and_tied_head_refers_to_the_embedding_unit() {
+        for tie in [true, false] {
+            let l = layout(tie);
+            let plan = UnitPlan::new(&l);
+            let total: i64 = plan.units.iter().map(|u| u.numel).sum();
+            assert_eq!(total, l.num_params());
+            let head = &plan.stage_units[&Stage::Head];
+            if tie {
+                assert_eq!(
+                    head,
+                    &vec![3, 0],
+                    "tied head touches its own unit and the embedding unit"
+                );
+            } else {
+                assert_eq!(head, &vec![3]);
+            }
+        }
+    }
+
+    #[test]
+    fn flatten_then_unflatten_round_trips_and_pads_with_zeros() {
+        let l = layout(false);
+        let plan = UnitPlan::new(&l);
+        let full: Vec<Tensor> = l
+            .tensors
+            .iter()
+            .map(|(_, s)| Tensor::randn(s.as_slice(), (Kind::Float, tch::Device::Cpu)))
+            .collect();
+        let flats = plan.flatten_full(&full, 3);
+        for (u, f) in plan.units.iter().zip(&flats) {
+            assert_eq!(f.numel() as i64, u.padded(3));
+            assert_eq!(u.padded(3) % 3, 0);
+            let pad = f.narrow(0, u.numel, u.padded(3) - u.numel);
+            assert_eq!(pad.abs().sum(Kind::Float).double_value(&[]), 0.0);
+        }
+        let back = plan.unflatten(&flats, full.len());
+        for (a, b) in full.iter().zip(&back) {
+            assert!(a.equal(b));
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! A background thread that runs every collective of one store in submission order, so the main thread can compute
+//! while an all-gather (prefetch) or a reduce-scatter is in flight.
+//!
+//! # Invariants
+//! 1. Collectives run one at a time, in the order they were submitted. Every rank submits the same sequence (the
+//!    schedule is the same on every rank), so the ranks' collectives always match.
+//! 2. Nothing else calls the communicator while the worker exists: all collectives of the store go through it.
+
+use anyhow::{anyhow, Result};
+use ferl_collective::Communicator;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use tch::Tensor;
+
+type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
+
+/// The result of a submitted collective, to be waited for.
+pub struct Pending {
+    rx: Receiver<Result<Tensor>>,
+    what: &'static str,
+}
+
+impl Pending {
+    /// Blocks until the collective finished; returns its output tensor.
+    pub fn wait(self) -> Result<Tensor> {
+        self.rx
+            .recv()
+            .map_err(|_| anyhow!("{}: the communication thread exited", self.what))?
+    }
+}
+
+/// The thread that owns the communicator's calls.
+pub struct CommWorker {
+    tx: Option<Sender<Job>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl CommWorker {
+    /// Starts the thread for `comm`.
+    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+        let (tx, rx) = channel::<Job>();
+        let rank = comm.rank();
+        let handle = std::thread::Builder::new()
+            .name(format!("ferl-fsdp-comm-{rank}"))
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    job(comm.as_ref());
+                }
+            })
+            .expect("spawning the communication thread");
+        Self {
+            tx: Some(tx),
+            handle: Some(handle),
+        }
+    }
+
+    /// Queues `f`; its tensor comes back through the returned [`Pending`].
+    pub fn submit<F>(&self, what: &'static str, f: F) -> Pending
+    where
+        F: FnOnce(&dyn Communicator) -> Result<Tensor> + Send + 'static,
+    {
+        let (tx, rx) = channel();
+        let job: Job = Box::new(move |c| {
+            let _ = tx.send(f(c));
+        });
+        if let Some(sender) = &self.tx {
+            // A send error means the thread is gone; `wait` then reports it.
+            let _ = sender.send(job);
+        }
+        Pending { rx, what }
+    }
+
+    /// All-gathers the 1-D `shard` into a new tensor of `world * shard.numel()` elements.
+    pub fn all_gather(&self, shard: Tensor) -> Pending {
+        self.submit("all_gather", move |c| {
+            if c.world_size() == 1 {
+                return Ok(shard);
+            }
+            c.all_gather_flat(&shard)
+        })
+    }
+
+    /// Sums the 1-D `full` across ranks and returns this rank's block.
+    pub fn reduce_scatter(&self, full: Tensor) -> Pending {
+        self.submit("reduce_scatter", move |c| {
+            if c.world_size() == 1 {
+                return Ok(full);
+            }
+            c.reduce_scatter_flat(&full, ferl_collective::ReduceOp::Sum)
+        })
+    }
+
+    /// Sums `t` across ranks and returns it.
+    pub fn all_reduce(&self, mut t: Tensor) -> Pending {
+        self.submit("all_reduce", move |c| {
+            c.all_reduce(&mut t, ferl_collective::ReduceOp::Sum)?;
+            Ok(t)
+        })
+    }
+}
+
+impl Drop for CommWorker {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
