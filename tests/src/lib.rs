@@ -1,1 +1,143 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests: a tiny model folder with the real Qwen tokenizer, a GSM8K slice, the
+//! config overrides of a short run, the single-process reference run, and the driver binary's path.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use ferl_actors::data_loader::{load_datasets, DataPlan};
+use ferl_actors::rank::{build_stepper, load_local_params, rank_device, total_steps};
+use ferl_actors::sft::StepRecord;
+use ferl_config::SftConfig;
+use ferl_trainer::batch::SampleRef;
+use ferl_trainer::model::config::ModelConfig;
+use ferl_trainer::model::layout::ModelLayout;
+use ferl_trainer::model::weights;
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the repository").to_path_buf()
+}
+
+/// Writes a 2-layer, 32-wide Qwen2 model (real 151,936-token vocabulary so the Qwen tokenizer's ids fit) with
+/// seeded random weights and the tokenizer files into `dir`.
+pub fn write_tiny_model(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let root = repo_root();
+    let mut raw: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("assets/models/tiny-qwen2/config.json"))?)?;
+    let obj = raw.as_object_mut().context("config.json is an object")?;
+    for (k, v) in [
+        ("hidden_size", 32),
+        ("intermediate_size", 64),
+        ("num_hidden_layers", 2),
+        ("num_attention_heads", 2),
+        ("num_key_value_heads", 1),
+        ("head_dim", 16),
+    ] {
+        obj.insert(k.into(), v.into());
+    }
+    obj.insert("layer_types".into(), serde_json::json!(["full_attention", "full_attention"]));
+    obj.insert("initializer_range".into(), 0.2.into());
+    let cfg_file = dir.join("config.json");
+    std::fs::write(&cfg_file, serde_json::to_vec_pretty(&raw)?)?;
+    let cfg = ModelConfig::from_file(&cfg_file)?;
+    let layout = ModelLayout::new(&cfg);
+    let params = weights::init_params(&cfg, &layout, 7);
+    let tok = root.join("assets/tokenizers/qwen3");
+    weights::save_hf_folder(dir, &cfg, &layout, &params, tch::Kind::Float, &[tok.as_path()])?;
+    Ok(())
+}
+
+/// Writes the first `rows` GSM8K training rows to `file`.
+pub fn write_gsm8k_slice(file: &Path, rows: usize) -> Result<()> {
+    let text = std::fs::read_to_string(repo_root().join("assets/data/gsm8k/train.jsonl"))?;
+    let lines: Vec<&str> = text.lines().take(rows).collect();
+    std::fs::write(file, lines.join("\n") + "\n")?;
+    Ok(())
+}
+
+/// A prepared run folder: model, data, checkpoint root.
+pub struct Fixture {
+    /// Keeps the folder alive.
+    pub dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    /// A tiny model and 40 GSM8K rows.
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::tempdir()?;
+        write_tiny_model(&dir.path().join("model"))?;
+        write_gsm8k_slice(&dir.path().join("train.jsonl"), 40)?;
+        Ok(Self { dir })
+    }
+
+    /// Config overrides of a short CPU run: global batch 8, micro-batch 2 (gradient accumulation on every rank),
+    /// `steps` steps, checkpoints under `ckpt`, plus `extra`.
+    pub fn overrides(&self, steps: usize, ckpt: &str, extra: &[&str]) -> Vec<String> {
+        let d = self.dir.path();
+        let mut o = vec![
+            format!("model.partial_pretrain={}", d.join("model").display()),
+            format!("data.train_files={}", d.join("train.jsonl").display()),
+            "data.val_files=[]".into(),
+            "data.train_batch_size=8".into(),
+            "data.micro_batch_size_per_gpu=2".into(),
+            "data.max_length=96".into(),
+            "data.truncation=right".into(),
+            format!("trainer.total_training_steps={steps}"),
+            format!("trainer.default_local_dir={}", d.join(ckpt).display()),
+            "trainer.device=cpu".into(),
+            "trainer.logger=[console]".into(),
+            "model.enable_gradient_checkpointing=false".into(),
+            "optim.lr=1e-3".into(),
+            "optim.lr_warmup_steps_ratio=0".into(),
+        ];
+        o.extend(extra.iter().map(|s| s.to_string()));
+        o
+    }
+}
+
+/// The single-process trainer on the same config: the trainer's own `Stepper::step` on each whole global batch.
+pub fn reference_run(overrides: &[String]) -> Result<Vec<StepRecord>> {
+    let cfg = SftConfig::load(None, overrides)?;
+    let device = rank_device(&cfg, 0);
+    let (train, _) = load_datasets(&cfg)?;
+    let mut plan = DataPlan::new(&cfg, train.len())?;
+    let total = total_steps(&cfg, train.len());
+    let (model, store) = load_local_params(&cfg, device)?;
+    let mut stepper = build_stepper(&cfg, model, store, device, total)?;
+    let mut out = Vec::new();
+    for step in 1..=total as u64 {
+        let (_, indices) = plan.next_batch();
+        let refs: Vec<SampleRef<'_>> = indices
+            .iter()
+            .map(|&i| {
+                let s = train.get(i);
+                SampleRef { input_ids: &s.input_ids, loss_mask: &s.loss_mask }
+            })
+            .collect();
+        let stats = stepper.step(&refs)?;
+        out.push(StepRecord { step, loss: stats.loss, grad_norm: stats.grad_norm, lr: stats.lr });
+    }
+    Ok(out)
+}
+
+/// A command running the driver binary `exe` (tests pass `env!("CARGO_BIN_EXE_ferl-sft-driver")`).
+pub fn driver_command(exe: &str) -> Command {
+    let mut cmd = Command::new(exe);
+    // Several ranks share few cores: one intra-op thread each keeps them from fighting.
+    cmd.env("OMP_NUM_THREADS", "1").env("RUST_LOG", "warn");
+    cmd
+}
+
+/// Asserts two loss/grad-norm curves agree within `rel` relative error, step by step.
+pub fn assert_curves_match(what: &str, got: &[StepRecord], want: &[StepRecord], rel: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: number of steps");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.step, w.step, "{what}: step numbers");
+        for (name, a, b) in [("loss", g.loss, w.loss), ("grad_norm", g.grad_norm, w.grad_norm), ("lr", g.lr, w.lr)] {
+            let err = (a - b).abs() / b.abs().max(1e-12);
+            assert!(err <= rel, "{what}: step {} {name} {a} vs reference {b} (relative error {err:e} > {rel:e})", g.step);
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! The wire types of the standard actors: one type per message (rkyv), with its reply declared by
+//! [`ferl_runtime::message!`]. Tensors never travel here — only token ids, paths and numbers.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// One tokenized sample: token ids and, per token, whether it is a training target.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// Token ids.
+    pub input_ids: Vec<i64>,
+    /// `loss_mask[t]`: token `t` is a target (predicted from position `t - 1`).
+    pub loss_mask: Vec<bool>,
+}
+
+impl Sample {
+    /// Targets in this sample (token 0 never is one).
+    pub fn num_targets(&self) -> i64 {
+        self.loss_mask.iter().skip(1).filter(|&&m| m).count() as i64
+    }
+}
+
+impl From<&ferl_data::TokenizedSample> for Sample {
+    fn from(s: &ferl_data::TokenizedSample) -> Self {
+        Self { input_ids: s.input_ids.clone(), loss_mask: s.loss_mask.clone() }
+    }
+}
+
+/// What one rank did in one optimizer step.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub struct RankStep {
+    /// Summed (unscaled) cross-entropy over this rank's targets; the global loss is the sum over ranks divided by
+    /// the global target count.
+    pub loss_sum: f64,
+    /// Global gradient norm before clipping (the same on every rank).
+    pub grad_norm: f64,
+    /// Learning rate the update used.
+    pub lr: f64,
+    /// The update was skipped (non-finite norm).
+    pub skipped: bool,
+    /// Real tokens this rank processed.
+    pub tokens: i64,
+    /// Targets this rank processed.
+    pub targets: i64,
+    /// Peak memory of this rank's process in bytes (0 when unknown).
+    pub peak_memory_bytes: u64,
+}
+
+/// Trainer rank: train on these samples (this rank's share of one global batch).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct TrainStep {
+    /// This rank's samples, in global-batch order.
+    pub samples: Vec<Sample>,
+    /// Targets in the whole global batch (all ranks): the loss denominator.
+    pub global_targets: i64,
+}
+
+/// Trainer rank: summed validation cross-entropy and target count over these samples.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Validate {
+    /// This rank's share of the validation set.
+    pub samples: Vec<Sample>,
+}
+
+/// Trainer rank: write this rank's part of a checkpoint into the folder `dir`; replies whether it wrote files.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct SaveShard {
+    /// The `global_step_N` folder.
+    pub dir: String,
+}
+
+/// Trainer rank: restore model, optimizer and schedule from the checkpoint folder `dir`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct LoadShard {
+    /// The `global_step_N` folder.
+    pub dir: String,
+}
+
+/// Trainer rank: write a Hugging Face folder to `dir`; replies whether this rank wrote it (rank 0 does).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Export {
+    /// Output folder.
+    pub dir: String,
+}
+
+/// Sizes the data loader knows after tokenizing.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub struct DatasetInfo {
+    /// Training samples.
+    pub train_len: u64,
+    /// Validation samples (0 when validation is off or no files are given).
+    pub val_len: u64,
+    /// Optimizer steps per epoch.
+    pub steps_per_epoch: u64,
+}
+
+/// Data loader: report [`DatasetInfo`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct GetDatasetInfo;
+
+/// Where the data loader is in the run: the next global batch is step `step_in_epoch` of `epoch`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DataPosition {
+    /// Epoch, from 0.
+    pub epoch: u64,
+    /// Global batch within the epoch, from 0.
+    pub step_in_epoch: u64,
+}
+
+/// Data loader: the next global batch, split across ranks.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct NextBatch;
+
+/// One global batch, split by data-parallel rank.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct GlobalBatch {
+    /// Where this batch sits (before advancing).
+    pub position: DataPosition,
+    /// Per rank: its contiguous share of the batch.
+    pub shards: Vec<Vec<Sample>>,
+    /// Targets in the whole batch.
+    pub global_targets: i64,
+    /// Real tokens in the whole batch.
+    pub tokens: i64,
+}
+
+/// Data loader: continue from this position (resume).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct SetPosition(pub DataPosition);
+
+/// Data loader: the position of the next batch.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct GetPosition;
+
+/// Data loader: the validation set split across ranks.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ValShards;
+
+/// Checkpointer: the ranks finished writing `global_step_N`; write its metadata, point
+/// `latest_checkpointed_iteration.txt` at it and prune old checkpoints.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Commit {
+    /// The checkpoint's global step.
+    pub global_step: u64,
+    /// Data position to resume from.
+    pub position: DataPosition,
+    /// Ranks that trained up to it.
+    pub world_size: u64,
+}
+
+/// Checkpointer: wait for earlier commits; reply with the latest committed step (0 when none).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Flush;
+
+/// Metrics: record one step's values.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Log {
+    /// Global step.
+    pub step: u64,
+    /// Named values (`train/loss`, `perf/mfu`, ...).
+    pub values: Vec<(String, f64)>,
+}
+
+/// Metrics: flush the loggers.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct FlushLogs;
+
+ferl_runtime::message! {
+    TrainStep => RankStep;
+    Validate => (f64, i64);
+    SaveShard => bool;
+    LoadShard => ();
+    Export => bool;
+    GetDatasetInfo => DatasetInfo;
+    NextBatch => GlobalBatch;
+    SetPosition => ();
+    GetPosition => DataPosition;
+    ValShards => Vec<Vec<Sample>>;
+    Commit => ();
+    Flush => u64;
+    Log => ();
+    FlushLogs => ();
+}

@@ -1,0 +1,21 @@
+//! Registers the standard actor types by name, in one place, so that [`ensure_linked`] keeps every registration in
+//! any binary that hosts them (worker processes re-run the driver's binary and look types up by name).
+
+use crate::checkpoint::Checkpointer;
+use crate::data_loader::DataLoader;
+use crate::messages::*;
+use crate::metrics::Metrics;
+use crate::trainer_rank::TrainerRank;
+
+ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, Validate, SaveShard, LoadShard, Export]);
+ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, NextBatch, SetPosition, GetPosition, ValShards]);
+ferl_runtime::register_actor!(Checkpointer, calls: [Commit, Flush]);
+ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);
+
+/// Keeps these registrations linked into the calling binary; call it before
+/// `ferl_runtime::enter_worker_mode_if_spawned` in every binary that spawns the standard actors.
+#[inline(never)]
+pub fn ensure_linked() -> [&'static str; 4] {
+    use ferl_runtime::Actor;
+    [TrainerRank::NAME, DataLoader::NAME, Checkpointer::NAME, Metrics::NAME]
+}

@@ -1,0 +1,110 @@
+//! The trainer-rank actor: one per bundle of the resource group. It builds its model replica from
+//! `model.partial_pretrain`, joins the data-parallel group through the cluster's key-value store
+//! ([`ClusterRendezvous`]), and trains on the micro-batches the driver sends. Compute runs on a blocking thread so
+//! the worker's connections stay responsive.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context as _, Result};
+use ferl_collective::GroupOptions;
+use ferl_config::SftConfig;
+use ferl_runtime::{Actor, Context, Handler};
+
+use crate::messages::*;
+use crate::rank::{rank_device, RankState};
+use crate::rendezvous::ClusterRendezvous;
+
+/// Constructor arguments of [`TrainerRank`].
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone)]
+pub struct TrainerRankArgs {
+    /// The resolved config as YAML.
+    pub config_yaml: String,
+    /// This rank.
+    pub rank: u64,
+    /// Number of ranks.
+    pub world_size: u64,
+    /// Optimizer steps of the run (the schedule's length).
+    pub total_steps: u64,
+    /// Key prefix of this run's rendezvous in the head's store (unique per run).
+    pub group_prefix: String,
+}
+
+/// A training rank hosted by the runtime.
+pub struct TrainerRank {
+    state: Arc<Mutex<RankState>>,
+}
+
+impl TrainerRank {
+    async fn with_state<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&mut RankState) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let state = self.state.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut guard = state.lock().map_err(|_| anyhow::anyhow!("trainer rank state poisoned by an earlier panic"))?;
+            f(&mut guard)
+        })
+        .await
+        .with_context(|| format!("trainer rank: {what} task"))?
+    }
+}
+
+impl Actor for TrainerRank {
+    type Args = TrainerRankArgs;
+    const NAME: &'static str = "ferl.actors.TrainerRank";
+    async fn start(args: TrainerRankArgs, ctx: &Context) -> Result<Self> {
+        let cfg = SftConfig::from_yaml(&args.config_yaml, &[]).context("trainer rank: reading the config")?;
+        let cluster = ctx.cluster();
+        let bind_ip: IpAddr = match cluster.head_address() {
+            Ok(head) => ferl_runtime::cluster::local_ip_for(head)?,
+            Err(_) => IpAddr::from([127, 0, 0, 1]),
+        };
+        let handle = tokio::runtime::Handle::current();
+        let (rank, world) = (args.rank as usize, args.world_size as usize);
+        let state = tokio::task::spawn_blocking(move || {
+            let rendezvous = Arc::new(ClusterRendezvous::new(cluster, handle, &args.group_prefix));
+            let options = GroupOptions { prefix: args.group_prefix.clone(), bind_ip: Some(bind_ip), ..Default::default() };
+            let device = rank_device(&cfg, 0);
+            let comm = ferl_collective::connect(device, rank, world, rendezvous, &options)
+                .with_context(|| format!("trainer rank {rank}/{world}: joining the collective group"))?;
+            RankState::build(cfg, comm, device, args.total_steps as usize)
+                .with_context(|| format!("trainer rank {rank}/{world}: building the model"))
+        })
+        .await
+        .context("trainer rank: start task")??;
+        Ok(Self { state: Arc::new(Mutex::new(state)) })
+    }
+}
+
+impl Handler<TrainStep> for TrainerRank {
+    async fn handle(&self, m: TrainStep, _: &Context) -> Result<RankStep> {
+        self.with_state("train step", move |s| s.train_step(&m.samples, m.global_targets)).await
+    }
+}
+
+impl Handler<Validate> for TrainerRank {
+    async fn handle(&self, m: Validate, _: &Context) -> Result<(f64, i64)> {
+        self.with_state("validation", move |s| s.validate(&m.samples)).await
+    }
+}
+
+impl Handler<SaveShard> for TrainerRank {
+    async fn handle(&self, m: SaveShard, _: &Context) -> Result<bool> {
+        self.with_state("checkpoint save", move |s| s.save(&PathBuf::from(m.dir))).await
+    }
+}
+
+impl Handler<LoadShard> for TrainerRank {
+    async fn handle(&self, m: LoadShard, _: &Context) -> Result<()> {
+        self.with_state("checkpoint load", move |s| s.load(&PathBuf::from(m.dir))).await
+    }
+}
+
+impl Handler<Export> for TrainerRank {
+    async fn handle(&self, m: Export, _: &Context) -> Result<bool> {
+        self.with_state("export", move |s| s.export(&PathBuf::from(m.dir))).await
+    }
+}
