@@ -2,6 +2,7 @@
 //! with the peers they are compared against. One module per suite.
 
 mod collectives;
+mod kernels;
 mod report;
 
 use clap::{Parser, Subcommand};
@@ -21,6 +22,8 @@ struct Cli {
 enum Suite {
     /// CPU collectives of the TCP backend (2 processes on loopback) beside torch.distributed's gloo.
     Collectives(collectives::CollectivesArgs),
+    /// Loss step of the tiny Qwen2 with and without the fused linear + cross-entropy kernel (memory, tokens/s).
+    Kernels(kernels::KernelsArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,6 +32,7 @@ fn main() -> anyhow::Result<()> {
     let mut out = report::Report::new(cli.json);
     match cli.suite {
         Suite::Collectives(args) => collectives::run(args, &mut out)?,
+        Suite::Kernels(args) => kernels::run(args, &mut out)?,
     }
     #[allow(unreachable_code)]
     {
