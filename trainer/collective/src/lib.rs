@@ -18,7 +18,7 @@ mod tensor;
 
 pub use dtype::{DType, ReduceOp};
 pub use env::{init_from_env, LaunchEnv};
-pub use nccl::{nccl_available, NcclCommunicator};
+pub use nccl::{load_torch_cuda, nccl_available, NcclCommunicator};
 pub use rendezvous::{MemoryRendezvous, Rendezvous};
 pub use store::{TcpStore, TcpStoreServer};
 pub use tcp::TcpCommunicator;

@@ -157,8 +157,42 @@ fn api() -> Result<&'static NcclApi> {
         .map_err(|e| anyhow!("{e}"))
 }
 
+/// Loads libtorch_cuda into the process (once). The linker's `--as-needed` drops it from binaries that never name
+/// one of its symbols, and without it torch sees no CUDA device; loading it also brings torch's libnccl.so.2.
+/// Looks in `FERL_TORCH_LIB` (set by `scripts/env.sh`) and then on the library path.
+pub fn load_torch_cuda() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let mut names: Vec<String> = Vec::new();
+            if let Ok(dir) = std::env::var("FERL_TORCH_LIB") {
+                names.push(format!("{dir}/libtorch_cuda.so"));
+            }
+            names.push("libtorch_cuda.so".into());
+            let mut tried = Vec::new();
+            for name in &names {
+                // SAFETY: libtorch_cuda's initialisers only register CUDA hooks with the already-loaded libtorch.
+                match unsafe { libloading::Library::new(name) } {
+                    Ok(lib) => {
+                        // Keep it loaded for the life of the process: torch holds pointers into it.
+                        std::mem::forget(lib);
+                        return Ok(());
+                    }
+                    Err(e) => tried.push(format!("{name}: {e}")),
+                }
+            }
+            Err(format!(
+                "cannot load libtorch_cuda (a CPU-only torch?): {}",
+                tried.join("; ")
+            ))
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
 /// Whether NCCL can be used here: a CUDA device is visible and the NCCL library loads. `Err` says why not.
 pub fn nccl_available() -> Result<()> {
+    load_torch_cuda()?;
     if !tch::Cuda::is_available() {
         bail!("no CUDA device is available to torch");
     }
