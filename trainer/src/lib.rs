@@ -6,11 +6,17 @@
 //! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
 //! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
+//! - [`checkpoint`]: `global_step_N/` folders (Hugging Face model, optimizer, trainer state), resume, pruning.
+//! - [`metrics`]: the [`metrics::MetricsLogger`] trait and the registry of logger kinds (`console`, `jsonl`).
+//! - [`sft`]: the whole run (config keys honoured, data, epochs, validation, checkpoints, resume, loggers).
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
 
 pub mod batch;
+pub mod checkpoint;
 pub mod engine;
+pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod sft;
 pub mod step;

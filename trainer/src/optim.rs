@@ -84,6 +84,8 @@ pub struct LrSchedule {
     pub total_steps: i64,
     /// Shape after warmup.
     pub kind: ScheduleKind,
+    /// Cosine half-waves over the decay (`optim.num_cycles`, 0.5 = one half cosine).
+    pub num_cycles: f64,
 }
 
 impl LrSchedule {
@@ -111,6 +113,7 @@ impl LrSchedule {
             warmup_steps,
             total_steps,
             kind,
+            num_cycles: 0.5,
         })
     }
 
@@ -134,7 +137,7 @@ impl LrSchedule {
                     return step as f64 / warm.max(1) as f64;
                 }
                 let progress = (step - warm) as f64 / (self.total_steps - warm).max(1) as f64;
-                let x = (std::f64::consts::PI * 0.5 * 2.0 * progress).cos();
+                let x = (std::f64::consts::PI * self.num_cycles * 2.0 * progress).cos();
                 let coef = (1.0 - min_lr_ratio) * 0.5;
                 let intercept = (1.0 + min_lr_ratio) * 0.5;
                 (x * coef + intercept).max(min_lr_ratio)

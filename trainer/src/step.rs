@@ -48,10 +48,21 @@ pub struct Stepper<P: ParamStore> {
 impl<P: ParamStore> Stepper<P> {
     /// Trains on one global batch.
     pub fn step(&mut self, samples: &[SampleRef<'_>]) -> Result<StepStats> {
+        let targets: i64 = samples.iter().map(SampleRef::num_targets).sum();
+        self.step_with_global_targets(samples, targets)
+    }
+
+    /// Trains on this rank's slice `samples` of a global batch that has `targets` targets over all ranks (data
+    /// parallelism): gradients are scaled by `1 / targets`, so the ranks' summed gradients are the exact global
+    /// token-mean. The returned `loss` is this rank's share (its CE sum / `targets`) and `targets` is the global count.
+    pub fn step_with_global_targets(
+        &mut self,
+        samples: &[SampleRef<'_>],
+        targets: i64,
+    ) -> Result<StepStats> {
         if samples.is_empty() {
             bail!("a training step needs at least one sample");
         }
-        let targets: i64 = samples.iter().map(SampleRef::num_targets).sum();
         let tokens: i64 = samples.iter().map(|s| s.input_ids.len() as i64).sum();
         self.engine.store_mut().zero_grads();
         let mut loss_sum = 0.0;

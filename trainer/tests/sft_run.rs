@@ -1,0 +1,246 @@
+//! The whole single-process run (`sft::run_with_data`): resume gives the same losses as an uninterrupted run (mid-epoch
+//! and exactly at an epoch boundary, verl #7401), checkpoints and the tracker file, pruning, metrics.jsonl, the
+//! Hugging Face export, and refusal of keys the engine cannot honour.
+
+use ferl_config::SftConfig;
+use ferl_data::{SftDataset, TokenizedSample};
+use ferl_trainer::checkpoint;
+use ferl_trainer::sft::{run_with_data, RunOptions, RunSummary};
+use std::path::Path;
+
+fn tiny_model(dir: &Path) {
+    let cfg = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 97, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true,
+        "hidden_act": "silu", "initializer_range": 0.02, "torch_dtype": "float32", "eos_token_id": 1
+    });
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("source_config.json");
+    std::fs::write(&file, cfg.to_string()).unwrap();
+    ferl_trainer::model::init_model(&file, None, &dir.join("model"), 3).unwrap();
+}
+
+fn dataset(n: usize, seed: u64) -> SftDataset {
+    let mut x = seed;
+    let mut next = || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 33) as i64
+    };
+    let samples = (0..n)
+        .map(|_| {
+            let len = 6 + (next() % 10) as usize;
+            let prompt = 2 + (next() % 3) as usize;
+            TokenizedSample {
+                input_ids: (0..len).map(|_| next() % 97).collect(),
+                loss_mask: (0..len).map(|t| t >= prompt).collect(),
+            }
+        })
+        .collect();
+    SftDataset::from_samples(samples, 0, 1)
+}
+
+fn config(dir: &Path, extra: &[&str]) -> SftConfig {
+    let mut o: Vec<String> = vec![
+        format!("model.partial_pretrain={}", dir.join("model").display()),
+        format!("trainer.default_local_dir={}", dir.join("ckpt").display()),
+        "trainer.device=cpu".into(),
+        "data.train_batch_size=4".into(),
+        "data.micro_batch_size_per_gpu=2".into(),
+        "trainer.total_epochs=2".into(),
+        "optim.lr=1e-2".into(),
+        "trainer.logger=[console,jsonl]".into(),
+    ];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    SftConfig::load(None, &o).unwrap()
+}
+
+fn quiet() -> RunOptions {
+    RunOptions {
+        progress: false,
+        ..RunOptions::default()
+    }
+}
+
+fn losses(s: &RunSummary) -> Vec<f64> {
+    s.train_losses.iter().map(|(_, l)| *l).collect()
+}
+
+fn resume_matches_uninterrupted(stop_after: i64) {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let (train, val) = (dataset(16, 1), dataset(6, 2)); // 4 steps per epoch, 8 in all
+    let full_dir = dir.path().join("full");
+    std::fs::create_dir_all(&full_dir).unwrap();
+    std::fs::rename(dir.path().join("model"), full_dir.join("model")).unwrap();
+    let full = run_with_data(&config(&full_dir, &[]), &train, Some(&val), quiet()).unwrap();
+    assert_eq!(full.global_step, 8);
+    let first = run_with_data(
+        &config(
+            &full_dir,
+            &[
+                "trainer.save_freq=1",
+                &format!(
+                    "trainer.default_local_dir={}",
+                    full_dir.join("split").display()
+                ),
+            ],
+        ),
+        &train,
+        Some(&val),
+        RunOptions {
+            stop_after_steps: Some(stop_after),
+            ..quiet()
+        },
+    )
+    .unwrap();
+    assert_eq!(first.global_step, stop_after);
+    let second = run_with_data(
+        &config(
+            &full_dir,
+            &[
+                "trainer.save_freq=1",
+                &format!(
+                    "trainer.default_local_dir={}",
+                    full_dir.join("split").display()
+                ),
+            ],
+        ),
+        &train,
+        Some(&val),
+        quiet(),
+    )
+    .unwrap();
+    assert_eq!(
+        second.train_losses.first().unwrap().0,
+        stop_after + 1,
+        "the resumed run starts after the checkpoint"
+    );
+    let mut joined = losses(&first);
+    joined.extend(losses(&second));
+    let expected = losses(&full);
+    assert_eq!(
+        joined.len(),
+        expected.len(),
+        "resumed run trained {} steps, uninterrupted {}",
+        joined.len(),
+        expected.len()
+    );
+    for (i, (a, b)) in joined.iter().zip(&expected).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "step {}: resumed loss {a} vs uninterrupted {b}",
+            i + 1
+        );
+    }
+    let (va, vb) = (
+        second.val_losses.last().unwrap().1,
+        full.val_losses.last().unwrap().1,
+    );
+    assert!(
+        (va - vb).abs() <= 1e-6 * vb,
+        "final validation loss {va} vs {vb}"
+    );
+}
+
+#[test]
+fn resume_mid_epoch_gives_the_same_losses() {
+    resume_matches_uninterrupted(3);
+}
+
+#[test]
+fn resume_at_an_epoch_boundary_gives_the_same_losses() {
+    resume_matches_uninterrupted(4);
+}
+
+#[test]
+fn checkpoints_metrics_pruning_and_export() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let (train, val) = (dataset(16, 5), dataset(4, 6));
+    let cfg = config(
+        dir.path(),
+        &[
+            "trainer.save_freq=2",
+            "trainer.max_ckpt_to_keep=2",
+            "trainer.test_freq=3",
+        ],
+    );
+    let root = dir.path().join("ckpt");
+    // A checkpoint of an "earlier run" that pruning must also remove.
+    std::fs::create_dir_all(root.join("global_step_1")).unwrap();
+    let s = run_with_data(&cfg, &train, Some(&val), quiet()).unwrap();
+    assert_eq!(checkpoint::list_steps(&root).unwrap(), vec![6, 8]);
+    assert_eq!(
+        std::fs::read_to_string(root.join(checkpoint::LATEST_FILE))
+            .unwrap()
+            .trim(),
+        "8"
+    );
+    assert_eq!(
+        s.val_losses.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        vec![3, 6, 8]
+    );
+    assert!(
+        losses(&s).last().unwrap() < losses(&s).first().unwrap(),
+        "loss falls: {:?}",
+        losses(&s)
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(root.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 8);
+    for key in [
+        "step",
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens",
+        "perf/tokens_per_s",
+    ] {
+        assert!(
+            lines[0].get(key).is_some(),
+            "metrics.jsonl lacks {key}: {}",
+            lines[0]
+        );
+    }
+    assert!(lines[2].get("val/loss").is_some() && lines[0].get("val/loss").is_none());
+    let hf = root.join("global_step_8/huggingface");
+    assert!(hf.join("config.json").exists() && hf.join("model.safetensors").exists());
+    let out = dir.path().join("export");
+    checkpoint::export(&root.join("global_step_8"), &out, tch::Kind::BFloat16).unwrap();
+    let exported = ferl_trainer::model::load_model(&out).unwrap();
+    let ours = ferl_trainer::model::load_model(&hf).unwrap();
+    let diff = (&exported.params[0] - &ours.params[0])
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(
+        diff > 0.0 && diff < 1e-2,
+        "bf16 export differs from fp32 by {diff}"
+    );
+}
+
+#[test]
+fn keys_the_engine_cannot_honour_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let cfg = config(
+        dir.path(),
+        &["model.lora_rank=8", "ulysses_sequence_parallel_size=2"],
+    );
+    let err = run_with_data(&cfg, &dataset(8, 1), None, quiet())
+        .err()
+        .unwrap();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("model.lora_rank") && msg.contains("ulysses_sequence_parallel_size"),
+        "{msg}"
+    );
+}
