@@ -50,6 +50,7 @@ pub use batch::{
     PackedBatch, PaddedBatch,
 };
 pub use dataset::SftDataset;
+pub use ferl_config::expand_path;
 pub use sample::{SampleBuilder, TokenizedSample};
 pub use source::{DataSource, Origin, Prompt, RawExample, SourcedExample};
 pub use tokenizer::SftTokenizer;
