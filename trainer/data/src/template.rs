@@ -3,9 +3,13 @@
 //! methods, `raise_exception`), and the split of a rendered conversation into trained and untrained text.
 
 use std::collections::BTreeMap;
+use std::io;
 
 use anyhow::{anyhow, bail, Result};
+use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind};
+use serde::Serialize;
+use serde_json::ser::{Formatter, PrettyFormatter};
 use serde_json::{Map, Value};
 
 /// A compiled chat template with the special tokens it may refer to.
@@ -24,6 +28,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, minijinja::Error> {
@@ -123,6 +128,70 @@ impl ChatTemplate {
     }
 }
 
+/// Python's `json.dumps` layout, which Hugging Face's `tojson` filter uses: `", "` and `": "` separators, or
+/// `indent=N`; non-ASCII kept, no HTML escaping (minijinja's own `tojson` is compact and HTML-escaped).
+fn tojson(value: &minijinja::Value, kwargs: Kwargs) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = Vec::new();
+    let written = match indent {
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let mut ser = serde_json::Serializer::with_formatter(
+                &mut out,
+                PrettyFormatter::with_indent(&pad),
+            );
+            json.serialize(&mut ser)
+        }
+        None => json.serialize(&mut serde_json::Serializer::with_formatter(
+            &mut out,
+            PySeparators,
+        )),
+    };
+    written
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(minijinja::Value::from_safe_string(
+        String::from_utf8(out).expect("serde_json writes UTF-8"),
+    ))
+}
+
+/// `json.dumps`' default separators.
+struct PySeparators;
+
+impl Formatter for PySeparators {
+    fn begin_array_value<W: ?Sized + io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_key<W: ?Sized + io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+
+    fn begin_object_value<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,6 +230,19 @@ mod tests {
             .render(&msgs, false, None, &BTreeMap::new())
             .unwrap_err();
         assert!(format!("{err:#}").contains("bad role"), "{err:#}");
+    }
+
+    #[test]
+    fn tojson_uses_pythons_layout() {
+        let t = ChatTemplate::new(
+            "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}",
+            None,
+            None,
+        )
+        .unwrap();
+        let msgs = [json!({"a": [1, 2.5], "b": "<é>"})];
+        let out = t.render(&msgs, false, None, &BTreeMap::new()).unwrap();
+        assert_eq!(out, "{\"a\": [1, 2.5], \"b\": \"<é>\"}|{\n  \"a\": [\n    1,\n    2.5\n  ],\n  \"b\": \"<é>\"\n}");
     }
 
     #[test]

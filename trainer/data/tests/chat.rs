@@ -100,6 +100,12 @@ for conv in json.load(sys.stdin):
     out.append({"prompt": p, "prompt_ids": tok.encode(p, add_special_tokens=False), "full": full,
                 "full_ids": tok.encode(full, add_special_tokens=False),
                 "response_ids": tok.encode(conv[-1]["content"] + tok.eos_token, add_special_tokens=False)})
+tools = [{"function": {"description": "Add two integers.", "name": "add", "parameters": {"properties":
+          {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "type": "object"}},
+          "type": "function"}]
+msgs = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "3+4?"}]
+out.append({"tools": tools, "with_tools": tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
+            tokenize=False)})
 print(json.dumps(out))
 "#;
     let mut child = std::process::Command::new(py)
@@ -120,7 +126,8 @@ print(json.dumps(out))
         .unwrap();
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let hf: Vec<Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let mut hf: Vec<Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let with_tools = hf.pop().unwrap();
 
     let tok = SftTokenizer::from_dir(&tok_dir, None).unwrap();
     let t = tok.template().unwrap();
@@ -149,4 +156,12 @@ print(json.dumps(out))
         response.push(tok.eos_token_id());
         assert_eq!(response, ids(&hf["response_ids"]));
     }
+    let msgs = [
+        json!({"role": "system", "content": "Use tools."}),
+        json!({"role": "user", "content": "3+4?"}),
+    ];
+    let ours = t
+        .render(&msgs, true, Some(&with_tools["tools"]), &none)
+        .unwrap();
+    assert_eq!(ours, with_tools["with_tools"].as_str().unwrap());
 }
