@@ -11,8 +11,8 @@ pub struct JsonlLogger {
 }
 
 impl Plugin for JsonlLogger {
-    // The name configs use: `trainer.logger=[console,jsonl]`.
-    const NAME: &'static str = "jsonl";
+    // The name configs use: `trainer.logger=[console,template]`.
+    const NAME: &'static str = "template";
     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
     const DESCRIPTION: &'static str = "one JSON object per step (plugin template)";
 }

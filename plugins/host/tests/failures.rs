@@ -103,7 +103,7 @@ fn watch_dir_reports_bad_files_and_loads_good_ones() {
         errors[0]
     );
     assert_eq!(
-        host.get("jsonl").expect("template loaded").info().kind,
+        host.get("template").expect("template loaded").info().kind,
         PluginKind::Logger
     );
     // The bad file is not retried (nor reported again) until it changes.

@@ -13,7 +13,7 @@ fn template_logger_writes_json_lines() {
     let p = host.load_file(&f, Some(PluginKind::Logger)).unwrap();
     assert_eq!(
         (p.info().name.as_str(), p.info().version.as_str()),
-        ("jsonl", env!("CARGO_PKG_VERSION"))
+        ("template", env!("CARGO_PKG_VERSION"))
     );
     let out = dir.path().join("m.jsonl");
     let mut l = LoggerInstance::open(p, out.to_str().unwrap()).unwrap();

@@ -1,0 +1,116 @@
+//! Dataset plugins as trainer data sources (`data.plugin=NAME`, `data.plugin_options`).
+
+use anyhow::{anyhow, Context, Result};
+use ferl_plugin_host::{DatasetExample, DatasetInstance, PluginHost, PluginKind};
+use ferl_trainer::config::DataConfig;
+use ferl_trainer::data::{
+    DataSource, Origin, Prompt, RawExample, SftDataset, SftTokenizer, SourcedExample,
+};
+use std::path::Path;
+
+/// One open dataset plugin instance.
+pub struct PluginDataSource {
+    instance: DatasetInstance,
+    label: String,
+}
+
+impl PluginDataSource {
+    /// Opens dataset plugin `name` of `host` with `config`.
+    pub fn open(host: &PluginHost, name: &str, config: &str) -> Result<Self> {
+        let plugin = host.get_kind(name, PluginKind::Dataset)?;
+        let label = format!("{} ({config})", plugin.label());
+        Ok(Self {
+            instance: DatasetInstance::open(plugin, config)?,
+            label,
+        })
+    }
+}
+
+/// The config string for one file: the path alone, or, when `data.plugin_options` is not empty, a JSON object of
+/// the options plus `"path"`.
+pub fn dataset_config(file: &str, cfg: &DataConfig) -> String {
+    if cfg.plugin_options.is_empty() {
+        return file.to_string();
+    }
+    let mut o: serde_json::Map<String, serde_json::Value> = cfg
+        .plugin_options
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    o.insert("path".into(), serde_json::Value::String(file.to_string()));
+    serde_json::Value::Object(o).to_string()
+}
+
+fn to_raw(ex: DatasetExample, origin: &Origin) -> Result<RawExample> {
+    Ok(match ex {
+        DatasetExample::PromptResponse { prompt, response } => RawExample::PromptResponse {
+            prompt: Prompt::Text(prompt),
+            response,
+        },
+        DatasetExample::MessagesJson(json) => {
+            let v: serde_json::Value = serde_json::from_str(&json)
+                .with_context(|| format!("{origin}: messages are not valid JSON"))?;
+            let messages = v
+                .as_array()
+                .cloned()
+                .ok_or_else(|| anyhow!("{origin}: messages must be a JSON array"))?;
+            RawExample::Messages {
+                messages,
+                tools: None,
+                enable_thinking: None,
+            }
+        }
+        DatasetExample::Tokens {
+            input_ids,
+            loss_mask,
+        } => RawExample::Tokens {
+            input_ids,
+            loss_mask: loss_mask.into_iter().map(|m| m != 0).collect(),
+        },
+    })
+}
+
+impl DataSource for PluginDataSource {
+    fn name(&self) -> String {
+        self.label.clone()
+    }
+
+    fn examples(&mut self) -> Result<Vec<SourcedExample>> {
+        let mut out = Vec::with_capacity(self.instance.len() as usize);
+        for row in 0..self.instance.len() {
+            let origin = Origin {
+                file: self.label.clone(),
+                row: row as usize,
+            };
+            let ex = self.instance.get(row)?;
+            out.push(SourcedExample {
+                example: to_raw(ex, &origin)?,
+                origin,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The dataset `data.plugin` names, one plugin instance per file of `files` (`data.train_files` or
+/// `data.val_files`), tokenized like the built-in readers' examples.
+pub fn plugin_dataset(
+    host: &PluginHost,
+    cfg: &DataConfig,
+    files: &[String],
+    tokenizer_dir: &Path,
+    max_samples: i64,
+) -> Result<SftDataset> {
+    let name = cfg
+        .plugin
+        .as_deref()
+        .ok_or_else(|| anyhow!("data.plugin is not set"))?;
+    let tokenizer = SftTokenizer::from_dir(tokenizer_dir, cfg.chat_template.as_deref())?;
+    let mut sources: Vec<Box<dyn DataSource>> = Vec::new();
+    for f in files {
+        let s = PluginDataSource::open(host, name, &dataset_config(f, cfg))
+            .with_context(|| format!("data.plugin={name}"))?;
+        sources.push(Box::new(s));
+    }
+    SftDataset::from_sources(&mut sources, cfg, &tokenizer, max_samples)
+}

@@ -1,0 +1,15 @@
+//! The adapters between the plugin host and the trainer (neither depends on the other):
+//!
+//! - [`logger`]: every loaded logger plugin becomes a `trainer.logger` kind of the trainer's
+//!   [`ferl_trainer::metrics::LoggerRegistry`]; each step's metrics call is also the job's plugin **step boundary**
+//!   (reload requests are served and new versions switched in there);
+//! - [`dataset`]: `data.plugin=NAME` reads examples from a dataset plugin as a [`ferl_trainer::data::DataSource`];
+//! - [`setup`]: one [`ferl_plugin_host::PluginHost`] per job, in its run directory, watching the plugin folders.
+
+pub mod dataset;
+pub mod logger;
+pub mod setup;
+
+pub use dataset::{plugin_dataset, PluginDataSource};
+pub use logger::{register_logger_plugins, PluginMetricsLogger};
+pub use setup::job_plugin_host;
