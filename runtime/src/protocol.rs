@@ -41,7 +41,9 @@ pub struct RemoteError {
     pub message: String,
 }
 
-/// A frame on a call stream.
+/// A frame on a call stream. Inline payloads are not inside the frame: their raw bytes follow it on the stream
+/// (`len` of them), so large arguments are neither re-serialised nor re-validated; the receiver copies them once
+/// into an aligned buffer and validates them when the handler decodes its message.
 #[derive(Archive, Serialize, Deserialize, Debug)]
 pub enum Frame {
     /// A request to an actor hosted by the receiving process. `bulk != 0` means the payload follows on the bulk
@@ -57,8 +59,8 @@ pub enum Frame {
         kind: CallKind,
         /// Bulk stream id carrying the payload, or 0.
         bulk: u64,
-        /// Inline payload.
-        payload: Vec<u8>,
+        /// Length of the inline payload that follows this frame on the stream as raw bytes.
+        len: u64,
     },
     /// The single reply to a call; `bulk != 0` means the body follows on that bulk stream.
     Reply {
@@ -66,15 +68,15 @@ pub enum Frame {
         req: u64,
         /// Bulk stream id carrying the body, or 0.
         bulk: u64,
-        /// Inline body.
-        body: Vec<u8>,
+        /// Length of the inline body that follows this frame as raw bytes.
+        len: u64,
     },
     /// One item of a streaming reply.
     Item {
         /// Request id.
         req: u64,
-        /// Item body.
-        body: Vec<u8>,
+        /// Length of the item body that follows this frame as raw bytes.
+        len: u64,
     },
     /// End of a streaming reply (or a failed call).
     End {

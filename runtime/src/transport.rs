@@ -48,7 +48,35 @@ fn transport_config(idle: Duration) -> quinn::TransportConfig {
     t.send_window(256 << 20);
     t.max_concurrent_uni_streams(4096u32.into());
     t.max_concurrent_bidi_streams(1024u32.into());
+    // Probe up to loopback-sized datagrams; on a 1500-byte path the probes fail and the MTU stays at 1452.
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(65_000);
+    t.mtu_discovery_config(Some(mtu));
     t
+}
+
+/// Asks for large socket buffers so bursts of datagrams are not dropped (the kernel caps them at its maximum).
+fn enlarge_buffers(socket: &std::net::UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let size: libc::c_int = 8 << 20;
+    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+        // SAFETY: a valid socket descriptor and a pointer to a c_int of the size passed.
+        let rc = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(
+                "setsockopt({opt}) failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
 }
 
 /// Builds the process's endpoint, listening on `bind`.
@@ -62,8 +90,15 @@ pub(crate) fn endpoint(
         tls::server_config(creds)?,
     )?));
     server.transport_config(transport.clone());
-    let mut endpoint =
-        quinn::Endpoint::server(server, bind).with_context(|| format!("binding UDP {bind}"))?;
+    let socket = std::net::UdpSocket::bind(bind).with_context(|| format!("binding UDP {bind}"))?;
+    enlarge_buffers(&socket);
+    let runtime = quinn::default_runtime().context("no async runtime for the endpoint")?;
+    let mut endpoint = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(server),
+        socket,
+        runtime,
+    )?;
     let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(
         tls::client_config(creds)?,
     )?));
@@ -168,44 +203,84 @@ async fn send_bulk(conn: quinn::Connection, id: u64, bytes: AlignedVec) -> Resul
     Ok(())
 }
 
-/// Drains framed bytes from `rx` into `send`, batching what is queued into one write.
-async fn write_loop(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Vec<u8>>) {
+/// What the writer task puts on a call stream: a frame, optionally followed by raw body bytes.
+pub(crate) struct Outgoing {
+    head: Vec<u8>,
+    body: Option<AlignedVec>,
+}
+
+/// Drains frames from `rx` into `send`, batching what is queued into one write; large bodies are written as they
+/// are, without copying.
+async fn write_loop(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Outgoing>) {
     let mut batch = Vec::with_capacity(WRITE_BATCH);
-    while let Some(first) = rx.recv().await {
-        let result = if first.len() >= WRITE_BATCH {
-            send.write_all(&first).await
-        } else {
-            batch.clear();
-            batch.extend_from_slice(&first);
-            while batch.len() < WRITE_BATCH {
-                match rx.try_recv() {
-                    Ok(more) => batch.extend_from_slice(&more),
-                    Err(_) => break,
+    let mut next = rx.recv().await;
+    while let Some(first) = next.take() {
+        batch.clear();
+        let mut pending = Some(first);
+        let mut big: Option<AlignedVec> = None;
+        while let Some(out) = pending.take() {
+            batch.extend_from_slice(&out.head);
+            match out.body {
+                Some(body) if body.len() >= WRITE_BATCH / 4 => {
+                    big = Some(body);
+                    break;
                 }
+                Some(body) => batch.extend_from_slice(&body),
+                None => {}
             }
-            send.write_all(&batch).await
-        };
-        if result.is_err() {
+            if batch.len() < WRITE_BATCH {
+                pending = rx.try_recv().ok();
+            }
+        }
+        if send.write_all(&batch).await.is_err() {
             break;
         }
+        if let Some(body) = big {
+            if send.write_all(&body).await.is_err() {
+                break;
+            }
+        }
+        next = match rx.try_recv() {
+            Ok(out) => Some(out),
+            Err(_) => rx.recv().await,
+        };
     }
     let _ = send.finish();
+}
+
+/// Reads the raw body of `len` bytes that follows a frame.
+async fn read_body<R: tokio::io::AsyncRead + Unpin>(
+    reader: &mut R,
+    len: u64,
+    max: usize,
+) -> Result<AlignedVec, FrameError> {
+    use tokio::io::AsyncReadExt;
+    if len as usize > max {
+        return Err(FrameError::TooLarge {
+            len: len as usize,
+            max,
+        });
+    }
+    let mut bytes = AlignedVec::<16>::with_capacity(len as usize);
+    bytes.resize(len as usize, 0);
+    reader.read_exact(bytes.as_mut_slice()).await?;
+    Ok(bytes)
 }
 
 /// The sending half of one call stream: frames, stream items, replies and bulk payloads.
 #[derive(Clone)]
 pub struct Outbox {
-    tx: mpsc::Sender<Vec<u8>>,
+    tx: mpsc::Sender<Outgoing>,
     conn: quinn::Connection,
     next_bulk: Arc<AtomicU64>,
 }
 
 impl Outbox {
-    async fn frame(&self, frame: &Frame) -> Result<()> {
-        let mut bytes = Vec::new();
-        encode_frame(frame, &mut bytes)?;
+    async fn frame(&self, frame: &Frame, body: Option<AlignedVec>) -> Result<()> {
+        let mut head = Vec::with_capacity(64);
+        encode_frame(frame, &mut head)?;
         self.tx
-            .send(bytes)
+            .send(Outgoing { head, body })
             .await
             .map_err(|_| anyhow::anyhow!("connection to {} closed", self.conn.remote_address()))
     }
@@ -222,35 +297,36 @@ impl Outbox {
     }
 
     pub(crate) async fn reply(&self, req: u64, result: Result<AlignedVec, RemoteError>) {
-        let frame = match result {
-            Ok(body) if body.len() > BULK_THRESHOLD => Frame::Reply {
-                req,
-                bulk: self.bulk(body),
-                body: Vec::new(),
-            },
-            Ok(body) => Frame::Reply {
-                req,
-                bulk: 0,
-                body: body.to_vec(),
-            },
-            Err(error) => Frame::End {
-                req,
-                error: Some(error),
-            },
+        let _ = match result {
+            Ok(body) if body.len() > BULK_THRESHOLD => {
+                let bulk = self.bulk(body);
+                self.frame(&Frame::Reply { req, bulk, len: 0 }, None).await
+            }
+            Ok(body) => {
+                let len = body.len() as u64;
+                self.frame(&Frame::Reply { req, bulk: 0, len }, Some(body))
+                    .await
+            }
+            Err(error) => {
+                self.frame(
+                    &Frame::End {
+                        req,
+                        error: Some(error),
+                    },
+                    None,
+                )
+                .await
+            }
         };
-        let _ = self.frame(&frame).await;
     }
 
     pub(crate) async fn item(&self, req: u64, body: AlignedVec) -> Result<()> {
-        self.frame(&Frame::Item {
-            req,
-            body: body.to_vec(),
-        })
-        .await
+        let len = body.len() as u64;
+        self.frame(&Frame::Item { req, len }, Some(body)).await
     }
 
     pub(crate) async fn end(&self, req: u64, error: Option<RemoteError>) {
-        let _ = self.frame(&Frame::End { req, error }).await;
+        let _ = self.frame(&Frame::End { req, error }, None).await;
     }
 }
 
@@ -316,7 +392,7 @@ async fn serve_call_stream(
             msg,
             kind,
             bulk,
-            payload,
+            len,
         } = frame
         else {
             return close(
@@ -329,27 +405,36 @@ async fn serve_call_stream(
             ArchivedCallKind::Call => CallKind::Call,
             ArchivedCallKind::Stream => CallKind::Stream,
         };
-        let payload = if bulk.to_native() != 0 {
-            Payload::Bulk(inbox.wait(bulk.to_native()))
+        let (req, actor, bulk, len) = (
+            req.to_native(),
+            actor.to_native(),
+            bulk.to_native(),
+            len.to_native(),
+        );
+        let msg = msg.as_str().to_string();
+        let payload = if bulk != 0 {
+            Payload::Bulk(inbox.wait(bulk))
         } else {
-            let mut bytes = AlignedVec::<16>::with_capacity(payload.len());
-            bytes.extend_from_slice(payload.as_slice());
-            Payload::Ready(bytes)
+            match read_body(&mut reader, len, max_frame).await {
+                Ok(bytes) => Payload::Ready(bytes),
+                Err(FrameError::Io(e)) => return tracing::debug!("call stream ended: {e}"),
+                Err(e) => return close(&conn, &e.to_string()),
+            }
         };
         let reply = match kind {
             CallKind::Tell => Responder::Nobody,
             _ => Responder::Remote {
-                req: req.to_native(),
+                req,
                 out: out.clone(),
             },
         };
         let env = Envelope {
-            msg: msg.as_str().to_string(),
+            msg,
             kind,
             payload,
             reply,
         };
-        inbound.deliver(actor.to_native(), env).await;
+        inbound.deliver(actor, env).await;
     }
 }
 
@@ -440,10 +525,10 @@ impl PeerConn {
                 ReplyHandle::Stream(rx)
             }
         };
-        let (bulk, payload) = if payload.len() > BULK_THRESHOLD {
-            (self.out.bulk(payload), Vec::new())
+        let (bulk, len, body) = if payload.len() > BULK_THRESHOLD {
+            (self.out.bulk(payload), 0, None)
         } else {
-            (0, payload.to_vec())
+            (0, payload.len() as u64, Some(payload))
         };
         let frame = Frame::Call {
             req,
@@ -451,9 +536,9 @@ impl PeerConn {
             msg: msg.to_string(),
             kind,
             bulk,
-            payload,
+            len,
         };
-        if let Err(e) = self.out.frame(&frame).await {
+        if let Err(e) = self.out.frame(&frame, body).await {
             self.pending.remove(&req);
             return Err(Error::Transport(e.to_string()));
         }
@@ -540,29 +625,48 @@ async fn read_replies(
             }
         };
         match frame {
-            ArchivedFrame::Reply { req, bulk, body } => {
-                let Some((_, Pending::Once(_, tx))) = peer.pending.remove(&req.to_native()) else {
+            ArchivedFrame::Reply { req, bulk, len } => {
+                let (req, bulk, len) = (req.to_native(), bulk.to_native(), len.to_native());
+                let body = if bulk == 0 {
+                    match read_body(&mut reader, len, max_frame).await {
+                        Ok(b) => Some(b),
+                        Err(e) => {
+                            close(&peer.conn, &e.to_string());
+                            break;
+                        }
+                    }
+                } else {
+                    None
+                };
+                let Some((_, Pending::Once(_, tx))) = peer.pending.remove(&req) else {
                     continue;
                 };
-                if bulk.to_native() != 0 {
-                    let rx = inbox.wait(bulk.to_native());
-                    tokio::spawn(async move {
-                        let r = rx
-                            .await
-                            .map_err(|_| Error::Transport("bulk reply stream failed".into()));
-                        let _ = tx.send(r);
-                    });
-                } else {
-                    let mut bytes = AlignedVec::<16>::with_capacity(body.len());
-                    bytes.extend_from_slice(body.as_slice());
-                    let _ = tx.send(Ok(bytes));
+                match body {
+                    Some(bytes) => {
+                        let _ = tx.send(Ok(bytes));
+                    }
+                    None => {
+                        let rx = inbox.wait(bulk);
+                        tokio::spawn(async move {
+                            let r = rx
+                                .await
+                                .map_err(|_| Error::Transport("bulk reply stream failed".into()));
+                            let _ = tx.send(r);
+                        });
+                    }
                 }
             }
-            ArchivedFrame::Item { req, body } => {
-                if let Some(p) = peer.pending.get(&req.to_native()) {
+            ArchivedFrame::Item { req, len } => {
+                let (req, len) = (req.to_native(), len.to_native());
+                let bytes = match read_body(&mut reader, len, max_frame).await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        close(&peer.conn, &e.to_string());
+                        break;
+                    }
+                };
+                if let Some(p) = peer.pending.get(&req) {
                     if let Pending::Stream(_, tx) = p.value() {
-                        let mut bytes = AlignedVec::<16>::with_capacity(body.len());
-                        bytes.extend_from_slice(body.as_slice());
                         let _ = tx.send(Ok(bytes));
                     }
                 }
