@@ -2,15 +2,19 @@
 //!
 //! Layout under `trainer.default_local_dir`:
 //! ```text
-//! global_step_N/model.safetensors        fp32 masters by Hugging Face name (whole tensors: any world size loads them)
-//! global_step_N/optim.safetensors        AdamW moments (`exp_avg/<name>`, `exp_avg_sq/<name>`)
-//! global_step_N/trainer_state.json       optimizer and schedule counters
+//! global_step_N/model_world_size_W_rank_R.safetensors   rank R's fp32 master shards (ferl-fsdp's format)
+//! global_step_N/optim_world_size_W_rank_R.safetensors   rank R's AdamW moment shards
+//! global_step_N/fsdp_meta.json           the sharded layout; loads at any world size (`ferl_fsdp::load_sharded`)
 //! global_step_N/meta.json                written last: global step, data position, world size
 //! latest_checkpointed_iteration.txt      N of the newest complete checkpoint (verl's file name)
 //! ```
+//! The ranks copy their shards and write them on background threads while training continues; the checkpointer
+//! waits for every rank's files, then writes the metadata.
+//!
 //! Invariants:
-//! 1. `meta.json` and `latest_checkpointed_iteration.txt` are written atomically (temp file, then rename), and only
-//!    after the ranks' files are complete, so a crash never leaves the latest pointer at a partial checkpoint.
+//! 1. `fsdp_meta.json`, `meta.json` and `latest_checkpointed_iteration.txt` are written atomically (temp file, then
+//!    rename), in that order, and only after every rank's files exist (each is itself written then renamed), so a
+//!    crash never leaves the latest pointer at a partial checkpoint.
 //! 2. Pruning keeps the newest `trainer.max_ckpt_to_keep` complete checkpoints and never deletes the latest.
 
 use std::path::{Path, PathBuf};
@@ -112,6 +116,27 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     Ok(Some(step_dir(root, step)))
 }
 
+/// Waits until every path in `files` exists, polling, for at most `timeout`; the error names the missing files.
+pub fn wait_for_files(files: &[String], timeout: std::time::Duration) -> Result<()> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let missing: Vec<&String> = files.iter().filter(|f| !Path::new(f).exists()).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            anyhow::bail!("checkpoint files still missing after {timeout:?}: {missing:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// How long the checkpointer waits for the ranks' files (`FERL_CHECKPOINT_WAIT_S`, default 1800 s).
+fn file_wait() -> std::time::Duration {
+    let secs = std::env::var("FERL_CHECKPOINT_WAIT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(1800.0);
+    std::time::Duration::from_secs_f64(secs)
+}
+
 /// Constructor arguments of [`Checkpointer`].
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone)]
 pub struct CheckpointerArgs {
@@ -153,7 +178,15 @@ impl Handler<Commit> for Checkpointer {
             world_size: m.world_size,
         };
         let (root, keep) = (self.root.clone(), self.keep);
-        tokio::task::spawn_blocking(move || commit(&root, &meta, keep)).await.context("checkpointer task")??;
+        let (files, fsdp_meta) = (m.files, m.fsdp_meta_json);
+        tokio::task::spawn_blocking(move || {
+            wait_for_files(&files, file_wait())?;
+            let dir = step_dir(&root, meta.global_step);
+            write_atomic(&dir.join(ferl_fsdp::checkpoint::META_FILE), fsdp_meta.as_bytes())?;
+            commit(&root, &meta, keep)
+        })
+        .await
+        .context("checkpointer task")??;
         *self.committed.lock().map_err(|_| anyhow::anyhow!("checkpointer lock poisoned"))? = m.global_step;
         Ok(())
     }

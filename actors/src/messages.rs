@@ -28,9 +28,9 @@ impl From<&ferl_data::TokenizedSample> for Sample {
 /// What one rank did in one optimizer step.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
 pub struct RankStep {
-    /// Summed (unscaled) cross-entropy over this rank's targets; the global loss is the sum over ranks divided by
-    /// the global target count.
-    pub loss_sum: f64,
+    /// This rank's share of the loss: its summed cross-entropy over the global target count (the global loss is the
+    /// sum of the shares).
+    pub loss_share: f64,
     /// Global gradient norm before clipping (the same on every rank).
     pub grad_norm: f64,
     /// Learning rate the update used.
@@ -59,14 +59,29 @@ pub struct TrainStep {
 pub struct Validate {
     /// This rank's share of the validation set.
     pub samples: Vec<Sample>,
+    /// Micro-batches every rank runs (the most any rank needs; the store's gathers are collectives).
+    pub rounds: u64,
 }
 
-/// Trainer rank: write this rank's part of a checkpoint into the folder `dir`; replies whether it wrote files.
+/// Trainer rank: copy this rank's shards and write them into the folder `dir` in the background (training goes on).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct SaveShard {
     /// The `global_step_N` folder.
     pub dir: String,
 }
+
+/// What a rank's [`SaveShard`] started.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ShardSaving {
+    /// The sharded checkpoint's metadata as JSON (identical on every rank).
+    pub meta_json: String,
+    /// Files this rank is writing; each appears complete (written, then renamed).
+    pub files: Vec<String>,
+}
+
+/// Trainer rank: wait for the background checkpoint write; fails if it failed.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct FinishSave;
 
 /// Trainer rank: restore model, optimizer and schedule from the checkpoint folder `dir`.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
@@ -139,6 +154,10 @@ pub struct ValShards;
 /// `latest_checkpointed_iteration.txt` at it and prune old checkpoints.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct Commit {
+    /// The sharded checkpoint's metadata as JSON (`fsdp_meta.json`, written once every file exists).
+    pub fsdp_meta_json: String,
+    /// Every rank's files; the checkpointer waits for all of them.
+    pub files: Vec<String>,
     /// The checkpoint's global step.
     pub global_step: u64,
     /// Data position to resume from.
@@ -167,7 +186,8 @@ pub struct FlushLogs;
 ferl_runtime::message! {
     TrainStep => RankStep;
     Validate => (f64, i64);
-    SaveShard => bool;
+    SaveShard => ShardSaving;
+    FinishSave => ();
     LoadShard => ();
     Export => bool;
     GetDatasetInfo => DatasetInfo;

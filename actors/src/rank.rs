@@ -1,11 +1,13 @@
-//! One training rank's state, independent of how the rank was started: the model replica, its communicator and the
-//! [`Stepper`]. The [`crate::TrainerRank`] actor wraps it for the cluster path; [`crate::sft::run_from_env`] uses
+//! One training rank's state, independent of how the rank was started: its shard of the model in a
+//! [`ShardedParams`] (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD from `model.fsdp_config`), and the [`Stepper`]. The [`crate::TrainerRank`] actor wraps it for the cluster path; [`crate::sft::run_from_env`] uses
 //! it directly for ranks started by torchrun or SLURM.
 //!
 //! Invariants:
 //! 1. A distributed step computes exactly what [`Stepper::step`] computes on the whole global batch in one process:
-//!    each rank scales by the *global* target count and the gradients are summed across ranks before the norm.
+//!    each rank scales by the *global* target count and the store sums the gradients across ranks before the norm.
 //! 2. A rank never decides data order: it trains on the samples it is given.
+//! 3. Every rank runs the same number of micro-batches per step and per validation (the store's gathers are
+//!    collectives): the driver splits batches evenly and validation pads with discarded micro-batches.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,20 +19,13 @@ use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::{load_model, weights};
-use ferl_trainer::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
+use ferl_fsdp::{load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams};
+use ferl_trainer::optim::{AdamW, AdamWConfig, LrSchedule};
 use ferl_trainer::params::{LocalParams, ParamStore};
 use ferl_trainer::step::Stepper;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 use crate::messages::{RankStep, Sample};
-use crate::replicated::ReplicatedParams;
-
-/// File a rank writes its model tensors to inside `global_step_N/`.
-pub const MODEL_FILE: &str = "model.safetensors";
-/// File a rank writes its optimizer moments to inside `global_step_N/`.
-pub const OPTIM_FILE: &str = "optim.safetensors";
-/// File holding the optimizer's step counters inside `global_step_N/`.
-pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 
 /// The dtype stages compute in: bf16 when `model_dtype` or `mixed_precision.param_dtype` asks for it, else fp32.
 pub fn compute_kind(cfg: &SftConfig) -> Kind {
@@ -119,175 +114,172 @@ pub fn sample_refs(samples: &[Sample]) -> Vec<SampleRef<'_>> {
     samples.iter().map(|s| SampleRef { input_ids: &s.input_ids, loss_mask: &s.loss_mask }).collect()
 }
 
-/// One step of data parallelism on this rank's share: micro-batches scaled by `global_targets`, gradients summed
-/// across ranks (inside the store's norm), clipping and AdamW as [`Stepper::step`] does them.
-pub fn distributed_step<P: ParamStore>(
-    stepper: &mut Stepper<P>,
-    samples: &[SampleRef<'_>],
-    global_targets: i64,
-) -> Result<RankStep> {
-    let targets: i64 = samples.iter().map(SampleRef::num_targets).sum();
-    let tokens: i64 = samples.iter().map(|s| s.input_ids.len() as i64).sum();
-    stepper.engine.store_mut().zero_grads();
-    let mut loss_sum = 0.0;
-    for chunk in samples.chunks(stepper.micro_batch_size.max(1)) {
-        let mb = MicroBatch::new(chunk, stepper.layout, stepper.device)?;
-        loss_sum += stepper.engine.forward_backward(&mb, global_targets)?;
-    }
-    let store = stepper.engine.store_mut();
-    let grad_norm = store.grad_sq_norm()?.sqrt();
-    let lr = stepper.schedule.lr_at(stepper.completed_steps);
-    let skipped = !grad_norm.is_finite();
-    if skipped {
-        tracing::warn!(step = stepper.completed_steps + 1, grad_norm, "non-finite gradient norm: update skipped");
-    } else {
-        let (master, grads) = store.master_and_grads();
-        clip_grads(grads, grad_norm, stepper.clip_grad);
-        stepper.optimizer.step(master, grads, lr);
-    }
-    stepper.completed_steps += 1;
-    Ok(RankStep { loss_sum, grad_norm, lr, skipped, tokens, targets, peak_memory_bytes: peak_memory_bytes(stepper.device) })
+/// Peak memory of this rank's process: the peak resident set (`VmHWM`) in bytes, 0 when unknown. (On CUDA the
+/// device memory is not included: tch exposes no allocator statistics.)
+pub fn peak_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
 }
 
-/// Peak memory of this rank: the process's peak resident set (`VmHWM`) on the CPU, the caching allocator's peak on
-/// CUDA when torch exposes it through the environment (`0` when unknown).
-pub fn peak_memory_bytes(device: Device) -> u64 {
-    match device {
-        Device::Cpu => std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmHWM:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|kb| kb.parse::<u64>().ok())
-            })
-            .map(|kb| kb * 1024)
-            .unwrap_or(0),
-        _ => 0,
-    }
+/// Micro-batches of `n` samples at micro-batch size `micro`.
+pub fn micro_batches(n: usize, micro: usize) -> usize {
+    n.div_ceil(micro.max(1))
 }
 
-/// A training rank: model replica, communicator and stepper.
+/// A training rank: its shard of the model, the optimizer state of that shard, and the stepper.
 pub struct RankState {
     /// The resolved config.
     pub cfg: SftConfig,
-    /// The optimizer step machinery over the replicated store.
-    pub stepper: Stepper<ReplicatedParams>,
-    /// Parameters of the model (for FLOP counts).
+    /// The optimizer step machinery over the sharded store.
+    pub stepper: Stepper<ShardedParams>,
+    /// Parameters of the whole model (for FLOP counts).
     pub num_params: i64,
+    comm: Arc<dyn Communicator>,
+    fsdp: FsdpOptions,
+    pending_save: Option<std::thread::JoinHandle<Result<()>>>,
 }
 
 impl RankState {
-    /// Loads the model on `device` and joins it to `comm`'s group.
+    /// Loads the model on `device`, keeps this rank's shard, and joins the store to `comm`'s group.
     pub fn build(cfg: SftConfig, comm: Arc<dyn Communicator>, device: Device, total_steps: usize) -> Result<Self> {
         if cfg.model.lora_rank > 0 {
             bail!("model.lora_rank={}: LoRA is not supported by the distributed trainer", cfg.model.lora_rank);
         }
-        let (model, local) = load_local_params(&cfg, device)?;
-        let num_params = local.layout_ref().num_params();
-        let store = ReplicatedParams::new(local, comm);
-        let stepper = build_stepper(&cfg, model, store, device, total_steps)?;
-        Ok(Self { cfg, stepper, num_params })
+        let dir = model_dir(&cfg);
+        let loaded = load_model(&dir).with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
+        let num_params = loaded.layout.num_params();
+        let fsdp = FsdpOptions::from_fsdp_config(&cfg.model.fsdp_config, device);
+        let store = ShardedParams::new(loaded.layout, &loaded.params, comm.clone(), fsdp)?;
+        let stepper = build_stepper(&cfg, loaded.config, store, device, total_steps)?;
+        Ok(Self { cfg, stepper, num_params, comm, fsdp, pending_save: None })
     }
 
     /// This rank's index and the group size.
     pub fn rank_and_world(&self) -> (usize, usize) {
-        let comm = self.stepper.engine.store().communicator();
-        (comm.rank(), comm.world_size())
+        (self.comm.rank(), self.comm.world_size())
     }
 
-    /// Trains on this rank's share of one global batch.
+    /// Sums `values` over the ranks (in order with the store's other collectives).
+    pub fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        self.stepper.engine.store_mut().all_reduce_sum(values)
+    }
+
+    /// Trains on this rank's share of one global batch whose target count is `global_targets`.
     pub fn train_step(&mut self, samples: &[Sample], global_targets: i64) -> Result<RankStep> {
-        distributed_step(&mut self.stepper, &sample_refs(samples), global_targets)
+        let stats = self.stepper.step_with_global_targets(&sample_refs(samples), global_targets)?;
+        Ok(RankStep {
+            loss_share: stats.loss,
+            grad_norm: stats.grad_norm,
+            lr: stats.lr,
+            skipped: stats.skipped,
+            tokens: stats.tokens,
+            targets: samples.iter().map(Sample::num_targets).sum(),
+            peak_memory_bytes: peak_memory_bytes(),
+        })
     }
 
-    /// Summed validation cross-entropy and target count over `samples` (no gradients, no collectives).
-    pub fn validate(&mut self, samples: &[Sample]) -> Result<(f64, i64)> {
+    /// Summed validation cross-entropy and target count over `samples`, running exactly `rounds` micro-batches
+    /// (extra ones repeat a sample and are discarded) so every rank joins the same gathers.
+    pub fn validate(&mut self, samples: &[Sample], rounds: usize) -> Result<(f64, i64)> {
         let refs = sample_refs(samples);
+        let micro = self.stepper.micro_batch_size.max(1);
+        let filler = [SampleRef { input_ids: &[0, 0], loss_mask: &[false, false] }];
         let (mut sum, mut count) = (0.0, 0);
-        for chunk in refs.chunks(self.stepper.micro_batch_size.max(1)) {
+        let mut chunks = refs.chunks(micro);
+        for _ in 0..rounds {
+            let (chunk, real) = match chunks.next() {
+                Some(c) => (c, true),
+                None => (&filler[..], false),
+            };
             let mb = MicroBatch::new(chunk, self.stepper.layout, self.stepper.device)?;
             let (s, c) = self.stepper.engine.eval_loss(&mb)?;
-            sum += s;
-            count += c;
+            if real {
+                sum += s;
+                count += c;
+            }
+        }
+        if chunks.next().is_some() {
+            bail!("validation: {} samples need more than the {rounds} micro-batches the driver planned", samples.len());
         }
         Ok((sum, count))
     }
 
-    fn named(&self, values: &[Tensor], prefix: &str) -> Vec<(String, Tensor)> {
-        let layout = self.stepper.engine.store().layout();
-        layout.tensors.iter().zip(values).map(|((n, _), t)| (format!("{prefix}{n}"), t.to_device(Device::Cpu))).collect()
+    fn adam_config(&self) -> AdamWConfig {
+        self.stepper.optimizer.config
     }
 
-    /// Writes this rank's part of a checkpoint into `dir` (with full replicas only rank 0 writes; returns whether
-    /// this rank wrote files).
-    pub fn save(&mut self, dir: &Path) -> Result<bool> {
-        if self.rank_and_world().0 != 0 {
-            return Ok(false);
+    /// Waits for the previous checkpoint's background write, returning its error if it failed.
+    pub fn finish_save(&mut self) -> Result<()> {
+        match self.pending_save.take() {
+            Some(h) => h.join().map_err(|_| anyhow::anyhow!("checkpoint writer thread panicked"))?,
+            None => Ok(()),
         }
-        std::fs::create_dir_all(dir).with_context(|| format!("creating checkpoint folder {}", dir.display()))?;
-        let masters = self.named(self.stepper.engine.store().local().master(), "");
-        weights::write_safetensors(&dir.join(MODEL_FILE), &masters)?;
-        let mut moments = self.named(&self.stepper.optimizer.exp_avg, "exp_avg/");
-        moments.extend(self.named(&self.stepper.optimizer.exp_avg_sq, "exp_avg_sq/"));
-        weights::write_safetensors(&dir.join(OPTIM_FILE), &moments)?;
-        let state = serde_json::json!({
-            "optimizer_step": self.stepper.optimizer.step,
-            "completed_steps": self.stepper.completed_steps,
-        });
-        std::fs::write(dir.join(TRAINER_STATE_FILE), serde_json::to_vec_pretty(&state)?)
-            .with_context(|| format!("writing {}", dir.join(TRAINER_STATE_FILE).display()))?;
-        Ok(true)
     }
 
-    /// Restores model, optimizer and schedule position from the checkpoint folder `dir` (written by any number of
-    /// ranks: the files hold whole tensors).
+    /// Copies this rank's shards of the masters and optimizer state (fast), then writes them into `dir` on a
+    /// background thread while training continues. Returns the checkpoint metadata the checkpointer writes once
+    /// every rank's files exist (as JSON), and the files this rank will write.
+    pub fn save_in_background(&mut self, dir: &Path) -> Result<(String, Vec<String>)> {
+        self.finish_save()?;
+        let step = self.stepper.completed_steps;
+        let snap = {
+            let store = self.stepper.engine.store_mut();
+            store.finish_grads()?;
+            ShardSnapshot::take(store, &self.stepper.optimizer, step)?
+        };
+        let meta = serde_json::to_string(&snap.meta)?;
+        let (rank, world) = self.rank_and_world();
+        let files = vec![
+            ferl_fsdp::checkpoint::model_file(dir, world, rank).display().to_string(),
+            ferl_fsdp::checkpoint::optim_file(dir, world, rank).display().to_string(),
+        ];
+        let dir = dir.to_path_buf();
+        self.pending_save = Some(std::thread::spawn(move || snap.write(&dir)));
+        Ok((meta, files))
+    }
+
+    /// Saves a complete sharded checkpoint into `dir` now (every rank calls it; rank 0 writes the metadata last).
+    pub fn save_now(&mut self, dir: &Path) -> Result<()> {
+        self.finish_save()?;
+        let step = self.stepper.completed_steps;
+        let optimizer = &self.stepper.optimizer;
+        save_sharded(self.stepper.engine.store_mut(), optimizer, step, dir)
+    }
+
+    /// Restores model shard, optimizer state and schedule position from the sharded checkpoint `dir`, written at
+    /// any world size.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
-        let device = self.stepper.device;
-        let names: Vec<String> = self.stepper.engine.store().layout().tensors.iter().map(|(n, _)| n.clone()).collect();
-        let mut model = weights::read_tensors(&[dir.join(MODEL_FILE)])?;
-        let mut optim = weights::read_tensors(&[dir.join(OPTIM_FILE)])?;
-        let take = |map: &mut std::collections::HashMap<String, Tensor>, key: String, file: &str| {
-            map.remove(&key)
-                .map(|t| t.to_device(device))
-                .with_context(|| format!("checkpoint {}/{file}: tensor `{key}` is missing", dir.display()))
-        };
-        let masters = names.iter().map(|n| take(&mut model, n.clone(), MODEL_FILE)).collect::<Result<Vec<_>>>()?;
-        let m = names.iter().map(|n| take(&mut optim, format!("exp_avg/{n}"), OPTIM_FILE)).collect::<Result<Vec<_>>>()?;
-        let v = names.iter().map(|n| take(&mut optim, format!("exp_avg_sq/{n}"), OPTIM_FILE)).collect::<Result<Vec<_>>>()?;
-        let state_file = dir.join(TRAINER_STATE_FILE);
-        let state: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(&state_file).with_context(|| format!("reading {}", state_file.display()))?,
-        )
-        .with_context(|| format!("parsing {}", state_file.display()))?;
-        let field = |k: &str| {
-            state[k].as_i64().with_context(|| format!("{}: `{k}` is missing or not an integer", state_file.display()))
-        };
-        let (opt_step, completed) = (field("optimizer_step")?, field("completed_steps")?);
-        self.stepper.engine.store_mut().local_mut().set_master(&masters);
-        let _g = tch::no_grad_guard();
-        for (dst, src) in self.stepper.optimizer.exp_avg.iter_mut().zip(&m) {
-            dst.copy_(src);
-        }
-        for (dst, src) in self.stepper.optimizer.exp_avg_sq.iter_mut().zip(&v) {
-            dst.copy_(src);
-        }
-        self.stepper.optimizer.step = opt_step;
-        self.stepper.completed_steps = completed;
+        self.finish_save()?;
+        let layout = self.stepper.engine.store().layout().clone();
+        let loaded = load_sharded(dir, layout, self.comm.clone(), self.fsdp, self.adam_config())
+            .with_context(|| format!("loading checkpoint {}", dir.display()))?;
+        let model = self.stepper.engine.config().clone();
+        let opts = EngineOptions { gradient_checkpointing: self.cfg.model.enable_gradient_checkpointing, ..Default::default() };
+        self.stepper.engine = Engine::new(model, loaded.store, compute_kind(&self.cfg), opts);
+        self.stepper.optimizer = loaded.optimizer;
+        self.stepper.completed_steps = loaded.meta.global_step;
         Ok(())
     }
 
-    /// Writes a Hugging Face folder (config, safetensors in the model dtype, tokenizer files) to `out` (rank 0 only;
-    /// returns whether this rank wrote it).
-    pub fn export(&self, out: &Path) -> Result<bool> {
+    /// Writes a Hugging Face folder to `out` (every rank calls it: the full tensors are gathered; rank 0 writes).
+    /// Returns whether this rank wrote it.
+    pub fn export(&mut self, out: &Path) -> Result<bool> {
+        let full = self.stepper.engine.store_mut().full_params()?;
         if self.rank_and_world().0 != 0 {
             return Ok(false);
         }
-        let store = self.stepper.engine.store();
         let kind = if self.cfg.model.fsdp_config.model_dtype == Dtype::Bf16 { Kind::BFloat16 } else { Kind::Float };
-        let masters: Vec<Tensor> = store.local().master().iter().map(|t| t.to_device(Device::Cpu)).collect();
         let src = model_dir(&self.cfg);
-        weights::save_hf_folder(out, self.stepper.engine.config(), store.layout(), &masters, kind, &[src.as_path()])?;
+        let store = self.stepper.engine.store();
+        weights::save_hf_folder(out, self.stepper.engine.config(), store.layout(), &full, kind, &[src.as_path()])?;
         Ok(true)
     }
 }

@@ -15,17 +15,16 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use ferl_collective::{init_from_env, LaunchEnv, ReduceOp};
+use ferl_collective::{init_from_env, LaunchEnv};
 use ferl_config::{ResumeMode, SftConfig};
 use ferl_runtime::{bundle, Cluster, HeadOptions, NodeOptions, SpawnOptions, Strategy, WorkerGroup};
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
 
 use crate::checkpoint::{self, latest, read_meta, step_dir, CheckpointMeta, Checkpointer, CheckpointerArgs};
 use crate::data_loader::{load_datasets, split_samples, DataLoader, DataLoaderArgs, DataPlan};
 use crate::messages::*;
 use crate::metrics::{mfu, peak_flops, Metrics, MetricsArgs};
-use crate::rank::{rank_device, total_steps, RankState};
+use crate::rank::{micro_batches, rank_device, total_steps, RankState};
 use crate::trainer_rank::{TrainerRank, TrainerRankArgs};
 
 /// How `ferl sft` distributes a run.
@@ -98,6 +97,7 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
         .context("spawning the data loader")?;
     let info = loader.call(GetDatasetInfo).await.context("data loader: reading the dataset")?;
     let total = total_steps(cfg, info.train_len as usize) as u64;
+    check_batch_split(cfg, world)?;
     let gpus = use_gpus(cfg);
     let one = if gpus { bundle(&[("GPU", 1.0), ("CPU", 1.0)]) } else { bundle(&[("CPU", 1.0)]) };
     let group = cluster
@@ -152,7 +152,7 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
         });
         let replies = futures_join(calls).await.with_context(|| format!("step {}: training", step + 1))?;
         step += 1;
-        let loss = replies.iter().map(|r| r.loss_sum).sum::<f64>() / batch.global_targets.max(1) as f64;
+        let loss = replies.iter().map(|r| r.loss_share).sum::<f64>();
         let record = StepRecord { step, loss, grad_norm: replies[0].grad_norm, lr: replies[0].lr };
         summary.steps.push(record);
         let seconds = started.elapsed().as_secs_f64();
@@ -162,7 +162,8 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
         }
         if should(cfg.trainer.test_freq, step, total) && info.val_len > 0 {
             let shards = loader.call(ValShards).await?;
-            let calls = ranks.members().iter().zip(shards).map(|(r, samples)| r.call(Validate { samples }));
+            let rounds = validation_rounds(&shards, cfg.data.micro_batch_size_per_gpu);
+            let calls = ranks.members().iter().zip(shards).map(|(r, samples)| r.call(Validate { samples, rounds }));
             let parts = futures_join(calls).await.context("validation")?;
             let (sum, count) = parts.iter().fold((0.0, 0), |(s, c), (ps, pc)| (s + ps, c + pc));
             let val = sum / count.max(1) as f64;
@@ -172,11 +173,17 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
         metrics.tell(Log { step, values }).await?;
         if should(cfg.trainer.save_freq, step, total) {
             let dir = step_dir(&root, step);
-            ranks.call_all(SaveShard { dir: dir.display().to_string() }).await.with_context(|| format!("saving {}", dir.display()))?;
+            let saving = ranks
+                .call_all(SaveShard { dir: dir.display().to_string() })
+                .await
+                .with_context(|| format!("saving {}", dir.display()))?;
             let position = loader.call(GetPosition).await?;
-            checkpointer.tell(Commit { global_step: step, position, world_size: world as u64 }).await?;
+            let files = saving.iter().flat_map(|s| s.files.iter().cloned()).collect();
+            let fsdp_meta_json = saving[0].meta_json.clone();
+            checkpointer.tell(Commit { fsdp_meta_json, files, global_step: step, position, world_size: world as u64 }).await?;
         }
     }
+    ranks.call_all(FinishSave).await.context("trainer ranks: finishing checkpoint writes")?;
     summary.last_checkpoint = checkpointer.call(Flush).await?;
     metrics.call(FlushLogs).await?;
     cluster.remove_group(&group).await.ok();
@@ -195,6 +202,21 @@ where
         out.push(r.with_context(|| format!("trainer rank {rank}"))?);
     }
     Ok(out)
+}
+
+/// Every rank must run the same number of micro-batches per step (the sharded store's gathers are collectives), so
+/// the global batch must split evenly (verl requires the same).
+fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
+    let batch = cfg.data.train_batch_size;
+    if batch % world != 0 {
+        bail!("data.train_batch_size={batch} does not split evenly over {world} ranks (make it a multiple of {world})");
+    }
+    Ok(())
+}
+
+/// The most micro-batches any rank needs for its validation share.
+fn validation_rounds(shards: &[Vec<Sample>], micro: usize) -> u64 {
+    shards.iter().map(|s| micro_batches(s.len(), micro)).max().unwrap_or(0) as u64
 }
 
 fn step_values(record: &StepRecord, tokens: i64, seconds: f64, replies: &[RankStep]) -> Vec<(String, f64)> {
@@ -261,7 +283,8 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
         loggers: if rank == 0 { cfg.trainer.logger.as_slice().to_vec() } else { Vec::new() },
         dir: root.display().to_string(),
     })?;
-    let mut state = RankState::build(cfg.clone(), comm.clone(), device, total as usize)?;
+    check_batch_split(&cfg, world)?;
+    let mut state = RankState::build(cfg.clone(), comm, device, total as usize)?;
     let mut summary = RunSummary { world_size: world, ..Default::default() };
     if let Some(dir) = resume_dir(&cfg)? {
         let meta = read_meta(&dir)?;
@@ -269,11 +292,6 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
         plan.set_position(meta.position());
         summary.resumed_from = meta.global_step;
     }
-    let sum_across = |values: &[f64]| -> Result<Vec<f64>> {
-        let mut t = Tensor::from_slice(values).to_device(device);
-        comm.all_reduce(&mut t, ReduceOp::Sum)?;
-        Ok(Vec::<f64>::try_from(t.to_device(tch::Device::Cpu))?)
-    };
     let mut step = summary.resumed_from;
     while step < total {
         let started = Instant::now();
@@ -283,34 +301,34 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
         let tokens: i64 = shards.iter().flatten().map(|s| s.input_ids.len() as i64).sum();
         let mine = state.train_step(&shards[rank], global_targets).with_context(|| format!("rank {rank}: step {}", step + 1))?;
         step += 1;
-        let loss = sum_across(&[mine.loss_sum])?[0] / global_targets.max(1) as f64;
+        let loss = state.sum_over_ranks(&[mine.loss_share])?[0];
         let record = StepRecord { step, loss, grad_norm: mine.grad_norm, lr: mine.lr };
         summary.steps.push(record);
         let mut values = step_values(&record, tokens, started.elapsed().as_secs_f64(), std::slice::from_ref(&mine));
         if let (Some(val), true) = (&val, should(cfg.trainer.test_freq, step, total)) {
             let all: Vec<usize> = (0..val.len()).collect();
-            let shard = split_samples(val, &all, world).swap_remove(rank);
-            let (s, c) = state.validate(&shard)?;
-            let total_vc = sum_across(&[s, c as f64])?;
-            let v = total_vc[0] / total_vc[1].max(1.0);
+            let shards = split_samples(val, &all, world);
+            let rounds = validation_rounds(&shards, cfg.data.micro_batch_size_per_gpu) as usize;
+            let (s, c) = state.validate(&shards[rank], rounds)?;
+            let sums = state.sum_over_ranks(&[s, c as f64])?;
+            let v = sums[0] / sums[1].max(1.0);
             summary.val_losses.push((step, v));
             values.push(("val/loss".into(), v));
         }
         metrics.log(&Log { step, values })?;
         if should(cfg.trainer.save_freq, step, total) {
             let dir = step_dir(&root, step);
-            state.save(&dir)?;
-            comm.barrier().context("waiting for every rank's checkpoint files")?;
+            state.save_now(&dir)?;
             if rank == 0 {
                 let p = plan.position();
                 let meta = CheckpointMeta { global_step: step, epoch: p.epoch, step_in_epoch: p.step_in_epoch, world_size: world as u64 };
                 checkpoint::commit(&root, &meta, cfg.trainer.max_ckpt_to_keep)?;
-                summary.last_checkpoint = step;
             }
+            summary.last_checkpoint = step;
         }
     }
     metrics.flush()?;
-    comm.barrier().context("final barrier")?;
+    state.sum_over_ranks(&[0.0]).context("final barrier")?;
     Ok(summary)
 }
 

@@ -1,6 +1,7 @@
 //! The trainer-rank actor: one per bundle of the resource group. It builds its model replica from
 //! `model.partial_pretrain`, joins the data-parallel group through the cluster's key-value store
-//! ([`ClusterRendezvous`]), and trains on the micro-batches the driver sends. Compute runs on a blocking thread so
+//! ([`ClusterRendezvous`]), keeps its shard in a `ferl_fsdp::ShardedParams`, and trains on the micro-batches the
+//! driver sends. Compute runs on a blocking thread so
 //! the worker's connections stay responsive.
 
 use std::net::IpAddr;
@@ -87,13 +88,23 @@ impl Handler<TrainStep> for TrainerRank {
 
 impl Handler<Validate> for TrainerRank {
     async fn handle(&self, m: Validate, _: &Context) -> Result<(f64, i64)> {
-        self.with_state("validation", move |s| s.validate(&m.samples)).await
+        self.with_state("validation", move |s| s.validate(&m.samples, m.rounds as usize)).await
     }
 }
 
 impl Handler<SaveShard> for TrainerRank {
-    async fn handle(&self, m: SaveShard, _: &Context) -> Result<bool> {
-        self.with_state("checkpoint save", move |s| s.save(&PathBuf::from(m.dir))).await
+    async fn handle(&self, m: SaveShard, _: &Context) -> Result<ShardSaving> {
+        self.with_state("checkpoint save", move |s| {
+            let (meta_json, files) = s.save_in_background(&PathBuf::from(m.dir))?;
+            Ok(ShardSaving { meta_json, files })
+        })
+        .await
+    }
+}
+
+impl Handler<FinishSave> for TrainerRank {
+    async fn handle(&self, _: FinishSave, _: &Context) -> Result<()> {
+        self.with_state("checkpoint write", |s| s.finish_save()).await
     }
 }
 

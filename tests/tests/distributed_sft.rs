@@ -47,17 +47,26 @@ fn spawn_env_rank(summary: &Path, rank: usize, world: usize, port: u16, override
     cmd.spawn().expect("start a rank")
 }
 
+/// verl's `model.fsdp_config` keys selecting each sharding strategy.
+const STRATEGIES: &[(&str, &str, &[usize])] = &[
+    ("FULL_SHARD", "model.fsdp_config.reshard_after_forward=true", &[1, 2, 4]),
+    ("SHARD_GRAD_OP", "model.fsdp_config.reshard_after_forward=false", &[2, 4]),
+    ("NO_SHARD", "model.fsdp_config.fsdp_size=1", &[2, 4]),
+];
+
 #[test]
-fn actor_path_matches_single_process_at_world_sizes_1_2_4() {
+fn actor_path_matches_single_process_for_each_strategy_and_world_size() {
     let fx = Fixture::new().unwrap();
-    let o = fx.overrides(3, "ckpt", &["trainer.resume_mode=disable"]);
-    let reference = reference_run(&o).unwrap();
+    let reference = reference_run(&fx.overrides(3, "ref", &["trainer.resume_mode=disable"])).unwrap();
     assert!(reference.iter().all(|r| r.loss.is_finite() && r.loss > 1.0), "{reference:?}");
     assert!(reference[2].loss < reference[0].loss, "the loss should fall: {reference:?}");
-    for world in [1, 2, 4] {
-        let got = run_actor_path(&fx, world, &o, &format!("w{world}"));
-        assert_eq!(got.world_size, world);
-        assert_curves_match(&format!("actor path, world size {world}"), &got.steps, &reference, REL);
+    for &(name, key, worlds) in STRATEGIES {
+        let o = fx.overrides(3, "ckpt", &["trainer.resume_mode=disable", key]);
+        for &world in worlds {
+            let got = run_actor_path(&fx, world, &o, &format!("{name}-w{world}"));
+            assert_eq!(got.world_size, world);
+            assert_curves_match(&format!("actor path, {name}, world size {world}"), &got.steps, &reference, REL);
+        }
     }
 }
 
@@ -93,7 +102,9 @@ fn save_at_world_size_4_resume_at_2_and_1_matches_uninterrupted() {
     let latest = std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap();
     assert_eq!(latest.trim(), "4");
     let step2 = ckpt.join("global_step_2");
-    assert!(step2.join("meta.json").exists(), "global_step_2 is complete");
+    for file in ["meta.json", "fsdp_meta.json", "model_world_size_4_rank_3.safetensors", "optim_world_size_4_rank_0.safetensors"] {
+        assert!(step2.join(file).exists(), "global_step_2 lacks {file}");
+    }
     // Resume from step 2 with fewer ranks: steps 3 and 4 must match the uninterrupted run.
     for (world, tag) in [(2, "resume2"), (1, "resume1")] {
         let resume = fx.overrides(
