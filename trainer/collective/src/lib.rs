@@ -89,22 +89,31 @@ pub struct GroupOptions {
     pub prefix: String,
     /// Address this rank listens on for its peers (TCP backend); default 127.0.0.1.
     pub bind_ip: Option<IpAddr>,
-    /// Pipelining chunk of the TCP backend, in bytes.
+    /// Pipelining chunk of the TCP backend, in bytes (`FERL_COLLECTIVE_CHUNK_BYTES`).
     pub chunk_bytes: usize,
+    /// Send and receive buffer of each TCP connection, in bytes; 0 keeps the kernel's auto-tuning
+    /// (`FERL_COLLECTIVE_SOCKET_BUFFER`).
+    pub socket_buffer: usize,
+}
+
+fn env_number(name: &str) -> Option<f64> {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        let timeout = std::env::var("FERL_COLLECTIVE_TIMEOUT_S")
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
+        let timeout = env_number("FERL_COLLECTIVE_TIMEOUT_S")
             .map(Duration::from_secs_f64)
             .unwrap_or(Duration::from_secs(30));
         Self {
             timeout,
             prefix: "ferl/collective".into(),
             bind_ip: None,
-            chunk_bytes: 256 << 10,
+            chunk_bytes: env_number("FERL_COLLECTIVE_CHUNK_BYTES")
+                .map_or(256 << 10, |v| v as usize),
+            socket_buffer: env_number("FERL_COLLECTIVE_SOCKET_BUFFER").map_or(0, |v| v as usize),
         }
     }
 }

@@ -46,14 +46,35 @@ pub(crate) struct MeshConfig<'a> {
     pub prefix: &'a str,
     pub bind_ip: IpAddr,
     pub timeout: Duration,
+    pub socket_buffer: usize,
 }
 
 fn addr_key(prefix: &str, rank: usize) -> String {
     format!("{prefix}/tcp/rank{rank}/addr")
 }
 
-fn configure(stream: &TcpStream, timeout: Duration) -> Result<()> {
+fn configure(stream: &TcpStream, timeout: Duration, socket_buffer: usize) -> Result<()> {
     stream.set_nodelay(true)?;
+    if socket_buffer > 0 {
+        use std::os::fd::AsRawFd;
+        let size = socket_buffer.min(i32::MAX as usize) as libc::c_int;
+        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: a valid socket and a c_int option value of the right length.
+            let rc = unsafe {
+                libc::setsockopt(
+                    stream.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    opt,
+                    &size as *const libc::c_int as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc != 0 {
+                return Err(std::io::Error::last_os_error())
+                    .context("setting the socket buffer size");
+            }
+        }
+    }
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     Ok(())
@@ -67,6 +88,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
         prefix,
         bind_ip,
         timeout,
+        socket_buffer,
     } = *cfg;
     if rank >= world {
         bail!("rank {rank} is out of range for world size {world}");
@@ -86,7 +108,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
             .with_context(|| format!("rank {rank}: bad address published by rank {other}"))?;
         let mut stream = connect_retrying(addr, deadline)
             .with_context(|| format!("rank {rank}: connecting to rank {other} at {addr}"))?;
-        configure(&stream, timeout)?;
+        configure(&stream, timeout, socket_buffer)?;
         let mut hello = [0u8; 12];
         hello[..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         hello[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
@@ -111,7 +133,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
         match listener.accept() {
             Ok((mut stream, from)) => {
                 stream.set_nonblocking(false)?;
-                configure(&stream, timeout)?;
+                configure(&stream, timeout, socket_buffer)?;
                 let mut hello = [0u8; 12];
                 stream
                     .read_exact(&mut hello)

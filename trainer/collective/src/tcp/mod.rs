@@ -50,6 +50,7 @@ impl TcpCommunicator {
             prefix: &options.prefix,
             bind_ip,
             timeout: options.timeout,
+            socket_buffer: options.socket_buffer,
         };
         let mesh = connect_mesh(&cfg, rendezvous.as_ref())?;
         let engine = Engine::new(mesh, options.timeout, options.chunk_bytes);
