@@ -7,7 +7,8 @@ Subcommands (all deterministic, threads set by --threads):
   train   --model DIR --data FILE --settings FILE --out FILE
           trains with a plain PyTorch loop (same batches, micro-batching, token-mean loss over the global batch,
           AdamW, verl's schedule, clipping) and writes per-step loss / grad_norm / lr as JSON
-  logits  --model DIR --data FILE --count K --out FILE   fp32 logits of the first K samples (one at a time), JSON
+  logits  --model DIR --data FILE --count K --out FILE   fp32 logits of the first K samples (one at a time), written
+          back to back as raw little-endian float32 ([tokens, vocab] each)
 """
 import argparse
 import json
@@ -100,7 +101,7 @@ def train(a):
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(s, step))
     bs, mbs = s["train_batch_size"], s["micro_batch_size"]
-    out = {"loss": [], "grad_norm": [], "lr": [], "tokens_per_s": []}
+    out = {"loss": [], "grad_norm": [], "lr": [], "tokens_per_s": [], "tokens": [], "step_s": []}
     times = []
     for step in range(s["total_steps"]):
         start = (step * bs) % len(samples)
@@ -125,6 +126,8 @@ def train(a):
         out["grad_norm"].append(float(norm))
         out["lr"].append(lr)
         out["tokens_per_s"].append(tokens / dt)
+        out["tokens"].append(tokens)
+        out["step_s"].append(dt)
     out["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     json.dump(out, open(a.out, "w"))
 
@@ -135,12 +138,10 @@ def logits(a):
     samples = json.load(open(a.data))[: a.count]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     model.eval()
-    res = []
-    with torch.no_grad():
+    with torch.no_grad(), open(a.out, "wb") as f:
         for x in samples:
             ids = torch.tensor([x["input_ids"]])
-            res.append(model(input_ids=ids, use_cache=False).logits[0].float().flatten().tolist())
-    json.dump(res, open(a.out, "w"))
+            f.write(model(input_ids=ids, use_cache=False).logits[0].float().contiguous().numpy().tobytes())
 
 
 def main():

@@ -214,8 +214,13 @@ pub fn load(dir: &Path, layout: &ModelLayout) -> Result<LoadedCheckpoint> {
 }
 
 /// `ferl export`: writes the model of checkpoint `dir` (or of a Hugging Face folder) to `out` as a Hugging Face
-/// folder in `kind`.
-pub fn export(dir: &Path, out: &Path, kind: Kind) -> Result<()> {
+/// folder with weights in `dtype` (`fp32` or `bf16`).
+pub fn export(dir: &Path, out: &Path, dtype: &str) -> Result<()> {
+    let kind = match dtype {
+        "fp32" | "float32" => Kind::Float,
+        "bf16" | "bfloat16" => Kind::BFloat16,
+        other => bail!("export dtype `{other}`: expected fp32 or bf16"),
+    };
     let src = if dir.join("huggingface").is_dir() {
         dir.join("huggingface")
     } else {

@@ -27,7 +27,21 @@ use crate::model::layers::{self, Rope};
 use crate::model::layout::Stage;
 use crate::params::ParamStore;
 use anyhow::{Context, Result};
+use std::sync::Arc;
 use tch::{Kind, Reduction, Tensor};
+
+/// A replacement for the training head's projection + cross-entropy (e.g. the `liger` kernel plugin's fused op,
+/// adapted by `ferl-plugin-bridge`): from the normalised target rows `x [n, H]`, the output matrix `w [V, H]` and the
+/// targets `[n]`, returns the *summed* cross-entropy (0-d) and its gradients with respect to `x` and `w`.
+pub trait HeadLoss: Send + Sync {
+    /// `(sum of CE, d/dx, d/dw)`.
+    fn sum_loss_and_grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+}
 
 /// Options of the step schedule.
 #[derive(Clone, Copy, Debug)]
@@ -65,6 +79,7 @@ pub struct Engine<P: ParamStore> {
     store: P,
     opts: EngineOptions,
     kind: Kind,
+    head_loss: Option<Arc<dyn HeadLoss>>,
 }
 
 /// Sum of the VJP of `output` with `grad`: back-propagating it gives `grad`-weighted gradients of the inputs.
@@ -81,7 +96,13 @@ impl<P: ParamStore> Engine<P> {
             store,
             opts,
             kind,
+            head_loss: None,
         }
+    }
+
+    /// Replaces the head's chunked projection + cross-entropy (`model.use_liger=true`); `None` restores it.
+    pub fn set_head_loss(&mut self, head_loss: Option<Arc<dyn HeadLoss>>) {
+        self.head_loss = head_loss;
     }
 
     /// The model config.
@@ -226,6 +247,13 @@ impl<P: ParamStore> Engine<P> {
         let mut grad_rows = Vec::new();
         let mut grad_w: Option<Tensor> = None;
         let mut start = 0;
+        if let Some(head) = &self.head_loss {
+            let (ce, gx, gw) = head.sum_loss_and_grads(&normed_d, out_w, &mb.target_ids)?;
+            loss_sum += ce.to_kind(Kind::Double);
+            grad_rows.push(gx * scale);
+            grad_w = Some(gw * scale);
+            start = mb.num_targets;
+        }
         while start < mb.num_targets {
             let n = chunk.min(mb.num_targets - start);
             let x = normed_d.narrow(0, start, n).set_requires_grad(true);

@@ -11,6 +11,9 @@
 //! - [`sft`]: the whole run (config keys honoured, data, epochs, validation, checkpoints, resume, loggers).
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
 
+pub use ferl_config as config;
+pub use ferl_data as data;
+
 pub mod batch;
 pub mod checkpoint;
 pub mod engine;

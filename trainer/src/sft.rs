@@ -77,7 +77,7 @@ pub fn supported_keys() -> Supported {
         ])
         .values("optim.optimizer", &["AdamW"])
         .values("model.lora_rank", &["0"])
-        .values("model.use_liger", &["false"])
+        .values("model.use_liger", &["false", "true"])
         .values("model.fsdp_config.fsdp_size", &["-1", "1"])
         .values("trainer.nnodes", &["1"])
         .values("trainer.n_gpus_per_node", &["1"])
@@ -94,6 +94,8 @@ pub struct RunOptions {
     pub progress: bool,
     /// Logger kinds `trainer.logger` may name.
     pub loggers: LoggerRegistry,
+    /// The fused head `model.use_liger=true` uses (the `liger` kernel plugin, from `ferl-plugin-bridge`).
+    pub head_loss: Option<std::sync::Arc<dyn crate::engine::HeadLoss>>,
 }
 
 impl Default for RunOptions {
@@ -102,6 +104,7 @@ impl Default for RunOptions {
             stop_after_steps: None,
             progress: true,
             loggers: LoggerRegistry::default(),
+            head_loss: None,
         }
     }
 }
@@ -206,7 +209,13 @@ pub fn run_with_data(
         gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
         ..EngineOptions::default()
     };
-    let engine = Engine::new(model_cfg.clone(), store, kind, engine_opts);
+    let mut engine = Engine::new(model_cfg.clone(), store, kind, engine_opts);
+    if cfg.model.use_liger {
+        let head = opts.head_loss.clone().context(
+            "model.use_liger=true needs the liger kernel (RunOptions::head_loss; `ferl sft` sets it up)",
+        )?;
+        engine.set_head_loss(Some(head));
+    }
     let o = &cfg.optim;
     let adam = AdamWConfig {
         betas: (o.betas[0], o.betas[1]),

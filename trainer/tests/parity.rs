@@ -23,6 +23,7 @@ struct Case {
     checkpointing: bool,
     scheduler: &'static str,
     layout: Layout,
+    vocab: i64,
 }
 
 fn run_case(name: &str, case: Case) {
@@ -43,6 +44,8 @@ fn run_case(name: &str, case: Case) {
             tie,
             "--kv-heads",
             &kv,
+            "--vocab",
+            &case.vocab.to_string(),
             "--samples",
             "24",
         ],
@@ -149,7 +152,7 @@ fn check_export_logits(
         &[],
     )
     .unwrap();
-    let out = d.join("logits.json");
+    let out = d.join("logits.bin");
     run_reference(
         py,
         &[
@@ -164,14 +167,21 @@ fn check_export_logits(
             out.to_str().unwrap(),
         ],
     );
-    let theirs: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let bytes = std::fs::read(&out).unwrap();
+    let all: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let mut offset = 0;
     for i in 0..2 {
         let mb = MicroBatch::new(&[samples.get(i)], Layout::Padded, Device::Cpu).unwrap();
         let ours: Vec<f32> =
             Vec::try_from(&stepper.engine.logits(&mb).unwrap().flatten(0, -1)).unwrap();
-        let theirs = floats(&theirs[i]);
-        assert_eq!(ours.len(), theirs.len());
+        let theirs: Vec<f64> = all[offset..offset + ours.len()]
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        offset += ours.len();
         let scale = theirs.iter().fold(1.0f64, |m, x| m.max(x.abs()));
         let max_diff = ours
             .iter()
@@ -184,6 +194,11 @@ fn check_export_logits(
             "{name}: logits of the export differ by {max_diff} (scale {scale})"
         );
     }
+    assert_eq!(
+        offset,
+        all.len(),
+        "{name}: transformers wrote more logits than ferl computed"
+    );
 }
 
 #[test]
@@ -196,6 +211,7 @@ fn parity_tied_gqa_accumulation_without_checkpointing() {
         checkpointing: false,
         scheduler: "cosine",
         layout: Layout::Padded,
+        vocab: 512,
     };
     run_case("tied-gqa-accum2", case);
 }
@@ -210,6 +226,7 @@ fn parity_untied_gqa_accumulation_with_checkpointing() {
         checkpointing: true,
         scheduler: "cosine",
         layout: Layout::Padded,
+        vocab: 512,
     };
     run_case("untied-gqa-accum4-ckpt", case);
 }
@@ -224,6 +241,7 @@ fn parity_untied_mha_single_micro_batch_constant_schedule() {
         checkpointing: false,
         scheduler: "constant",
         layout: Layout::Padded,
+        vocab: 512,
     };
     run_case("untied-mha-accum1-constant", case);
 }
@@ -238,6 +256,22 @@ fn parity_tied_packed_micro_batches_with_checkpointing() {
         checkpointing: true,
         scheduler: "cosine",
         layout: Layout::Packed,
+        vocab: 512,
     };
     run_case("tied-packed-accum2-ckpt", case);
+}
+
+#[test]
+fn parity_real_qwen_vocab_untied_gqa_accumulation() {
+    let case = Case {
+        tie: false,
+        kv_heads: 2,
+        batch: 4,
+        micro: 2,
+        checkpointing: true,
+        scheduler: "cosine",
+        layout: Layout::Padded,
+        vocab: 151_936,
+    };
+    run_case("real-vocab-untied-gqa-accum2-ckpt", case);
 }

@@ -214,7 +214,7 @@ fn checkpoints_metrics_pruning_and_export() {
     let hf = root.join("global_step_8/huggingface");
     assert!(hf.join("config.json").exists() && hf.join("model.safetensors").exists());
     let out = dir.path().join("export");
-    checkpoint::export(&root.join("global_step_8"), &out, tch::Kind::BFloat16).unwrap();
+    checkpoint::export(&root.join("global_step_8"), &out, "bf16").unwrap();
     let exported = ferl_trainer::model::load_model(&out).unwrap();
     let ours = ferl_trainer::model::load_model(&hf).unwrap();
     let diff = (&exported.params[0] - &ours.params[0])
@@ -243,4 +243,32 @@ fn keys_the_engine_cannot_honour_are_refused() {
         msg.contains("model.lora_rank") && msg.contains("ulysses_sequence_parallel_size"),
         "{msg}"
     );
+}
+
+#[test]
+fn bf16_compute_with_fp32_masters_trains() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let cfg = config(
+        dir.path(),
+        &[
+            "model.fsdp_config.model_dtype=bf16",
+            "trainer.total_epochs=3",
+            "use_remove_padding=true",
+        ],
+    );
+    let s = run_with_data(&cfg, &dataset(16, 9), None, quiet()).unwrap();
+    let l = losses(&s);
+    assert_eq!(l.len(), 12);
+    assert!(l.iter().all(|x| x.is_finite()), "{l:?}");
+    let (head, tail) = (
+        l[..3].iter().sum::<f64>(),
+        l[l.len() - 3..].iter().sum::<f64>(),
+    );
+    assert!(tail < head, "bf16 loss does not fall: {l:?}");
+    // The checkpoint holds the fp32 masters.
+    let hf = dir.path().join("ckpt/global_step_12/huggingface");
+    let m = ferl_trainer::model::load_model(&hf).unwrap();
+    assert_eq!(m.params[0].kind(), tch::Kind::Float);
 }

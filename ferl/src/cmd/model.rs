@@ -1,11 +1,40 @@
-//! `ferl model ...` (owned by the trainer's model work).
+//! `ferl model ...`: model utilities.
 
-use clap::Subcommand;
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
 
 /// `ferl model` subcommands.
 #[derive(Subcommand)]
-pub enum ModelCommand {}
+pub enum ModelCommand {
+    /// Write a randomly initialised model (transformers' initialisation, seeded) as a Hugging Face folder.
+    Init(InitArgs),
+}
 
-pub fn run(c: ModelCommand) -> anyhow::Result<()> {
-    match c {}
+/// Arguments of `ferl model init`.
+#[derive(Args)]
+pub struct InitArgs {
+    /// A Hugging Face `config.json` (Qwen2 or Llama).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// A folder with `tokenizer.json` (and `tokenizer_config.json`) copied into the model.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Output folder.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: i64,
+}
+
+/// Runs a `ferl model` subcommand.
+pub fn run(c: ModelCommand) -> Result<()> {
+    match c {
+        ModelCommand::Init(a) => {
+            ferl_trainer::model::init_model(&a.config, a.tokenizer.as_deref(), &a.out, a.seed)?;
+            println!("wrote a random-init model to {}", a.out.display());
+            Ok(())
+        }
+    }
 }

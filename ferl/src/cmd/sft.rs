@@ -1,11 +1,58 @@
-//! `ferl sft` (owned by the trainer work; `--nproc-per-node` by the distributed work).
+//! `ferl sft`: supervised fine-tuning with verl's config keys (`--config FILE`, `key=value` overrides, `--cfg job`).
 
+use anyhow::{bail, Result};
 use clap::Args;
+use ferl_trainer::config::SftConfig;
+use ferl_trainer::sft::{run as run_sft, RunOptions};
+use std::path::PathBuf;
 
 /// Arguments of `ferl sft`.
-#[derive(Args)]
-pub struct SftArgs {}
+#[derive(Args, Debug)]
+pub struct SftArgs {
+    /// A YAML file with verl's `sft_trainer.yaml` keys.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// `--cfg job` prints the resolved config and exits without training.
+    #[arg(long = "cfg", value_name = "job")]
+    pub cfg: Option<String>,
+    /// Overrides: `a.b=c`, `+a.b=c`, `~a.b`, lists as `[x,y]`.
+    #[arg(value_name = "KEY=VALUE", allow_hyphen_values = true)]
+    pub overrides: Vec<String>,
+    /// Distributed training: `--nproc-per-node`, `--nnodes`, `--address` (see `sft_dist`).
+    #[command(flatten)]
+    pub dist: super::sft_dist::DistArgs,
+}
 
-pub fn run(_: SftArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`ferl sft` is being built (issue 3)")
+/// Loads the config and trains in this process.
+pub fn run(args: SftArgs) -> Result<()> {
+    let cfg = SftConfig::load(args.config.as_deref(), &args.overrides)?;
+    match args.cfg.as_deref() {
+        Some("job") => {
+            print!("{}", cfg.to_yaml());
+            return Ok(());
+        }
+        Some(other) => bail!("--cfg {other}: only `--cfg job` is supported"),
+        None => {}
+    }
+    if args.dist.requested() {
+        return super::sft_dist::run(cfg, &args.dist);
+    }
+    let summary = run_sft(&cfg, RunOptions::default())?;
+    let first = summary.train_losses.first().map(|(_, l)| *l);
+    let last = summary.train_losses.last().map(|(_, l)| *l);
+    if let (Some(a), Some(b)) = (first, last) {
+        println!(
+            "trained to step {}: train/loss {a:.4} -> {b:.4}",
+            summary.global_step
+        );
+    } else {
+        println!("nothing to train: already at step {}", summary.global_step);
+    }
+    if let Some((step, v)) = summary.val_losses.last() {
+        println!("val/loss {v:.4} at step {step}");
+    }
+    if let Some(c) = &summary.last_checkpoint {
+        println!("checkpoint: {}", c.display());
+    }
+    Ok(())
 }
