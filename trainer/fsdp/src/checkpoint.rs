@@ -191,12 +191,13 @@ impl ShardReader<'_> {
             let k = (pos / shard) as usize;
             let end = hi.min((k as i64 + 1) * shard);
             let path = (self.file)(self.dir, self.meta.world_size, k);
-            if !self.bytes.contains_key(&k) {
-                let b =
-                    std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-                self.bytes.insert(k, b);
-            }
-            let st = SafeTensors::deserialize(&self.bytes[&k])
+            let bytes = match self.bytes.entry(k) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                    std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+                ),
+            };
+            let st = SafeTensors::deserialize(bytes)
                 .with_context(|| format!("parsing {}", path.display()))?;
             let view = st
                 .tensor(name)

@@ -146,3 +146,58 @@ pub fn kind_of(d: Dtype) -> Kind {
         Dtype::Fp16 => Kind::Half,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferl_config::MixedPrecision;
+
+    #[test]
+    fn strategy_names_parse_and_unknown_ones_are_listed() {
+        assert_eq!(
+            "full_shard".parse::<ShardingStrategy>().unwrap(),
+            ShardingStrategy::FullShard
+        );
+        assert_eq!(
+            "SHARD_GRAD_OP".parse::<ShardingStrategy>().unwrap(),
+            ShardingStrategy::ShardGradOp
+        );
+        assert_eq!(
+            "NO_SHARD".parse::<ShardingStrategy>().unwrap(),
+            ShardingStrategy::NoShard
+        );
+        let err = "HYBRID_SHARD"
+            .parse::<ShardingStrategy>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("HYBRID_SHARD") && err.contains("FULL_SHARD"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn verl_fsdp_config_maps_to_strategy_precision_and_offload() {
+        let mut cfg = FsdpConfig::default();
+        let o = FsdpOptions::from_fsdp_config(&cfg, Device::Cpu);
+        assert_eq!(o.strategy, ShardingStrategy::FullShard);
+        assert_eq!(
+            (o.compute_kind, o.reduce_kind, o.cpu_offload),
+            (Kind::Float, Kind::Float, false)
+        );
+        cfg.reshard_after_forward = false;
+        cfg.mixed_precision = Some(MixedPrecision::default());
+        cfg.offload_params = true;
+        let o = FsdpOptions::from_fsdp_config(&cfg, Device::Cpu);
+        assert_eq!(o.strategy, ShardingStrategy::ShardGradOp);
+        assert_eq!(
+            (o.compute_kind, o.reduce_kind, o.cpu_offload),
+            (Kind::BFloat16, Kind::Float, true)
+        );
+        cfg.fsdp_size = 1;
+        assert_eq!(
+            ShardingStrategy::from_fsdp_config(&cfg),
+            ShardingStrategy::NoShard
+        );
+    }
+}

@@ -85,7 +85,7 @@ pub fn schedule() -> LrSchedule {
     LrSchedule::from_verl("cosine", 2e-3, 0.2, TOTAL_STEPS, 0.1).unwrap()
 }
 
-/// A stepper over `store`.
+/// A stepper over `store`, computing in fp32 on the CPU.
 pub fn stepper<P: ParamStore>(
     cfg: &ModelConfig,
     store: P,
@@ -94,18 +94,42 @@ pub fn stepper<P: ParamStore>(
     checkpointing: bool,
     completed: i64,
 ) -> Stepper<P> {
+    stepper_on(
+        cfg,
+        store,
+        optimizer,
+        micro,
+        checkpointing,
+        completed,
+        Kind::Float,
+        Device::Cpu,
+    )
+}
+
+/// A stepper over `store` computing in `kind` on `device`.
+#[allow(clippy::too_many_arguments)]
+pub fn stepper_on<P: ParamStore>(
+    cfg: &ModelConfig,
+    store: P,
+    optimizer: AdamW,
+    micro: usize,
+    checkpointing: bool,
+    completed: i64,
+    kind: Kind,
+    device: Device,
+) -> Stepper<P> {
     let opts = EngineOptions {
         gradient_checkpointing: checkpointing,
         logits_chunk_elements: 61 * 16,
     };
     Stepper {
-        engine: Engine::new(cfg.clone(), store, Kind::Float, opts),
+        engine: Engine::new(cfg.clone(), store, kind, opts),
         optimizer,
         schedule: schedule(),
         clip_grad: 1.0,
         micro_batch_size: micro,
         layout: Layout::Padded,
-        device: Device::Cpu,
+        device,
         completed_steps: completed,
     }
 }
@@ -124,11 +148,24 @@ pub fn reference_run(
     steps: usize,
     checkpointing: bool,
 ) -> Vec<(f64, f64)> {
+    reference_run_on(cfg, samples, steps, checkpointing, Kind::Float, Device::Cpu)
+}
+
+/// Per-step (loss, grad norm) of the single-process trainer computing in `kind` on `device`, micro-batch 2.
+pub fn reference_run_on(
+    cfg: &ModelConfig,
+    samples: &Samples,
+    steps: usize,
+    checkpointing: bool,
+    kind: Kind,
+    device: Device,
+) -> Vec<(f64, f64)> {
     tch::set_num_threads(1);
     let (layout, params) = init(cfg);
-    let store = LocalParams::new(layout, params, Kind::Float);
+    let params = params.iter().map(|t| t.to_device(device)).collect();
+    let store = LocalParams::new(layout, params, kind);
     let optimizer = AdamW::new(adam(), store.master());
-    let mut s = stepper(cfg, store, optimizer, 2, checkpointing, 0);
+    let mut s = stepper_on(cfg, store, optimizer, 2, checkpointing, 0, kind, device);
     (0..steps)
         .map(|step| {
             let batch = samples.refs(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH);
@@ -201,7 +238,16 @@ pub fn sharded_run(
         let mine = copies(&params.lock().unwrap());
         let store = ShardedParams::new(layout.clone(), &mine, comm, opts).unwrap();
         let optimizer = AdamW::new(adam(), store.local_masters());
-        let mut s = stepper(&cfg, store, optimizer, 1, checkpointing, 0);
+        let mut s = stepper_on(
+            &cfg,
+            store,
+            optimizer,
+            1,
+            checkpointing,
+            0,
+            opts.compute_kind,
+            opts.device,
+        );
         (0..steps)
             .map(|step| {
                 let batch = samples.refs(rank_slice(step, rank, world));

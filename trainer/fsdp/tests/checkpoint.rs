@@ -1,0 +1,198 @@
+//! Sharded checkpoints outlive the cluster shape: save at world size 4, resume at 2 (and 1) with another strategy and
+//! continue — the same losses as an uninterrupted run; the assembled full tensors equal the live model and export to a
+//! Hugging Face folder that loads back identically.
+
+mod common;
+
+use common::*;
+use ferl_fsdp::{
+    assemble_full, export_hf, global_step, load_sharded, read_meta, save_sharded, FsdpOptions,
+    ShardedParams, ShardingStrategy,
+};
+use ferl_trainer::model::load_model;
+use ferl_trainer::optim::AdamW;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use tch::{Device, Kind, Tensor};
+
+const STEPS: usize = TOTAL_STEPS as usize;
+const SAVE_AT: usize = 3;
+
+fn opts(strategy: ShardingStrategy) -> FsdpOptions {
+    FsdpOptions::new(strategy, Kind::Float, Device::Cpu)
+}
+
+/// Trains steps `0..SAVE_AT` at world 4, saves, and returns rank 0's full parameters at that point.
+fn train_and_save(samples: Arc<Samples>, dir: PathBuf) -> Vec<Tensor> {
+    let cfg = tiny_config(true);
+    let (layout, params) = init(&cfg);
+    let params = Arc::new(Mutex::new(params));
+    let mut fulls = run_ranks(4, move |rank, comm| {
+        let mine = copies(&params.lock().unwrap());
+        let store = ShardedParams::new(
+            layout.clone(),
+            &mine,
+            comm,
+            opts(ShardingStrategy::FullShard),
+        )
+        .unwrap();
+        let optimizer = AdamW::new(adam(), store.local_masters());
+        let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
+        for step in 0..SAVE_AT {
+            global_step(&mut s, &samples.refs(rank_slice(step, rank, 4))).unwrap();
+        }
+        let optimizer = std::mem::replace(&mut s.optimizer, AdamW::new(adam(), &[]));
+        save_sharded(s.engine.store_mut(), &optimizer, SAVE_AT as i64, &dir).unwrap();
+        s.engine.store_mut().full_params().unwrap()
+    });
+    fulls.swap_remove(0)
+}
+
+/// Loads `dir` at `world` ranks with `strategy` and trains steps `SAVE_AT..STEPS`; rank 0's curve.
+fn resume(
+    samples: Arc<Samples>,
+    dir: PathBuf,
+    world: usize,
+    strategy: ShardingStrategy,
+) -> Vec<(f64, f64)> {
+    let cfg = tiny_config(true);
+    let mut curves = run_ranks(world, move |rank, comm| {
+        let layout = ferl_trainer::model::layout::ModelLayout::new(&cfg);
+        let loaded = load_sharded(&dir, layout, comm, opts(strategy), adam()).unwrap();
+        assert_eq!(loaded.meta.global_step, SAVE_AT as i64);
+        assert_eq!(loaded.optimizer.step, SAVE_AT as i64);
+        let mut s = stepper(
+            &cfg,
+            loaded.store,
+            loaded.optimizer,
+            1,
+            false,
+            loaded.meta.global_step,
+        );
+        (SAVE_AT..STEPS)
+            .map(|step| {
+                let st = global_step(&mut s, &samples.refs(rank_slice(step, rank, world))).unwrap();
+                (st.loss, st.grad_norm)
+            })
+            .collect::<Vec<_>>()
+    });
+    curves.swap_remove(0)
+}
+
+#[test]
+fn save_at_world_4_resume_at_2_and_1_continues_like_an_uninterrupted_run() {
+    let cfg = tiny_config(true);
+    let samples = Arc::new(Samples::new(GLOBAL_BATCH * STEPS, cfg.vocab_size));
+    let uninterrupted = &sharded_run(
+        &cfg,
+        samples.clone(),
+        STEPS,
+        true,
+        4,
+        opts(ShardingStrategy::FullShard),
+    )[0];
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join(format!("global_step_{SAVE_AT}"));
+    train_and_save(samples.clone(), dir.clone());
+    for r in 0..4 {
+        assert!(dir
+            .join(format!("model_world_size_4_rank_{r}.safetensors"))
+            .exists());
+        assert!(dir
+            .join(format!("optim_world_size_4_rank_{r}.safetensors"))
+            .exists());
+    }
+    assert_eq!(read_meta(&dir).unwrap().world_size, 4);
+    let tail = &uninterrupted[SAVE_AT..];
+    let at2 = resume(
+        samples.clone(),
+        dir.clone(),
+        2,
+        ShardingStrategy::ShardGradOp,
+    );
+    assert_close("resumed at world 2 (SHARD_GRAD_OP)", &at2, tail, 1e-5);
+    let at1 = resume(samples, dir, 1, ShardingStrategy::NoShard);
+    assert_close("resumed at world 1 (NO_SHARD)", &at1, tail, 1e-5);
+}
+
+#[test]
+fn assembled_checkpoint_equals_the_live_model_and_exports_to_hugging_face() {
+    let cfg = tiny_config(true);
+    let samples = Arc::new(Samples::new(GLOBAL_BATCH * SAVE_AT, cfg.vocab_size));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("global_step_3");
+    let live = train_and_save(samples, dir.clone());
+    let (meta, named) = assemble_full(&dir).unwrap();
+    assert_eq!(meta.global_step, 3);
+    let layout = ferl_trainer::model::layout::ModelLayout::new(&cfg);
+    assert_eq!(named.len(), layout.tensors.len());
+    for ((name, t), ((want_name, _), want)) in named.iter().zip(layout.tensors.iter().zip(&live)) {
+        assert_eq!(name, want_name);
+        assert!(
+            t.equal(want),
+            "assembled `{name}` differs from the live parameter"
+        );
+    }
+    let out: &Path = &tmp.path().join("huggingface");
+    export_hf(&dir, &cfg, out, Kind::Float, &[]).unwrap();
+    let back = load_model(out).unwrap();
+    for (((name, _), a), b) in layout.tensors.iter().zip(&back.params).zip(&live) {
+        assert!(a.equal(b), "exported `{name}` differs");
+    }
+}
+
+#[test]
+fn loading_a_checkpoint_of_another_model_names_the_mismatch() {
+    let cfg = tiny_config(true);
+    let samples = Arc::new(Samples::new(GLOBAL_BATCH * SAVE_AT, cfg.vocab_size));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("global_step_3");
+    train_and_save(samples, dir.clone());
+    let other = ferl_trainer::model::layout::ModelLayout::new(&tiny_config(false));
+    let errs = run_ranks(1, move |_, comm| {
+        load_sharded(
+            &dir,
+            other.clone(),
+            comm,
+            opts(ShardingStrategy::FullShard),
+            adam(),
+        )
+        .err()
+        .map(|e| format!("{e:#}"))
+    });
+    let err = errs[0].clone().expect("loading must fail");
+    assert!(
+        err.contains("global_step_3") && err.contains("unit `head`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn prefetch_hits_after_the_first_micro_batch_and_never_when_off() {
+    let cfg = tiny_config(true);
+    let samples = Arc::new(Samples::new(GLOBAL_BATCH, cfg.vocab_size));
+    for prefetch in [true, false] {
+        let cfg = cfg.clone();
+        let samples = samples.clone();
+        let (layout, params) = init(&cfg);
+        let params = Arc::new(Mutex::new(params));
+        let stats = run_ranks(2, move |rank, comm| {
+            let mut o = opts(ShardingStrategy::FullShard);
+            o.prefetch = prefetch;
+            let mine = copies(&params.lock().unwrap());
+            let store = ShardedParams::new(layout.clone(), &mine, comm, o).unwrap();
+            let optimizer = AdamW::new(adam(), store.local_masters());
+            let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
+            global_step(&mut s, &samples.refs(rank_slice(0, rank, 2))).unwrap();
+            s.engine.store().comm_stats()
+        });
+        for st in stats {
+            if prefetch {
+                assert!(st.prefetch_hits > 0, "{st:?}");
+            } else {
+                assert_eq!(st.prefetch_hits, 0, "{st:?}");
+            }
+            assert!(st.all_gathers > 0 && st.reductions > 0, "{st:?}");
+        }
+    }
+}
