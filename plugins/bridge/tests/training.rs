@@ -1,13 +1,14 @@
 //! The plugins inside real trainer runs (`ferl_trainer::sft::run_with_data`): a logger plugin replaced in the middle
 //! of training switches at the next step without changing the losses, and a dataset plugin feeds the tokenizer.
 
-use ferl_plugin_bridge::{job_plugin_host, plugin_dataset, register_logger_plugins};
+use ferl_plugin_bridge::{job_plugin_host, plugin_dataset, register_logger_plugins, LigerHeadLoss};
 use ferl_plugin_host::cargo_build::{build_plugin, workspace_root, PluginBuild};
 use ferl_trainer::config::SftConfig;
 use ferl_trainer::data::{SftDataset, TokenizedSample};
 use ferl_trainer::metrics::{LoggerRegistry, MetricsLogger};
 use ferl_trainer::sft::{run_with_data, RunOptions};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 fn build(package: &str, env: &[(&str, &str)]) -> PathBuf {
     let ws = workspace_root(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
@@ -206,5 +207,61 @@ fn alpaca_plugin_feeds_the_trainer_tokenizer() {
             s.input_ids.len()
         );
         assert!(!s.loss_mask[0]);
+    }
+}
+
+#[test]
+fn use_liger_matches_the_plain_head_within_1e_4_per_step() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let train = dataset(16);
+    let quiet = || RunOptions {
+        progress: false,
+        ..RunOptions::default()
+    };
+    let plain = run_with_data(
+        &config(&model, &dir.path().join("plain"), "[jsonl]"),
+        &train,
+        None,
+        quiet(),
+    )
+    .unwrap();
+
+    // use_liger=true without a kernel is refused with a message saying what is missing.
+    let mut cfg = config(&model, &dir.path().join("none"), "[jsonl]");
+    cfg.model.use_liger = true;
+    let e = format!(
+        "{:#}",
+        run_with_data(&cfg, &train, None, quiet()).unwrap_err()
+    );
+    assert!(
+        e.contains("model.use_liger=true needs the liger kernel"),
+        "{e}"
+    );
+
+    // The liger plugin loaded from its file through the job's host.
+    let folder = dir.path().join("plugins");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(
+        build("ferl-plugin-liger", &[]),
+        folder.join(format!("liger{}", std::env::consts::DLL_SUFFIX)),
+    )
+    .unwrap();
+    let run_dir = dir.path().join("liger");
+    let host = job_plugin_host(&run_dir, &[folder]).unwrap();
+    assert!(host.get("liger").is_some());
+    let mut cfg = config(&model, &run_dir, "[jsonl]");
+    cfg.model.use_liger = true;
+    let opts = RunOptions {
+        head_loss: Some(Arc::new(LigerHeadLoss::new(Some(host)))),
+        ..quiet()
+    };
+    let fused = run_with_data(&cfg, &train, None, opts).unwrap();
+
+    assert_eq!(fused.train_losses.len(), plain.train_losses.len());
+    for ((s, a), (t, b)) in plain.train_losses.iter().zip(&fused.train_losses) {
+        assert_eq!(s, t);
+        assert!((a - b).abs() <= 1e-4, "step {s}: plain {a} vs liger {b}");
     }
 }

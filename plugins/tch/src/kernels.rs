@@ -125,15 +125,14 @@ impl Kernels {
         reduction: Reduction,
         chunk_rows: usize,
     ) -> Result<Tensor> {
-        let attrs = [
-            ignore_index as f64,
-            (reduction == Reduction::Mean) as u8 as f64,
-            chunk_rows as f64,
-        ];
-        let mut out = self
-            .forward(&self.fused_ce, &[hidden, weight, targets], &attrs)?
-            .into_iter();
-        let (loss, dh, dw) = (next(&mut out)?, next(&mut out)?, next(&mut out)?);
+        let (loss, dh, dw) = self.fused_linear_cross_entropy_grads(
+            hidden,
+            weight,
+            targets,
+            ignore_index,
+            reduction,
+            chunk_rows,
+        )?;
         let mut s: Option<Tensor> = None;
         for (x, g) in [(hidden, &dh), (weight, &dw)] {
             if x.requires_grad() {
@@ -148,6 +147,28 @@ impl Kernels {
             Some(s) => &loss + (&s - s.detach()),
             None => loss,
         })
+    }
+
+    /// The fused op without autograd: `(loss, d loss / d hidden, d loss / d weight)` (for engines that run their own
+    /// backward, such as the trainer's layer-wise head).
+    pub fn fused_linear_cross_entropy_grads(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+        ignore_index: i64,
+        reduction: Reduction,
+        chunk_rows: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let attrs = [
+            ignore_index as f64,
+            (reduction == Reduction::Mean) as u8 as f64,
+            chunk_rows as f64,
+        ];
+        let mut out = self
+            .forward(&self.fused_ce, &[hidden, weight, targets], &attrs)?
+            .into_iter();
+        Ok((next(&mut out)?, next(&mut out)?, next(&mut out)?))
     }
 
     /// RMSNorm forward: `y` and what the backward needs.
