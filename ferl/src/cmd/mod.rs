@@ -6,3 +6,4 @@ pub mod export;
 pub mod model;
 pub mod plugin;
 pub mod sft;
+pub mod sft_dist;

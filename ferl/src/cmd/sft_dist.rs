@@ -1,0 +1,61 @@
+//! `ferl sft` across several ranks: `--nproc-per-node N` (an embedded cluster, or the running one at `--address`
+//! with `--nnodes M`) trains with the standard actors; ranks started by an external launcher (torchrun's `RANK`/
+//! `WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, or `srun` with several tasks) each run one rank in-process.
+
+use anyhow::Result;
+use clap::Args;
+use ferl_actors::sft::{run as run_distributed, LaunchOptions};
+use ferl_trainer::config::SftConfig;
+
+/// The distribution flags of `ferl sft`.
+#[derive(Args, Debug, Default, Clone)]
+pub struct DistArgs {
+    /// Ranks per machine: one trainer actor per bundle of a resource group (GPU bundles on GPU machines).
+    #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node")]
+    pub nproc_per_node: Option<usize>,
+    /// Machines of a running cluster to spread the ranks over (needs --address).
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// A running cluster's head, `HOST:PORT` (token from FERL_TOKEN or the local head); default: FERL_ADDRESS, else
+    /// an embedded cluster.
+    #[arg(long, env = "FERL_ADDRESS")]
+    pub address: Option<String>,
+}
+
+/// Whether this process was started as one rank of an external launch (torchrun, or `srun` with several tasks).
+pub fn launched_externally() -> bool {
+    let set = |k: &str| std::env::var_os(k).is_some();
+    let slurm_tasks = std::env::var("SLURM_NTASKS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1);
+    (set("RANK") && set("WORLD_SIZE")) || (set("SLURM_PROCID") && slurm_tasks > 1)
+}
+
+impl DistArgs {
+    /// Whether `ferl sft` should train distributed rather than in this process alone.
+    pub fn requested(&self) -> bool {
+        self.nproc_per_node.is_some() || self.nnodes > 1 || launched_externally()
+    }
+}
+
+/// Trains `cfg` distributed and prints what happened.
+pub fn run(cfg: SftConfig, args: &DistArgs) -> Result<()> {
+    let opts = LaunchOptions {
+        nproc_per_node: args.nproc_per_node.unwrap_or(0),
+        nnodes: args.nnodes,
+        address: args.address.clone(),
+    };
+    let summary = run_distributed(cfg, &opts)?;
+    match (summary.steps.first(), summary.steps.last()) {
+        (Some(a), Some(b)) => println!(
+            "trained steps {}..{} on {} ranks: train/loss {:.4} -> {:.4}",
+            a.step, b.step, summary.world_size, a.loss, b.loss
+        ),
+        _ => println!("nothing to train: already at step {}", summary.resumed_from),
+    }
+    if let Some((step, v)) = summary.val_losses.last() {
+        println!("val/loss {v:.4} at step {step}");
+    }
+    if summary.last_checkpoint > 0 {
+        println!("checkpoint: global_step_{}", summary.last_checkpoint);
+    }
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! `ferl sft` itself (the `ferl` binary of the `ferl` package) launched both ways a verl user would: with
+//! `--nproc-per-node 2`, and as two ranks under a torchrun-style environment. The per-step losses it logs to
+//! `metrics.jsonl` must match the single-process trainer.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ferl_tests::*;
+
+/// `target/<profile>/ferl`, brought up to date first (this test's own binary lives in `target/<profile>/deps`).
+fn ferl_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf();
+    let bin = profile_dir.join("ferl");
+    if profile_dir.file_name().is_some_and(|n| n == "debug") {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "-p", "ferl", "--bin", "ferl"])
+            .current_dir(repo_root())
+            .status()
+            .expect("run cargo build -p ferl");
+        assert!(status.success(), "building the ferl binary failed");
+    }
+    assert!(bin.exists(), "no ferl binary at {}", bin.display());
+    bin
+}
+
+fn check(out: Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed:\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `(step, train/loss, train/grad_norm)` rows of `dir/metrics.jsonl`.
+fn logged_curve(dir: &Path) -> Vec<(u64, f64, f64)> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).expect("metrics.jsonl");
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["train/loss"].as_f64().unwrap(), v["train/grad_norm"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn assert_logged_matches(what: &str, dir: &Path, fx_reference: &[ferl_actors::sft::StepRecord]) {
+    let got = logged_curve(dir);
+    assert_eq!(got.len(), fx_reference.len(), "{what}: logged steps");
+    for ((step, loss, gn), r) in got.iter().zip(fx_reference) {
+        assert_eq!(*step, r.step, "{what}");
+        for (name, a, b) in [("loss", *loss, r.loss), ("grad_norm", *gn, r.grad_norm)] {
+            let err = (a - b).abs() / b.abs();
+            assert!(err <= 1e-5, "{what}: step {step} {name} {a} vs {b} (relative error {err:e})");
+        }
+    }
+}
+
+#[test]
+fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
+    let ferl = ferl_binary();
+    let fx = Fixture::new().unwrap();
+    let extra = ["trainer.resume_mode=disable", "trainer.logger=[console,jsonl]"];
+    let reference = reference_run(&fx.overrides(2, "ref", &extra)).unwrap();
+
+    let actors = fx.overrides(2, "actors", &extra);
+    let out = Command::new(&ferl)
+        .env("OMP_NUM_THREADS", "1")
+        .args(["sft", "--nproc-per-node", "2"])
+        .args(&actors)
+        .output()
+        .unwrap();
+    check(out, "ferl sft --nproc-per-node 2");
+    assert_logged_matches("ferl sft --nproc-per-node 2", &fx.dir.path().join("actors"), &reference);
+
+    let env_run = fx.overrides(2, "torchrun", &extra);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(&ferl)
+                .env("OMP_NUM_THREADS", "1")
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .arg("sft")
+                .args(&env_run)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in children.into_iter().enumerate() {
+        check(child.wait_with_output().unwrap(), &format!("ferl sft as torchrun rank {rank}"));
+    }
+    assert_logged_matches("ferl sft under torchrun variables", &fx.dir.path().join("torchrun"), &reference);
+}
