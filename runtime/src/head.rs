@@ -308,7 +308,13 @@ impl Head {
             .process
             .call_at(node_addr, NODE_ACTOR, &msg)
             .await
-            .map_err(|e| anyhow!("starting actor {type_name} {id} on {node}: {e}"))?;
+            .map_err(|e| {
+                let e = match e {
+                    crate::Error::Remote { message, .. } => strip(message),
+                    other => other.to_string(),
+                };
+                anyhow!("starting actor {type_name} {id} on {node}: {e}")
+            })?;
         let mut st = self.lock();
         let a = st
             .actors
@@ -445,6 +451,14 @@ impl Head {
             })
             .collect();
         serde_json::json!({"head": self.0.process.addr.to_string(), "nodes": nodes, "actors": actors, "groups": groups, "kv_keys": st.kv.len()})
+    }
+}
+
+/// Drops the "actor ferl.NodeAgent (2) failed on ferl.StartWorker: " prefix of a node agent's error.
+fn strip(message: String) -> String {
+    match message.split_once(": ") {
+        Some((head, rest)) if head.starts_with("actor ferl.") => rest.to_string(),
+        _ => message,
     }
 }
 

@@ -201,7 +201,7 @@ impl Process {
         self.call_at(head, HEAD_ACTOR, msg)
             .await
             .map_err(|e| match e {
-                Error::Remote { message, .. } => Error::Cluster(message),
+                Error::Remote { message, .. } => Error::Cluster(strip_service_prefix(message)),
                 Error::Lost { reason, .. } => {
                     Error::Cluster(format!("head at {head} lost: {reason}"))
                 }
@@ -271,6 +271,16 @@ impl Process {
     pub(crate) fn close(&self) {
         self.endpoint.close(0u32.into(), b"shutdown");
     }
+}
+
+/// Drops the "actor ferl.X (n) failed on ferl.Y: " prefix of errors from the runtime's own services.
+fn strip_service_prefix(message: String) -> String {
+    if message.starts_with("actor ferl.") {
+        if let Some((_, rest)) = message.split_once(": ") {
+            return strip_service_prefix(rest.to_string());
+        }
+    }
+    message
 }
 
 impl Inbound for Process {

@@ -43,14 +43,22 @@ pub fn enter_worker_mode_if_spawned() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("building the worker's tokio runtime");
-    let code = match rt.block_on(run(id)) {
-        Ok(()) => 0,
-        Err(e) => {
+    // Run on a thread of our own: `main` may already be inside a tokio runtime (`#[tokio::main]`).
+    let worker = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("building the worker's tokio runtime");
+        rt.block_on(run(id))
+    });
+    let code = match worker.join() {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
             eprintln!("ferl worker: {e:#}");
+            1
+        }
+        Err(_) => {
+            eprintln!("ferl worker: panicked");
             1
         }
     };

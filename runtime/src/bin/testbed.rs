@@ -32,7 +32,9 @@ fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
     Ok(opts)
 }
 
-fn main() -> Result<()> {
+// `#[tokio::main]` on purpose: worker mode must work when `main` already runs inside a tokio runtime.
+#[tokio::main]
+async fn main() -> Result<()> {
     ferl_runtime::enter_worker_mode_if_spawned();
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
@@ -41,8 +43,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .try_init();
     let args: Vec<String> = std::env::args().collect();
-    let rt = tokio::runtime::Runtime::new()?;
-    rt.block_on(async {
+    {
         match args.get(1).map(String::as_str) {
             Some("head") => {
                 let opts = ferl_runtime::HeadOptions {
@@ -69,5 +70,5 @@ fn main() -> Result<()> {
             }
             other => bail!("usage: ferl-runtime-testbed head|node [...] (got {other:?})"),
         }
-    })
+    }
 }
