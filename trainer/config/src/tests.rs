@@ -152,6 +152,9 @@ fn interpolation_of_keys_and_environment() {
     assert_eq!(c.trainer.experiment_name, "exp");
     assert_eq!(c.data.val_files.as_slice(), ["a.parquet", "b.parquet"]);
     assert_eq!(c.data.max_length, 64);
+    let yaml = "trainer:\n  default_local_dir: ${oc.env:FERL_CFG_LIB_TEST_DIR}/${trainer.experiment_name}\n";
+    let c = SftConfig::from_yaml(yaml, &ov(&["trainer.experiment_name=e2"])).unwrap();
+    assert_eq!(c.trainer.default_local_dir, "/tmp/runs/e2");
     let err = load(&["trainer.project_name=${oc.env:FERL_CFG_LIB_TEST_UNSET}"])
         .unwrap_err()
         .to_string();
