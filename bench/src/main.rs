@@ -4,6 +4,7 @@
 mod collectives;
 mod kernels;
 mod report;
+mod runtime;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +26,8 @@ enum Suite {
     Collectives(collectives::CollectivesArgs),
     /// Loss step of the tiny Qwen2 with and without the fused linear + cross-entropy kernel (memory, tokens/s).
     Kernels(kernels::KernelsArgs),
+    /// Actor runtime: calls, transfers, resource groups, actor creation, cluster start (Ray's microbenchmark rows).
+    Runtime(runtime::RuntimeArgs),
     /// SFT train step of the tiny Qwen2 (vocab 151,936) on GSM8K: ferl beside the PyTorch eager loop (tokens/s, peak RSS).
     Train(train::TrainArgs),
 }
@@ -35,6 +38,7 @@ fn main() -> anyhow::Result<()> {
     let mut out = report::Report::new(cli.json);
     match cli.suite {
         Suite::Collectives(args) => collectives::run(args, &mut out)?,
+        Suite::Runtime(args) => runtime::run(args, &mut out)?,
         Suite::Kernels(args) => kernels::run(args, &mut out)?,
         Suite::Train(args) => train::run(args, &mut out)?,
     }

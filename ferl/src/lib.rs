@@ -6,15 +6,25 @@ pub use ferl_plugin_host as plugins;
 pub use ferl_runtime as runtime;
 pub use ferl_trainer as trainer;
 
+/// The driver API of the runtime under short names (see [`ferl_runtime`] for the data model).
+pub use ferl_runtime::{
+    bundle, connect, connect_or_init, init, message, register_actor, stream_message, Actor,
+    ActorRef, Cluster, Context, Error, Event, Handler, HeadOptions, ItemSink, Message, NodeOptions,
+    ResourceGroup, Resources, SpawnOptions, Strategy, StreamHandler, StreamMessage, WorkerGroup,
+};
+
 /// If this process was started by a node agent as a worker, host actors until told to stop, then exit; otherwise
 /// return at once. Every binary that spawns actors calls this first thing in `main`.
 pub fn enter_worker_mode_if_spawned() {
-    // Filled in by the runtime work (issue 2): `ferl_runtime` decides from its environment variables.
+    ferl_runtime::enter_worker_mode_if_spawned();
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }

@@ -1,0 +1,175 @@
+//! `ferl-bench runtime`: the actor runtime's figures, named like Ray's microbenchmark rows so they compare directly.
+//! Ray 2.60 on the reference machine (2 cores): 1:1 sync 1,330 calls/s, 1:1 async 5,900 calls/s, 1 MiB-arg
+//! 390 calls/s, placement group create+remove 470/s, `ray.init()` to first call 2.9 s; TCP loopback 3.8 GB/s.
+//! Workers are this binary re-run in worker mode; they host `ferl_runtime::testbed::Counter`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use clap::Args;
+use ferl::runtime::testbed::{Counter, Get, Sink};
+use ferl::runtime::{bundle, ActorRef, Cluster, SpawnOptions, Strategy};
+
+use crate::report::Report;
+
+/// Options of the runtime suite.
+#[derive(Args, Debug)]
+pub struct RuntimeArgs {
+    /// Seconds each throughput figure runs for.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Calls in flight for the async rows.
+    #[arg(long, default_value_t = 1000)]
+    in_flight: usize,
+}
+
+/// Runs the suite and prints its rows.
+pub fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let window = Duration::from_secs_f64(args.seconds);
+        let t0 = Instant::now();
+        let cluster = ferl::runtime::init(Default::default()).await?;
+        let actor = cluster.spawn::<Counter>(0, SpawnOptions::new()).await?;
+        actor.call(Get).await?;
+        out.row(
+            "local_cluster_start_to_first_call_s",
+            t0.elapsed().as_secs_f64(),
+            "s",
+        );
+
+        out.row(
+            "1_1_actor_calls_sync",
+            sync_calls(&actor, window).await?,
+            "calls/s",
+        );
+        out.row(
+            "1_1_actor_calls_async",
+            async_calls(std::slice::from_ref(&actor), args.in_flight, window).await?,
+            "calls/s",
+        );
+        let mib = vec![7u8; 1 << 20];
+        let t = Instant::now();
+        let mut n = 0u64;
+        while t.elapsed() < window {
+            actor.call(Sink(mib.clone())).await?;
+            n += 1;
+        }
+        out.row(
+            "1_1_actor_calls_1MiB_arg",
+            n as f64 / t.elapsed().as_secs_f64(),
+            "calls/s",
+        );
+
+        let mut many = Vec::new();
+        for _ in 0..4 {
+            many.push(cluster.spawn::<Counter>(0, SpawnOptions::new()).await?);
+        }
+        out.row(
+            "n_n_actor_calls_async",
+            async_calls(&many, args.in_flight, window).await?,
+            "calls/s",
+        );
+
+        let blob = vec![1u8; 100 << 20];
+        actor.call(Sink(blob.clone())).await?;
+        let t = Instant::now();
+        let rounds = 5;
+        for _ in 0..rounds {
+            actor.call(Sink(blob.clone())).await?;
+        }
+        out.row(
+            "transfer_100MiB_GBps",
+            (rounds * blob.len()) as f64 / t.elapsed().as_secs_f64() / 1e9,
+            "GB/s",
+        );
+
+        let t = Instant::now();
+        let mut n = 0u64;
+        while t.elapsed() < window {
+            let g = cluster
+                .create_group(
+                    vec![bundle(&[("CPU", 1.0)])],
+                    Strategy::Pack,
+                    Duration::from_secs(10),
+                )
+                .await?;
+            cluster.remove_group(&g).await?;
+            n += 1;
+        }
+        out.row(
+            "resource_group_create_remove_per_s",
+            n as f64 / t.elapsed().as_secs_f64(),
+            "groups/s",
+        );
+
+        out.row(
+            "actor_create_per_s",
+            actor_creation(&cluster, window).await?,
+            "actors/s",
+        );
+        cluster.shutdown().await;
+        Ok(())
+    })
+}
+
+async fn sync_calls(actor: &ActorRef<Counter>, window: Duration) -> Result<f64> {
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < window {
+        for _ in 0..100 {
+            actor.call(Get).await?;
+        }
+        n += 100;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// `in_flight` callers spread over `actors`, each issuing calls back to back until the window closes.
+async fn async_calls(
+    actors: &[ActorRef<Counter>],
+    in_flight: usize,
+    window: Duration,
+) -> Result<f64> {
+    let t = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..in_flight {
+        let a = actors[i % actors.len()].clone();
+        tasks.spawn(async move {
+            let mut n = 0u64;
+            while t.elapsed() < window {
+                a.call(Get).await?;
+                n += 1;
+            }
+            anyhow::Ok(n)
+        });
+    }
+    let mut total = 0;
+    while let Some(r) = tasks.join_next().await {
+        total += r??;
+    }
+    Ok(total as f64 / t.elapsed().as_secs_f64())
+}
+
+async fn actor_creation(cluster: &Cluster, window: Duration) -> Result<f64> {
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < window {
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let c = cluster.clone();
+            set.spawn(async move { c.spawn::<Counter>(0, SpawnOptions::new()).await });
+        }
+        let mut actors = Vec::new();
+        while let Some(r) = set.join_next().await {
+            actors.push(r??);
+        }
+        n += actors.len() as u64;
+        for a in &actors {
+            cluster.kill(a).await?;
+        }
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
