@@ -47,7 +47,10 @@ pub struct CheckpointMeta {
 impl CheckpointMeta {
     /// The data position to resume from.
     pub fn position(&self) -> DataPosition {
-        DataPosition { epoch: self.epoch, step_in_epoch: self.step_in_epoch }
+        DataPosition {
+            epoch: self.epoch,
+            step_in_epoch: self.step_in_epoch,
+        }
     }
 }
 
@@ -60,14 +63,18 @@ pub fn step_dir(root: &Path, step: u64) -> PathBuf {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
 /// Marks `global_step_N` complete: writes its metadata, then the latest pointer, then prunes (keeping `keep`).
 pub fn commit(root: &Path, meta: &CheckpointMeta, keep: Option<usize>) -> Result<()> {
     let dir = step_dir(root, meta.global_step);
     write_atomic(&dir.join(META_FILE), &serde_json::to_vec_pretty(meta)?)?;
-    write_atomic(&root.join(LATEST_FILE), meta.global_step.to_string().as_bytes())?;
+    write_atomic(
+        &root.join(LATEST_FILE),
+        meta.global_step.to_string().as_bytes(),
+    )?;
     if let Some(keep) = keep {
         prune(root, keep.max(1))?;
     }
@@ -76,12 +83,18 @@ pub fn commit(root: &Path, meta: &CheckpointMeta, keep: Option<usize>) -> Result
 
 /// Steps of the complete checkpoints (with `meta.json`) under `root`, ascending.
 pub fn complete_steps(root: &Path) -> Result<Vec<u64>> {
-    let Ok(entries) = std::fs::read_dir(root) else { return Ok(Vec::new()) };
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(Vec::new());
+    };
     let mut steps = Vec::new();
     for entry in entries {
         let entry = entry.with_context(|| format!("listing {}", root.display()))?;
         let name = entry.file_name();
-        if let Some(step) = name.to_str().and_then(|n| n.strip_prefix("global_step_")).and_then(|n| n.parse().ok()) {
+        if let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("global_step_"))
+            .and_then(|n| n.parse().ok())
+        {
             if entry.path().join(META_FILE).exists() {
                 steps.push(step);
             }
@@ -96,7 +109,8 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
     let steps = complete_steps(root)?;
     for &step in steps.iter().take(steps.len().saturating_sub(keep)) {
         let dir = step_dir(root, step);
-        std::fs::remove_dir_all(&dir).with_context(|| format!("pruning old checkpoint {}", dir.display()))?;
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("pruning old checkpoint {}", dir.display()))?;
     }
     Ok(())
 }
@@ -104,15 +118,21 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
 /// Reads `dir/meta.json`.
 pub fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
     let file = dir.join(META_FILE);
-    let bytes = std::fs::read(&file).with_context(|| format!("reading {} (is it a complete checkpoint?)", file.display()))?;
+    let bytes = std::fs::read(&file)
+        .with_context(|| format!("reading {} (is it a complete checkpoint?)", file.display()))?;
     serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", file.display()))
 }
 
 /// The checkpoint named by `latest_checkpointed_iteration.txt` under `root`, if any.
 pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     let file = root.join(LATEST_FILE);
-    let Ok(text) = std::fs::read_to_string(&file) else { return Ok(None) };
-    let step: u64 = text.trim().parse().with_context(|| format!("{}: `{}` is not a step number", file.display(), text.trim()))?;
+    let Ok(text) = std::fs::read_to_string(&file) else {
+        return Ok(None);
+    };
+    let step: u64 = text
+        .trim()
+        .parse()
+        .with_context(|| format!("{}: `{}` is not a step number", file.display(), text.trim()))?;
     Ok(Some(step_dir(root, step)))
 }
 
@@ -133,7 +153,10 @@ pub fn wait_for_files(files: &[String], timeout: std::time::Duration) -> Result<
 
 /// How long the checkpointer waits for the ranks' files (`FERL_CHECKPOINT_WAIT_S`, default 1800 s).
 fn file_wait() -> std::time::Duration {
-    let secs = std::env::var("FERL_CHECKPOINT_WAIT_S").ok().and_then(|v| v.parse().ok()).unwrap_or(1800.0);
+    let secs = std::env::var("FERL_CHECKPOINT_WAIT_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1800.0);
     std::time::Duration::from_secs_f64(secs)
 }
 
@@ -158,14 +181,22 @@ impl Actor for Checkpointer {
     const NAME: &'static str = "ferl.actors.Checkpointer";
     async fn start(args: CheckpointerArgs, _: &Context) -> Result<Self> {
         let keep = (args.max_keep > 0).then_some(args.max_keep as usize);
-        Ok(Self { root: PathBuf::from(args.root), keep, committed: Mutex::new(0) })
+        Ok(Self {
+            root: PathBuf::from(args.root),
+            keep,
+            committed: Mutex::new(0),
+        })
     }
 }
 
 impl Checkpointer {
     /// A checkpointer for `root` hosted in the driver's process.
     pub fn local(root: PathBuf, keep: Option<usize>) -> Self {
-        Self { root, keep, committed: Mutex::new(0) }
+        Self {
+            root,
+            keep,
+            committed: Mutex::new(0),
+        }
     }
 }
 
@@ -182,19 +213,28 @@ impl Handler<Commit> for Checkpointer {
         tokio::task::spawn_blocking(move || {
             wait_for_files(&files, file_wait())?;
             let dir = step_dir(&root, meta.global_step);
-            write_atomic(&dir.join(ferl_fsdp::checkpoint::META_FILE), fsdp_meta.as_bytes())?;
+            write_atomic(
+                &dir.join(ferl_fsdp::checkpoint::META_FILE),
+                fsdp_meta.as_bytes(),
+            )?;
             commit(&root, &meta, keep)
         })
         .await
         .context("checkpointer task")??;
-        *self.committed.lock().map_err(|_| anyhow::anyhow!("checkpointer lock poisoned"))? = m.global_step;
+        *self
+            .committed
+            .lock()
+            .map_err(|_| anyhow::anyhow!("checkpointer lock poisoned"))? = m.global_step;
         Ok(())
     }
 }
 
 impl Handler<Flush> for Checkpointer {
     async fn handle(&self, _: Flush, _: &Context) -> Result<u64> {
-        Ok(*self.committed.lock().map_err(|_| anyhow::anyhow!("checkpointer lock poisoned"))?)
+        Ok(*self
+            .committed
+            .lock()
+            .map_err(|_| anyhow::anyhow!("checkpointer lock poisoned"))?)
     }
 }
 
@@ -207,7 +247,12 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         for step in [2u64, 4, 6] {
             std::fs::create_dir_all(step_dir(root.path(), step)).unwrap();
-            let meta = CheckpointMeta { global_step: step, epoch: 0, step_in_epoch: step, world_size: 2 };
+            let meta = CheckpointMeta {
+                global_step: step,
+                epoch: 0,
+                step_in_epoch: step,
+                world_size: 2,
+            };
             commit(root.path(), &meta, Some(2)).unwrap();
         }
         // An incomplete folder (no meta.json) is never counted nor pointed at.
@@ -215,7 +260,13 @@ mod tests {
         assert_eq!(complete_steps(root.path()).unwrap(), vec![4, 6]);
         let latest = latest(root.path()).unwrap().unwrap();
         assert_eq!(latest, step_dir(root.path(), 6));
-        assert_eq!(read_meta(&latest).unwrap().position(), DataPosition { epoch: 0, step_in_epoch: 6 });
+        assert_eq!(
+            read_meta(&latest).unwrap().position(),
+            DataPosition {
+                epoch: 0,
+                step_in_epoch: 6
+            }
+        );
         assert!(!step_dir(root.path(), 2).exists());
     }
 }

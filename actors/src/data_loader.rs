@@ -35,7 +35,14 @@ impl DataPlan {
         if steps_per_epoch(len, batch) == 0 {
             bail!("data.train_batch_size={batch} is larger than the training set ({len} samples): no whole batch");
         }
-        Ok(Self { len, batch, seed: cfg.trainer.seed, shuffle: cfg.data.shuffle, position: DataPosition::default(), order: None })
+        Ok(Self {
+            len,
+            batch,
+            seed: cfg.trainer.seed,
+            shuffle: cfg.data.shuffle,
+            position: DataPosition::default(),
+            order: None,
+        })
     }
 
     /// Steps per epoch.
@@ -52,7 +59,10 @@ impl DataPlan {
     pub fn set_position(&mut self, position: DataPosition) {
         self.position = position;
         if self.position.step_in_epoch >= self.steps_per_epoch() {
-            self.position = DataPosition { epoch: position.epoch + 1, step_in_epoch: 0 };
+            self.position = DataPosition {
+                epoch: position.epoch + 1,
+                step_in_epoch: 0,
+            };
         }
     }
 
@@ -60,18 +70,31 @@ impl DataPlan {
     pub fn next_batch(&mut self) -> (DataPosition, Vec<usize>) {
         let at = self.position;
         if self.order.as_ref().map(|(e, _)| *e) != Some(at.epoch) {
-            self.order = Some((at.epoch, epoch_order(self.len, self.seed, at.epoch, self.shuffle)));
+            self.order = Some((
+                at.epoch,
+                epoch_order(self.len, self.seed, at.epoch, self.shuffle),
+            ));
         }
         let order = &self.order.as_ref().expect("order of the current epoch").1;
         let indices = global_batch(order, self.batch, at.step_in_epoch as usize).to_vec();
-        self.set_position(DataPosition { epoch: at.epoch, step_in_epoch: at.step_in_epoch + 1 });
+        self.set_position(DataPosition {
+            epoch: at.epoch,
+            step_in_epoch: at.step_in_epoch + 1,
+        });
         (at, indices)
     }
 }
 
 /// Splits `indices` of `dataset` contiguously over `world` ranks, as wire samples.
 pub fn split_samples(dataset: &SftDataset, indices: &[usize], world: usize) -> Vec<Vec<Sample>> {
-    (0..world).map(|r| rank_shard(indices, r, world).iter().map(|&i| Sample::from(dataset.get(i))).collect()).collect()
+    (0..world)
+        .map(|r| {
+            rank_shard(indices, r, world)
+                .iter()
+                .map(|&i| Sample::from(dataset.get(i)))
+                .collect()
+        })
+        .collect()
 }
 
 /// Loads the training set (and the validation set when `trainer.test_freq > 0` and files are given).
@@ -111,7 +134,8 @@ impl Actor for DataLoader {
     type Args = DataLoaderArgs;
     const NAME: &'static str = "ferl.actors.DataLoader";
     async fn start(args: DataLoaderArgs, _: &Context) -> Result<Self> {
-        let cfg = SftConfig::from_yaml(&args.config_yaml, &[]).context("data loader: reading the config")?;
+        let cfg = SftConfig::from_yaml(&args.config_yaml, &[])
+            .context("data loader: reading the config")?;
         let (train, val, plan) = tokio::task::spawn_blocking(move || {
             let (train, val) = load_datasets(&cfg)?;
             let plan = DataPlan::new(&cfg, train.len())?;
@@ -120,13 +144,20 @@ impl Actor for DataLoader {
         .await
         .context("data loader: tokenizing task")??;
         let world = (args.world_size as usize).max(1);
-        Ok(Self { train, val, world, state: Mutex::new(LoaderState { plan }) })
+        Ok(Self {
+            train,
+            val,
+            world,
+            state: Mutex::new(LoaderState { plan }),
+        })
     }
 }
 
 impl DataLoader {
     fn plan(&self) -> Result<std::sync::MutexGuard<'_, LoaderState>> {
-        self.state.lock().map_err(|_| anyhow::anyhow!("data loader state lock poisoned"))
+        self.state
+            .lock()
+            .map_err(|_| anyhow::anyhow!("data loader state lock poisoned"))
     }
 }
 
@@ -145,8 +176,17 @@ impl Handler<NextBatch> for DataLoader {
         let (position, indices) = self.plan()?.plan.next_batch();
         let shards = split_samples(&self.train, &indices, self.world);
         let global_targets = shards.iter().flatten().map(Sample::num_targets).sum();
-        let tokens = shards.iter().flatten().map(|s| s.input_ids.len() as i64).sum();
-        Ok(GlobalBatch { position, shards, global_targets, tokens })
+        let tokens = shards
+            .iter()
+            .flatten()
+            .map(|s| s.input_ids.len() as i64)
+            .sum();
+        Ok(GlobalBatch {
+            position,
+            shards,
+            global_targets,
+            tokens,
+        })
     }
 }
 
@@ -165,7 +205,9 @@ impl Handler<GetPosition> for DataLoader {
 
 impl Handler<ValShards> for DataLoader {
     async fn handle(&self, _: ValShards, _: &Context) -> Result<Vec<Vec<Sample>>> {
-        let Some(val) = &self.val else { return Ok(vec![Vec::new(); self.world]) };
+        let Some(val) = &self.val else {
+            return Ok(vec![Vec::new(); self.world]);
+        };
         let all: Vec<usize> = (0..val.len()).collect();
         Ok(split_samples(val, &all, self.world))
     }
@@ -198,11 +240,29 @@ mod tests {
     #[test]
     fn invariant_2_epoch_boundary_resumes_at_next_epoch() {
         let mut plan = DataPlan::new(&cfg(5, false), 10).unwrap();
-        plan.set_position(DataPosition { epoch: 0, step_in_epoch: 2 });
-        assert_eq!(plan.position(), DataPosition { epoch: 1, step_in_epoch: 0 });
+        plan.set_position(DataPosition {
+            epoch: 0,
+            step_in_epoch: 2,
+        });
+        assert_eq!(
+            plan.position(),
+            DataPosition {
+                epoch: 1,
+                step_in_epoch: 0
+            }
+        );
         let (at, idx) = plan.next_batch();
-        assert_eq!(at, DataPosition { epoch: 1, step_in_epoch: 0 });
+        assert_eq!(
+            at,
+            DataPosition {
+                epoch: 1,
+                step_in_epoch: 0
+            }
+        );
         assert_eq!(idx, vec![0, 1, 2, 3, 4]);
-        assert!(DataPlan::new(&cfg(11, false), 10).unwrap_err().to_string().contains("train_batch_size=11"));
+        assert!(DataPlan::new(&cfg(11, false), 10)
+            .unwrap_err()
+            .to_string()
+            .contains("train_batch_size=11"));
     }
 }

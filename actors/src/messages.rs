@@ -21,7 +21,10 @@ impl Sample {
 
 impl From<&ferl_data::TokenizedSample> for Sample {
     fn from(s: &ferl_data::TokenizedSample) -> Self {
-        Self { input_ids: s.input_ids.clone(), loss_mask: s.loss_mask.clone() }
+        Self {
+            input_ids: s.input_ids.clone(),
+            loss_mask: s.loss_mask.clone(),
+        }
     }
 }
 

@@ -14,18 +14,29 @@ use crate::messages::{FlushLogs, Log};
 /// Dense bf16 peak FLOP/s of one device: `FERL_PEAK_FLOPS` when set, else looked up by the GPU's name from
 /// `nvidia-smi` (H100/H200: 989e12, A100: 312e12, L40S: 362e12), else unknown (the CPU has no listed peak).
 pub fn peak_flops(on_gpu: bool) -> Option<f64> {
-    if let Some(v) = std::env::var("FERL_PEAK_FLOPS").ok().and_then(|v| v.parse().ok()) {
+    if let Some(v) = std::env::var("FERL_PEAK_FLOPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         return Some(v);
     }
     if !on_gpu {
         return None;
     }
-    let out = std::process::Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader"]).output().ok()?;
+    let out = std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader"])
+        .output()
+        .ok()?;
     let name = String::from_utf8_lossy(&out.stdout).to_uppercase();
-    [("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12)]
-        .iter()
-        .find(|(k, _)| name.contains(k))
-        .map(|&(_, v)| v)
+    [
+        ("H200", 989e12),
+        ("H100", 989e12),
+        ("A100", 312e12),
+        ("L40S", 362e12),
+    ]
+    .iter()
+    .find(|(k, _)| name.contains(k))
+    .map(|&(_, v)| v)
 }
 
 /// Model FLOPs utilisation: `6 * params * tokens` (forward and backward) over the step time and the peak of
@@ -59,7 +70,8 @@ impl Metrics {
                 "console" => console = true,
                 "jsonl" => {
                     let dir = PathBuf::from(&args.dir);
-                    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+                    std::fs::create_dir_all(&dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
                     let path = dir.join("metrics.jsonl");
                     let file = std::fs::OpenOptions::new()
                         .create(true)
@@ -68,10 +80,16 @@ impl Metrics {
                         .with_context(|| format!("opening {}", path.display()))?;
                     jsonl = Some(file);
                 }
-                other => tracing::warn!(logger = other, "trainer.logger: `{other}` is not handled by the metrics actor"),
+                other => tracing::warn!(
+                    logger = other,
+                    "trainer.logger: `{other}` is not handled by the metrics actor"
+                ),
             }
         }
-        Ok(Self { console, jsonl: Mutex::new(jsonl) })
+        Ok(Self {
+            console,
+            jsonl: Mutex::new(jsonl),
+        })
     }
 }
 
@@ -87,23 +105,38 @@ impl Metrics {
     /// Writes one step's values to every logger.
     pub fn log(&self, m: &Log) -> Result<()> {
         if self.console {
-            let parts: Vec<String> = m.values.iter().map(|(k, v)| format!("{k}:{v:.6}")).collect();
+            let parts: Vec<String> = m
+                .values
+                .iter()
+                .map(|(k, v)| format!("{k}:{v:.6}"))
+                .collect();
             println!("step:{} - {}", m.step, parts.join(" - "));
         }
-        if let Some(file) = self.jsonl.lock().map_err(|_| anyhow::anyhow!("metrics lock poisoned"))?.as_mut() {
+        if let Some(file) = self
+            .jsonl
+            .lock()
+            .map_err(|_| anyhow::anyhow!("metrics lock poisoned"))?
+            .as_mut()
+        {
             let mut row = serde_json::Map::new();
             row.insert("step".into(), m.step.into());
             for (k, v) in &m.values {
                 row.insert(k.clone(), serde_json::Value::from(*v));
             }
-            writeln!(file, "{}", serde_json::Value::Object(row)).context("writing metrics.jsonl")?;
+            writeln!(file, "{}", serde_json::Value::Object(row))
+                .context("writing metrics.jsonl")?;
         }
         Ok(())
     }
 
     /// Flushes every logger.
     pub fn flush(&self) -> Result<()> {
-        if let Some(file) = self.jsonl.lock().map_err(|_| anyhow::anyhow!("metrics lock poisoned"))?.as_mut() {
+        if let Some(file) = self
+            .jsonl
+            .lock()
+            .map_err(|_| anyhow::anyhow!("metrics lock poisoned"))?
+            .as_mut()
+        {
             file.flush().context("flushing metrics.jsonl")?;
         }
         std::io::stdout().flush().ok();

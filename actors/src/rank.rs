@@ -15,11 +15,11 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _, Result};
 use ferl_collective::Communicator;
 use ferl_config::{Dtype, SftConfig};
+use ferl_fsdp::{load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams};
 use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::{load_model, weights};
-use ferl_fsdp::{load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams};
 use ferl_trainer::optim::{AdamW, AdamWConfig, LrSchedule};
 use ferl_trainer::params::{LocalParams, ParamStore};
 use ferl_trainer::step::Stepper;
@@ -30,7 +30,11 @@ use crate::messages::{RankStep, Sample};
 /// The dtype stages compute in: bf16 when `model_dtype` or `mixed_precision.param_dtype` asks for it, else fp32.
 pub fn compute_kind(cfg: &SftConfig) -> Kind {
     let fsdp = &cfg.model.fsdp_config;
-    let dtype = fsdp.mixed_precision.as_ref().map(|m| m.param_dtype).unwrap_or(fsdp.model_dtype);
+    let dtype = fsdp
+        .mixed_precision
+        .as_ref()
+        .map(|m| m.param_dtype)
+        .unwrap_or(fsdp.model_dtype);
     match dtype {
         Dtype::Bf16 => Kind::BFloat16,
         Dtype::Fp16 => Kind::Half,
@@ -82,20 +86,37 @@ pub fn build_stepper<P: ParamStore>(
         ferl_config::LrScheduler::Cosine => "cosine",
         ferl_config::LrScheduler::Constant => "constant",
     };
-    let schedule = LrSchedule::from_verl(scheduler, o.lr, warmup_ratio, total_steps as i64, o.min_lr_ratio)?;
+    let schedule = LrSchedule::from_verl(
+        scheduler,
+        o.lr,
+        warmup_ratio,
+        total_steps as i64,
+        o.min_lr_ratio,
+    )?;
     let mut store = store;
     let optimizer = AdamW::new(
-        AdamWConfig { betas: (o.betas[0], o.betas[1]), eps: 1e-8, weight_decay: o.weight_decay },
+        AdamWConfig {
+            betas: (o.betas[0], o.betas[1]),
+            eps: 1e-8,
+            weight_decay: o.weight_decay,
+        },
         store.master_and_grads().0,
     );
-    let opts = EngineOptions { gradient_checkpointing: cfg.model.enable_gradient_checkpointing, ..Default::default() };
+    let opts = EngineOptions {
+        gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
+        ..Default::default()
+    };
     Ok(Stepper {
         engine: Engine::new(model, store, compute_kind(cfg), opts),
         optimizer,
         schedule,
         clip_grad: o.clip_grad,
         micro_batch_size: cfg.data.micro_batch_size_per_gpu,
-        layout: if cfg.use_remove_padding { Layout::Packed } else { Layout::Padded },
+        layout: if cfg.use_remove_padding {
+            Layout::Packed
+        } else {
+            Layout::Padded
+        },
         device,
         completed_steps: 0,
     })
@@ -104,14 +125,28 @@ pub fn build_stepper<P: ParamStore>(
 /// Loads `model.partial_pretrain` as fp32 masters on `device` in a [`LocalParams`] (the single-process store).
 pub fn load_local_params(cfg: &SftConfig, device: Device) -> Result<(ModelConfig, LocalParams)> {
     let dir = model_dir(cfg);
-    let loaded = load_model(&dir).with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
-    let params = loaded.params.into_iter().map(|t| t.to_device(device)).collect();
-    Ok((loaded.config, LocalParams::new(loaded.layout, params, compute_kind(cfg))))
+    let loaded =
+        load_model(&dir).with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
+    let params = loaded
+        .params
+        .into_iter()
+        .map(|t| t.to_device(device))
+        .collect();
+    Ok((
+        loaded.config,
+        LocalParams::new(loaded.layout, params, compute_kind(cfg)),
+    ))
 }
 
 /// Borrowed views of wire samples, in order.
 pub fn sample_refs(samples: &[Sample]) -> Vec<SampleRef<'_>> {
-    samples.iter().map(|s| SampleRef { input_ids: &s.input_ids, loss_mask: &s.loss_mask }).collect()
+    samples
+        .iter()
+        .map(|s| SampleRef {
+            input_ids: &s.input_ids,
+            loss_mask: &s.loss_mask,
+        })
+        .collect()
 }
 
 /// Peak memory of this rank's process: the peak resident set (`VmHWM`) in bytes, 0 when unknown. (On CUDA the
@@ -149,17 +184,33 @@ pub struct RankState {
 
 impl RankState {
     /// Loads the model on `device`, keeps this rank's shard, and joins the store to `comm`'s group.
-    pub fn build(cfg: SftConfig, comm: Arc<dyn Communicator>, device: Device, total_steps: usize) -> Result<Self> {
+    pub fn build(
+        cfg: SftConfig,
+        comm: Arc<dyn Communicator>,
+        device: Device,
+        total_steps: usize,
+    ) -> Result<Self> {
         if cfg.model.lora_rank > 0 {
-            bail!("model.lora_rank={}: LoRA is not supported by the distributed trainer", cfg.model.lora_rank);
+            bail!(
+                "model.lora_rank={}: LoRA is not supported by the distributed trainer",
+                cfg.model.lora_rank
+            );
         }
         let dir = model_dir(&cfg);
-        let loaded = load_model(&dir).with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
+        let loaded = load_model(&dir)
+            .with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
         let num_params = loaded.layout.num_params();
         let fsdp = FsdpOptions::from_fsdp_config(&cfg.model.fsdp_config, device);
         let store = ShardedParams::new(loaded.layout, &loaded.params, comm.clone(), fsdp)?;
         let stepper = build_stepper(&cfg, loaded.config, store, device, total_steps)?;
-        Ok(Self { cfg, stepper, num_params, comm, fsdp, pending_save: None })
+        Ok(Self {
+            cfg,
+            stepper,
+            num_params,
+            comm,
+            fsdp,
+            pending_save: None,
+        })
     }
 
     /// This rank's index and the group size.
@@ -174,7 +225,9 @@ impl RankState {
 
     /// Trains on this rank's share of one global batch whose target count is `global_targets`.
     pub fn train_step(&mut self, samples: &[Sample], global_targets: i64) -> Result<RankStep> {
-        let stats = self.stepper.step_with_global_targets(&sample_refs(samples), global_targets)?;
+        let stats = self
+            .stepper
+            .step_with_global_targets(&sample_refs(samples), global_targets)?;
         Ok(RankStep {
             loss_share: stats.loss,
             grad_norm: stats.grad_norm,
@@ -191,7 +244,10 @@ impl RankState {
     pub fn validate(&mut self, samples: &[Sample], rounds: usize) -> Result<(f64, i64)> {
         let refs = sample_refs(samples);
         let micro = self.stepper.micro_batch_size.max(1);
-        let filler = [SampleRef { input_ids: &[0, 0], loss_mask: &[false, false] }];
+        let filler = [SampleRef {
+            input_ids: &[0, 0],
+            loss_mask: &[false, false],
+        }];
         let (mut sum, mut count) = (0.0, 0);
         let mut chunks = refs.chunks(micro);
         for _ in 0..rounds {
@@ -219,7 +275,9 @@ impl RankState {
     /// Waits for the previous checkpoint's background write, returning its error if it failed.
     pub fn finish_save(&mut self) -> Result<()> {
         match self.pending_save.take() {
-            Some(h) => h.join().map_err(|_| anyhow::anyhow!("checkpoint writer thread panicked"))?,
+            Some(h) => h
+                .join()
+                .map_err(|_| anyhow::anyhow!("checkpoint writer thread panicked"))?,
             None => Ok(()),
         }
     }
@@ -238,8 +296,12 @@ impl RankState {
         let meta = serde_json::to_string(&snap.meta)?;
         let (rank, world) = self.rank_and_world();
         let files = vec![
-            ferl_fsdp::checkpoint::model_file(dir, world, rank).display().to_string(),
-            ferl_fsdp::checkpoint::optim_file(dir, world, rank).display().to_string(),
+            ferl_fsdp::checkpoint::model_file(dir, world, rank)
+                .display()
+                .to_string(),
+            ferl_fsdp::checkpoint::optim_file(dir, world, rank)
+                .display()
+                .to_string(),
         ];
         let dir = dir.to_path_buf();
         self.pending_save = Some(std::thread::spawn(move || snap.write(&dir)));
@@ -259,10 +321,19 @@ impl RankState {
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         self.finish_save()?;
         let layout = self.stepper.engine.store().layout().clone();
-        let loaded = load_sharded(dir, layout, self.comm.clone(), self.fsdp, self.adam_config())
-            .with_context(|| format!("loading checkpoint {}", dir.display()))?;
+        let loaded = load_sharded(
+            dir,
+            layout,
+            self.comm.clone(),
+            self.fsdp,
+            self.adam_config(),
+        )
+        .with_context(|| format!("loading checkpoint {}", dir.display()))?;
         let model = self.stepper.engine.config().clone();
-        let opts = EngineOptions { gradient_checkpointing: self.cfg.model.enable_gradient_checkpointing, ..Default::default() };
+        let opts = EngineOptions {
+            gradient_checkpointing: self.cfg.model.enable_gradient_checkpointing,
+            ..Default::default()
+        };
         self.stepper.engine = Engine::new(model, loaded.store, compute_kind(&self.cfg), opts);
         self.stepper.optimizer = loaded.optimizer;
         self.stepper.completed_steps = loaded.meta.global_step;
@@ -276,10 +347,21 @@ impl RankState {
         if self.rank_and_world().0 != 0 {
             return Ok(false);
         }
-        let kind = if self.cfg.model.fsdp_config.model_dtype == Dtype::Bf16 { Kind::BFloat16 } else { Kind::Float };
+        let kind = if self.cfg.model.fsdp_config.model_dtype == Dtype::Bf16 {
+            Kind::BFloat16
+        } else {
+            Kind::Float
+        };
         let src = model_dir(&self.cfg);
         let store = self.stepper.engine.store();
-        weights::save_hf_folder(out, self.stepper.engine.config(), store.layout(), &full, kind, &[src.as_path()])?;
+        weights::save_hf_folder(
+            out,
+            self.stepper.engine.config(),
+            store.layout(),
+            &full,
+            kind,
+            &[src.as_path()],
+        )?;
         Ok(true)
     }
 }

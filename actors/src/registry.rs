@@ -17,5 +17,10 @@ ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);
 #[inline(never)]
 pub fn ensure_linked() -> [&'static str; 4] {
     use ferl_runtime::Actor;
-    [TrainerRank::NAME, DataLoader::NAME, Checkpointer::NAME, Metrics::NAME]
+    [
+        TrainerRank::NAME,
+        DataLoader::NAME,
+        Checkpointer::NAME,
+        Metrics::NAME,
+    ]
 }

@@ -18,7 +18,11 @@ pub struct ClusterRendezvous {
 impl ClusterRendezvous {
     /// A rendezvous over `cluster`'s store; `handle` is the runtime the cluster's connections run on.
     pub fn new(cluster: Cluster, handle: tokio::runtime::Handle, prefix: &str) -> Self {
-        Self { cluster, handle, prefix: prefix.trim_end_matches('/').to_string() }
+        Self {
+            cluster,
+            handle,
+            prefix: prefix.trim_end_matches('/').to_string(),
+        }
     }
 
     fn full_key(&self, key: &str) -> String {
@@ -38,6 +42,8 @@ impl Rendezvous for ClusterRendezvous {
         let key = self.full_key(key);
         self.handle
             .block_on(self.cluster.kv_wait(&key, timeout))
-            .with_context(|| format!("rendezvous: waiting {timeout:?} for key `{key}` on the cluster head"))
+            .with_context(|| {
+                format!("rendezvous: waiting {timeout:?} for key `{key}` on the cluster head")
+            })
     }
 }

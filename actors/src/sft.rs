@@ -17,10 +17,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use ferl_collective::{init_from_env, LaunchEnv};
 use ferl_config::{ResumeMode, SftConfig};
-use ferl_runtime::{bundle, Cluster, HeadOptions, NodeOptions, SpawnOptions, Strategy, WorkerGroup};
+use ferl_runtime::{
+    bundle, Cluster, HeadOptions, NodeOptions, SpawnOptions, Strategy, WorkerGroup,
+};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{self, latest, read_meta, step_dir, CheckpointMeta, Checkpointer, CheckpointerArgs};
+use crate::checkpoint::{
+    self, latest, read_meta, step_dir, CheckpointMeta, Checkpointer, CheckpointerArgs,
+};
 use crate::data_loader::{load_datasets, split_samples, DataLoader, DataLoaderArgs, DataPlan};
 use crate::messages::*;
 use crate::metrics::{mfu, peak_flops, Metrics, MetricsArgs};
@@ -80,7 +84,7 @@ pub fn resume_dir(cfg: &SftConfig) -> Result<Option<PathBuf>> {
 }
 
 fn should(freq: i64, step: u64, total: u64) -> bool {
-    freq > 0 && (step % freq as u64 == 0 || step == total)
+    freq > 0 && (step.is_multiple_of(freq as u64) || step == total)
 }
 
 fn use_gpus(cfg: &SftConfig) -> bool {
@@ -88,22 +92,44 @@ fn use_gpus(cfg: &SftConfig) -> bool {
 }
 
 /// Trains `cfg` with `world` ranks on `cluster`.
-pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) -> Result<RunSummary> {
+pub async fn train_on_cluster(
+    cluster: &Cluster,
+    cfg: &SftConfig,
+    world: usize,
+) -> Result<RunSummary> {
     let yaml = cfg.to_yaml();
     let root = ferl_config::expand_path(&cfg.trainer.default_local_dir);
     let loader = cluster
-        .spawn::<DataLoader>(DataLoaderArgs { config_yaml: yaml.clone(), world_size: world as u64 }, SpawnOptions::new())
+        .spawn::<DataLoader>(
+            DataLoaderArgs {
+                config_yaml: yaml.clone(),
+                world_size: world as u64,
+            },
+            SpawnOptions::new(),
+        )
         .await
         .context("spawning the data loader")?;
-    let info = loader.call(GetDatasetInfo).await.context("data loader: reading the dataset")?;
+    let info = loader
+        .call(GetDatasetInfo)
+        .await
+        .context("data loader: reading the dataset")?;
     let total = total_steps(cfg, info.train_len as usize) as u64;
     check_batch_split(cfg, world)?;
     let gpus = use_gpus(cfg);
-    let one = if gpus { bundle(&[("GPU", 1.0), ("CPU", 1.0)]) } else { bundle(&[("CPU", 1.0)]) };
+    let one = if gpus {
+        bundle(&[("GPU", 1.0), ("CPU", 1.0)])
+    } else {
+        bundle(&[("CPU", 1.0)])
+    };
     let group = cluster
         .create_group(vec![one; world], Strategy::Pack, Duration::from_secs(120))
         .await
-        .with_context(|| format!("reserving {world} {} bundles", if gpus { "GPU" } else { "CPU" }))?;
+        .with_context(|| {
+            format!(
+                "reserving {world} {} bundles",
+                if gpus { "GPU" } else { "CPU" }
+            )
+        })?;
     let prefix = format!("ferl/sft/{}/{}", std::process::id(), group.id);
     let ranks = WorkerGroup::<TrainerRank>::spawn(
         cluster,
@@ -130,13 +156,24 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
         .await
         .context("spawning the checkpointer")?;
     let metrics = cluster.spawn_local(
-        Metrics::open(&MetricsArgs { loggers: cfg.trainer.logger.as_slice().to_vec(), dir: root.display().to_string() })?,
+        Metrics::open(&MetricsArgs {
+            loggers: cfg.trainer.logger.as_slice().to_vec(),
+            dir: root.display().to_string(),
+        })?,
         SpawnOptions::new(),
     );
-    let mut summary = RunSummary { world_size: world, ..Default::default() };
+    let mut summary = RunSummary {
+        world_size: world,
+        ..Default::default()
+    };
     if let Some(dir) = resume_dir(cfg)? {
         let meta = read_meta(&dir)?;
-        ranks.call_all(LoadShard { dir: dir.display().to_string() }).await.context("trainer ranks: loading the checkpoint")?;
+        ranks
+            .call_all(LoadShard {
+                dir: dir.display().to_string(),
+            })
+            .await
+            .context("trainer ranks: loading the checkpoint")?;
         loader.call(SetPosition(meta.position())).await?;
         summary.resumed_from = meta.global_step;
         tracing::info!(checkpoint = %dir.display(), step = meta.global_step, "resumed");
@@ -146,26 +183,52 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
     let mut step = summary.resumed_from;
     while step < total {
         let started = Instant::now();
-        let batch = loader.call(NextBatch).await.context("data loader: next batch")?;
-        let calls = ranks.members().iter().zip(batch.shards).map(|(r, samples)| {
-            r.call(TrainStep { samples, global_targets: batch.global_targets })
-        });
-        let replies = futures_join(calls).await.with_context(|| format!("step {}: training", step + 1))?;
+        let batch = loader
+            .call(NextBatch)
+            .await
+            .context("data loader: next batch")?;
+        let calls = ranks
+            .members()
+            .iter()
+            .zip(batch.shards)
+            .map(|(r, samples)| {
+                r.call(TrainStep {
+                    samples,
+                    global_targets: batch.global_targets,
+                })
+            });
+        let replies = futures_join(calls)
+            .await
+            .with_context(|| format!("step {}: training", step + 1))?;
         step += 1;
         let loss = replies.iter().map(|r| r.loss_share).sum::<f64>();
-        let record = StepRecord { step, loss, grad_norm: replies[0].grad_norm, lr: replies[0].lr };
+        let record = StepRecord {
+            step,
+            loss,
+            grad_norm: replies[0].grad_norm,
+            lr: replies[0].lr,
+        };
         summary.steps.push(record);
         let seconds = started.elapsed().as_secs_f64();
         let mut values = step_values(&record, batch.tokens, seconds, &replies);
         if let Some(peak) = peak {
-            values.push(("perf/mfu".into(), mfu(num_params, batch.tokens, seconds, world, peak)));
+            values.push((
+                "perf/mfu".into(),
+                mfu(num_params, batch.tokens, seconds, world, peak),
+            ));
         }
         if should(cfg.trainer.test_freq, step, total) && info.val_len > 0 {
             let shards = loader.call(ValShards).await?;
             let rounds = validation_rounds(&shards, cfg.data.micro_batch_size_per_gpu);
-            let calls = ranks.members().iter().zip(shards).map(|(r, samples)| r.call(Validate { samples, rounds }));
+            let calls = ranks
+                .members()
+                .iter()
+                .zip(shards)
+                .map(|(r, samples)| r.call(Validate { samples, rounds }));
             let parts = futures_join(calls).await.context("validation")?;
-            let (sum, count) = parts.iter().fold((0.0, 0), |(s, c), (ps, pc)| (s + ps, c + pc));
+            let (sum, count) = parts
+                .iter()
+                .fold((0.0, 0), |(s, c), (ps, pc)| (s + ps, c + pc));
             let val = sum / count.max(1) as f64;
             summary.val_losses.push((step, val));
             values.push(("val/loss".into(), val));
@@ -174,16 +237,32 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
         if should(cfg.trainer.save_freq, step, total) {
             let dir = step_dir(&root, step);
             let saving = ranks
-                .call_all(SaveShard { dir: dir.display().to_string() })
+                .call_all(SaveShard {
+                    dir: dir.display().to_string(),
+                })
                 .await
                 .with_context(|| format!("saving {}", dir.display()))?;
             let position = loader.call(GetPosition).await?;
-            let files = saving.iter().flat_map(|s| s.files.iter().cloned()).collect();
+            let files = saving
+                .iter()
+                .flat_map(|s| s.files.iter().cloned())
+                .collect();
             let fsdp_meta_json = saving[0].meta_json.clone();
-            checkpointer.tell(Commit { fsdp_meta_json, files, global_step: step, position, world_size: world as u64 }).await?;
+            checkpointer
+                .tell(Commit {
+                    fsdp_meta_json,
+                    files,
+                    global_step: step,
+                    position,
+                    world_size: world as u64,
+                })
+                .await?;
         }
     }
-    ranks.call_all(FinishSave).await.context("trainer ranks: finishing checkpoint writes")?;
+    ranks
+        .call_all(FinishSave)
+        .await
+        .context("trainer ranks: finishing checkpoint writes")?;
     summary.last_checkpoint = checkpointer.call(Flush).await?;
     metrics.call(FlushLogs).await?;
     cluster.remove_group(&group).await.ok();
@@ -193,12 +272,18 @@ pub async fn train_on_cluster(cluster: &Cluster, cfg: &SftConfig, world: usize) 
 }
 
 /// Runs every rank's call at once (they meet in collectives) and gathers the replies in rank order.
-async fn futures_join<T, E>(calls: impl Iterator<Item = impl std::future::Future<Output = Result<T, E>>>) -> Result<Vec<T>>
+async fn futures_join<T, E>(
+    calls: impl Iterator<Item = impl std::future::Future<Output = Result<T, E>>>,
+) -> Result<Vec<T>>
 where
     E: std::error::Error + Send + Sync + 'static,
 {
     let mut out = Vec::new();
-    for (rank, r) in futures::future::join_all(calls).await.into_iter().enumerate() {
+    for (rank, r) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
         out.push(r.with_context(|| format!("trainer rank {rank}"))?);
     }
     Ok(out)
@@ -208,7 +293,7 @@ where
 /// the global batch must split evenly (verl requires the same).
 fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
     let batch = cfg.data.train_batch_size;
-    if batch % world != 0 {
+    if !batch.is_multiple_of(world) {
         bail!("data.train_batch_size={batch} does not split evenly over {world} ranks (make it a multiple of {world})");
     }
     Ok(())
@@ -216,19 +301,34 @@ fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
 
 /// The most micro-batches any rank needs for its validation share.
 fn validation_rounds(shards: &[Vec<Sample>], micro: usize) -> u64 {
-    shards.iter().map(|s| micro_batches(s.len(), micro)).max().unwrap_or(0) as u64
+    shards
+        .iter()
+        .map(|s| micro_batches(s.len(), micro))
+        .max()
+        .unwrap_or(0) as u64
 }
 
-fn step_values(record: &StepRecord, tokens: i64, seconds: f64, replies: &[RankStep]) -> Vec<(String, f64)> {
+fn step_values(
+    record: &StepRecord,
+    tokens: i64,
+    seconds: f64,
+    replies: &[RankStep],
+) -> Vec<(String, f64)> {
     let mut values = vec![
         ("train/loss".to_string(), record.loss),
         ("train/grad_norm".to_string(), record.grad_norm),
         ("train/lr".to_string(), record.lr),
-        ("perf/tokens_per_second".to_string(), tokens as f64 / seconds.max(1e-9)),
+        (
+            "perf/tokens_per_second".to_string(),
+            tokens as f64 / seconds.max(1e-9),
+        ),
         ("perf/step_seconds".to_string(), seconds),
     ];
     for (rank, r) in replies.iter().enumerate() {
-        values.push((format!("perf/max_memory_gb/rank_{rank}"), r.peak_memory_bytes as f64 / (1u64 << 30) as f64));
+        values.push((
+            format!("perf/max_memory_gb/rank_{rank}"),
+            r.peak_memory_bytes as f64 / (1u64 << 30) as f64,
+        ));
     }
     values
 }
@@ -280,12 +380,19 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
     let total = total_steps(&cfg, train.len()) as u64;
     let root = ferl_config::expand_path(&cfg.trainer.default_local_dir);
     let metrics = Metrics::open(&MetricsArgs {
-        loggers: if rank == 0 { cfg.trainer.logger.as_slice().to_vec() } else { Vec::new() },
+        loggers: if rank == 0 {
+            cfg.trainer.logger.as_slice().to_vec()
+        } else {
+            Vec::new()
+        },
         dir: root.display().to_string(),
     })?;
     check_batch_split(&cfg, world)?;
     let mut state = RankState::build(cfg.clone(), comm, device, total as usize)?;
-    let mut summary = RunSummary { world_size: world, ..Default::default() };
+    let mut summary = RunSummary {
+        world_size: world,
+        ..Default::default()
+    };
     if let Some(dir) = resume_dir(&cfg)? {
         let meta = read_meta(&dir)?;
         state.load(&dir)?;
@@ -298,13 +405,29 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
         let (_, indices) = plan.next_batch();
         let shards = split_samples(&train, &indices, world);
         let global_targets: i64 = shards.iter().flatten().map(Sample::num_targets).sum();
-        let tokens: i64 = shards.iter().flatten().map(|s| s.input_ids.len() as i64).sum();
-        let mine = state.train_step(&shards[rank], global_targets).with_context(|| format!("rank {rank}: step {}", step + 1))?;
+        let tokens: i64 = shards
+            .iter()
+            .flatten()
+            .map(|s| s.input_ids.len() as i64)
+            .sum();
+        let mine = state
+            .train_step(&shards[rank], global_targets)
+            .with_context(|| format!("rank {rank}: step {}", step + 1))?;
         step += 1;
         let loss = state.sum_over_ranks(&[mine.loss_share])?[0];
-        let record = StepRecord { step, loss, grad_norm: mine.grad_norm, lr: mine.lr };
+        let record = StepRecord {
+            step,
+            loss,
+            grad_norm: mine.grad_norm,
+            lr: mine.lr,
+        };
         summary.steps.push(record);
-        let mut values = step_values(&record, tokens, started.elapsed().as_secs_f64(), std::slice::from_ref(&mine));
+        let mut values = step_values(
+            &record,
+            tokens,
+            started.elapsed().as_secs_f64(),
+            std::slice::from_ref(&mine),
+        );
         if let (Some(val), true) = (&val, should(cfg.trainer.test_freq, step, total)) {
             let all: Vec<usize> = (0..val.len()).collect();
             let shards = split_samples(val, &all, world);
@@ -321,7 +444,12 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
             state.save_now(&dir)?;
             if rank == 0 {
                 let p = plan.position();
-                let meta = CheckpointMeta { global_step: step, epoch: p.epoch, step_in_epoch: p.step_in_epoch, world_size: world as u64 };
+                let meta = CheckpointMeta {
+                    global_step: step,
+                    epoch: p.epoch,
+                    step_in_epoch: p.step_in_epoch,
+                    world_size: world as u64,
+                };
                 checkpoint::commit(&root, &meta, cfg.trainer.max_ckpt_to_keep)?;
             }
             summary.last_checkpoint = step;
@@ -334,6 +462,8 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
 
 /// Reads a summary a driver wrote as JSON (tests and scripts).
 pub fn read_summary(path: &Path) -> Result<RunSummary> {
-    serde_json::from_slice(&std::fs::read(path).with_context(|| format!("reading {}", path.display()))?)
-        .with_context(|| format!("parsing {}", path.display()))
+    serde_json::from_slice(
+        &std::fs::read(path).with_context(|| format!("reading {}", path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", path.display()))
 }

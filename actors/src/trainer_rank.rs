@@ -45,7 +45,9 @@ impl TrainerRank {
     ) -> Result<T> {
         let state = self.state.clone();
         tokio::task::spawn_blocking(move || {
-            let mut guard = state.lock().map_err(|_| anyhow::anyhow!("trainer rank state poisoned by an earlier panic"))?;
+            let mut guard = state
+                .lock()
+                .map_err(|_| anyhow::anyhow!("trainer rank state poisoned by an earlier panic"))?;
             f(&mut guard)
         })
         .await
@@ -57,7 +59,8 @@ impl Actor for TrainerRank {
     type Args = TrainerRankArgs;
     const NAME: &'static str = "ferl.actors.TrainerRank";
     async fn start(args: TrainerRankArgs, ctx: &Context) -> Result<Self> {
-        let cfg = SftConfig::from_yaml(&args.config_yaml, &[]).context("trainer rank: reading the config")?;
+        let cfg = SftConfig::from_yaml(&args.config_yaml, &[])
+            .context("trainer rank: reading the config")?;
         let cluster = ctx.cluster();
         let bind_ip: IpAddr = match cluster.head_address() {
             Ok(head) => ferl_runtime::cluster::local_ip_for(head)?,
@@ -67,28 +70,42 @@ impl Actor for TrainerRank {
         let (rank, world) = (args.rank as usize, args.world_size as usize);
         let state = tokio::task::spawn_blocking(move || {
             let rendezvous = Arc::new(ClusterRendezvous::new(cluster, handle, &args.group_prefix));
-            let options = GroupOptions { prefix: args.group_prefix.clone(), bind_ip: Some(bind_ip), ..Default::default() };
+            let options = GroupOptions {
+                prefix: args.group_prefix.clone(),
+                bind_ip: Some(bind_ip),
+                ..Default::default()
+            };
             let device = rank_device(&cfg, 0);
             let comm = ferl_collective::connect(device, rank, world, rendezvous, &options)
-                .with_context(|| format!("trainer rank {rank}/{world}: joining the collective group"))?;
+                .with_context(|| {
+                    format!("trainer rank {rank}/{world}: joining the collective group")
+                })?;
             RankState::build(cfg, comm, device, args.total_steps as usize)
                 .with_context(|| format!("trainer rank {rank}/{world}: building the model"))
         })
         .await
         .context("trainer rank: start task")??;
-        Ok(Self { state: Arc::new(Mutex::new(state)) })
+        Ok(Self {
+            state: Arc::new(Mutex::new(state)),
+        })
     }
 }
 
 impl Handler<TrainStep> for TrainerRank {
     async fn handle(&self, m: TrainStep, _: &Context) -> Result<RankStep> {
-        self.with_state("train step", move |s| s.train_step(&m.samples, m.global_targets)).await
+        self.with_state("train step", move |s| {
+            s.train_step(&m.samples, m.global_targets)
+        })
+        .await
     }
 }
 
 impl Handler<Validate> for TrainerRank {
     async fn handle(&self, m: Validate, _: &Context) -> Result<(f64, i64)> {
-        self.with_state("validation", move |s| s.validate(&m.samples, m.rounds as usize)).await
+        self.with_state("validation", move |s| {
+            s.validate(&m.samples, m.rounds as usize)
+        })
+        .await
     }
 }
 
@@ -104,18 +121,21 @@ impl Handler<SaveShard> for TrainerRank {
 
 impl Handler<FinishSave> for TrainerRank {
     async fn handle(&self, _: FinishSave, _: &Context) -> Result<()> {
-        self.with_state("checkpoint write", |s| s.finish_save()).await
+        self.with_state("checkpoint write", |s| s.finish_save())
+            .await
     }
 }
 
 impl Handler<LoadShard> for TrainerRank {
     async fn handle(&self, m: LoadShard, _: &Context) -> Result<()> {
-        self.with_state("checkpoint load", move |s| s.load(&PathBuf::from(m.dir))).await
+        self.with_state("checkpoint load", move |s| s.load(&PathBuf::from(m.dir)))
+            .await
     }
 }
 
 impl Handler<Export> for TrainerRank {
     async fn handle(&self, m: Export, _: &Context) -> Result<bool> {
-        self.with_state("export", move |s| s.export(&PathBuf::from(m.dir))).await
+        self.with_state("export", move |s| s.export(&PathBuf::from(m.dir)))
+            .await
     }
 }

@@ -16,7 +16,10 @@ use ferl_trainer::model::weights;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ sits in the repository").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ sits in the repository")
+        .to_path_buf()
 }
 
 /// Writes a 2-layer, 32-wide Qwen2 model (real 151,936-token vocabulary so the Qwen tokenizer's ids fit) with
@@ -24,8 +27,9 @@ pub fn repo_root() -> PathBuf {
 pub fn write_tiny_model(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let root = repo_root();
-    let mut raw: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("assets/models/tiny-qwen2/config.json"))?)?;
+    let mut raw: serde_json::Value = serde_json::from_slice(&std::fs::read(
+        root.join("assets/models/tiny-qwen2/config.json"),
+    )?)?;
     let obj = raw.as_object_mut().context("config.json is an object")?;
     for (k, v) in [
         ("hidden_size", 32),
@@ -37,7 +41,10 @@ pub fn write_tiny_model(dir: &Path) -> Result<()> {
     ] {
         obj.insert(k.into(), v.into());
     }
-    obj.insert("layer_types".into(), serde_json::json!(["full_attention", "full_attention"]));
+    obj.insert(
+        "layer_types".into(),
+        serde_json::json!(["full_attention", "full_attention"]),
+    );
     obj.insert("initializer_range".into(), 0.2.into());
     let cfg_file = dir.join("config.json");
     std::fs::write(&cfg_file, serde_json::to_vec_pretty(&raw)?)?;
@@ -45,7 +52,14 @@ pub fn write_tiny_model(dir: &Path) -> Result<()> {
     let layout = ModelLayout::new(&cfg);
     let params = weights::init_params(&cfg, &layout, 7);
     let tok = root.join("assets/tokenizers/qwen3");
-    weights::save_hf_folder(dir, &cfg, &layout, &params, tch::Kind::Float, &[tok.as_path()])?;
+    weights::save_hf_folder(
+        dir,
+        &cfg,
+        &layout,
+        &params,
+        tch::Kind::Float,
+        &[tok.as_path()],
+    )?;
     Ok(())
 }
 
@@ -113,11 +127,19 @@ pub fn reference_run(overrides: &[String]) -> Result<Vec<StepRecord>> {
             .iter()
             .map(|&i| {
                 let s = train.get(i);
-                SampleRef { input_ids: &s.input_ids, loss_mask: &s.loss_mask }
+                SampleRef {
+                    input_ids: &s.input_ids,
+                    loss_mask: &s.loss_mask,
+                }
             })
             .collect();
         let stats = stepper.step(&refs)?;
-        out.push(StepRecord { step, loss: stats.loss, grad_norm: stats.grad_norm, lr: stats.lr });
+        out.push(StepRecord {
+            step,
+            loss: stats.loss,
+            grad_norm: stats.grad_norm,
+            lr: stats.lr,
+        });
     }
     Ok(out)
 }
@@ -135,9 +157,17 @@ pub fn assert_curves_match(what: &str, got: &[StepRecord], want: &[StepRecord], 
     assert_eq!(got.len(), want.len(), "{what}: number of steps");
     for (g, w) in got.iter().zip(want) {
         assert_eq!(g.step, w.step, "{what}: step numbers");
-        for (name, a, b) in [("loss", g.loss, w.loss), ("grad_norm", g.grad_norm, w.grad_norm), ("lr", g.lr, w.lr)] {
+        for (name, a, b) in [
+            ("loss", g.loss, w.loss),
+            ("grad_norm", g.grad_norm, w.grad_norm),
+            ("lr", g.lr, w.lr),
+        ] {
             let err = (a - b).abs() / b.abs().max(1e-12);
-            assert!(err <= rel, "{what}: step {} {name} {a} vs reference {b} (relative error {err:e} > {rel:e})", g.step);
+            assert!(
+                err <= rel,
+                "{what}: step {} {name} {a} vs reference {b} (relative error {err:e} > {rel:e})",
+                g.step
+            );
         }
     }
 }

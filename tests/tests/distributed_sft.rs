@@ -31,10 +31,20 @@ fn run_actor_path(fx: &Fixture, nproc: usize, overrides: &[String], tag: &str) -
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
-fn spawn_env_rank(summary: &Path, rank: usize, world: usize, port: u16, overrides: &[String]) -> Child {
+fn spawn_env_rank(
+    summary: &Path,
+    rank: usize,
+    world: usize,
+    port: u16,
+    overrides: &[String],
+) -> Child {
     let mut cmd: Command = driver();
     cmd.env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
@@ -49,23 +59,43 @@ fn spawn_env_rank(summary: &Path, rank: usize, world: usize, port: u16, override
 
 /// verl's `model.fsdp_config` keys selecting each sharding strategy.
 const STRATEGIES: &[(&str, &str, &[usize])] = &[
-    ("FULL_SHARD", "model.fsdp_config.reshard_after_forward=true", &[1, 2, 4]),
-    ("SHARD_GRAD_OP", "model.fsdp_config.reshard_after_forward=false", &[2, 4]),
+    (
+        "FULL_SHARD",
+        "model.fsdp_config.reshard_after_forward=true",
+        &[1, 2, 4],
+    ),
+    (
+        "SHARD_GRAD_OP",
+        "model.fsdp_config.reshard_after_forward=false",
+        &[2, 4],
+    ),
     ("NO_SHARD", "model.fsdp_config.fsdp_size=1", &[2, 4]),
 ];
 
 #[test]
 fn actor_path_matches_single_process_for_each_strategy_and_world_size() {
     let fx = Fixture::new().unwrap();
-    let reference = reference_run(&fx.overrides(3, "ref", &["trainer.resume_mode=disable"])).unwrap();
-    assert!(reference.iter().all(|r| r.loss.is_finite() && r.loss > 1.0), "{reference:?}");
-    assert!(reference[2].loss < reference[0].loss, "the loss should fall: {reference:?}");
+    let reference =
+        reference_run(&fx.overrides(3, "ref", &["trainer.resume_mode=disable"])).unwrap();
+    assert!(
+        reference.iter().all(|r| r.loss.is_finite() && r.loss > 1.0),
+        "{reference:?}"
+    );
+    assert!(
+        reference[2].loss < reference[0].loss,
+        "the loss should fall: {reference:?}"
+    );
     for &(name, key, worlds) in STRATEGIES {
         let o = fx.overrides(3, "ckpt", &["trainer.resume_mode=disable", key]);
         for &world in worlds {
             let got = run_actor_path(&fx, world, &o, &format!("{name}-w{world}"));
             assert_eq!(got.world_size, world);
-            assert_curves_match(&format!("actor path, {name}, world size {world}"), &got.steps, &reference, REL);
+            assert_curves_match(
+                &format!("actor path, {name}, world size {world}"),
+                &got.steps,
+                &reference,
+                REL,
+            );
         }
     }
 }
@@ -76,15 +106,24 @@ fn launcher_env_path_matches_single_process() {
     let o = fx.overrides(3, "ckpt", &["trainer.resume_mode=disable"]);
     let reference = reference_run(&o).unwrap();
     let port = free_port();
-    let summaries: Vec<_> = (0..2).map(|r| fx.dir.path().join(format!("env-rank{r}.json"))).collect();
-    let mut children: Vec<Child> = (0..2).map(|r| spawn_env_rank(&summaries[r], r, 2, port, &o)).collect();
+    let summaries: Vec<_> = (0..2)
+        .map(|r| fx.dir.path().join(format!("env-rank{r}.json")))
+        .collect();
+    let mut children: Vec<Child> = (0..2)
+        .map(|r| spawn_env_rank(&summaries[r], r, 2, port, &o))
+        .collect();
     for (r, c) in children.iter_mut().enumerate() {
         assert!(c.wait().unwrap().success(), "launcher rank {r} failed");
     }
     for (r, s) in summaries.iter().enumerate() {
         let got = read_summary(s).unwrap();
         assert_eq!(got.world_size, 2);
-        assert_curves_match(&format!("launcher path, rank {r}"), &got.steps, &reference, REL);
+        assert_curves_match(
+            &format!("launcher path, rank {r}"),
+            &got.steps,
+            &reference,
+            REL,
+        );
     }
 }
 
@@ -94,7 +133,11 @@ fn save_at_world_size_4_resume_at_2_and_1_matches_uninterrupted() {
     let full = fx.overrides(4, "full", &["trainer.resume_mode=disable"]);
     let reference = reference_run(&full).unwrap();
     // An uninterrupted run at world size 4 that saves every 2 steps.
-    let saving = fx.overrides(4, "ckpt", &["trainer.save_freq=2", "trainer.resume_mode=disable"]);
+    let saving = fx.overrides(
+        4,
+        "ckpt",
+        &["trainer.save_freq=2", "trainer.resume_mode=disable"],
+    );
     let run4 = run_actor_path(&fx, 4, &saving, "save4");
     assert_eq!(run4.last_checkpoint, 4);
     assert_curves_match("saving run at world size 4", &run4.steps, &reference, REL);
@@ -102,7 +145,12 @@ fn save_at_world_size_4_resume_at_2_and_1_matches_uninterrupted() {
     let latest = std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap();
     assert_eq!(latest.trim(), "4");
     let step2 = ckpt.join("global_step_2");
-    for file in ["meta.json", "fsdp_meta.json", "model_world_size_4_rank_3.safetensors", "optim_world_size_4_rank_0.safetensors"] {
+    for file in [
+        "meta.json",
+        "fsdp_meta.json",
+        "model_world_size_4_rank_3.safetensors",
+        "optim_world_size_4_rank_0.safetensors",
+    ] {
         assert!(step2.join(file).exists(), "global_step_2 lacks {file}");
     }
     // Resume from step 2 with fewer ranks: steps 3 and 4 must match the uninterrupted run.
@@ -110,10 +158,18 @@ fn save_at_world_size_4_resume_at_2_and_1_matches_uninterrupted() {
         let resume = fx.overrides(
             4,
             &format!("out-{tag}"),
-            &["trainer.resume_mode=resume_path", &format!("trainer.resume_from_path={}", step2.display())],
+            &[
+                "trainer.resume_mode=resume_path",
+                &format!("trainer.resume_from_path={}", step2.display()),
+            ],
         );
         let got = run_actor_path(&fx, world, &resume, tag);
         assert_eq!(got.resumed_from, 2, "world size {world}");
-        assert_curves_match(&format!("resumed at world size {world}"), &got.steps, &reference[2..], REL);
+        assert_curves_match(
+            &format!("resumed at world size {world}"),
+            &got.steps,
+            &reference[2..],
+            REL,
+        );
     }
 }

@@ -10,7 +10,11 @@ use ferl_tests::*;
 /// `target/<profile>/ferl`, brought up to date first (this test's own binary lives in `target/<profile>/deps`).
 fn ferl_binary() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf();
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>")
+        .to_path_buf();
     let bin = profile_dir.join("ferl");
     if profile_dir.file_name().is_some_and(|n| n == "debug") {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -40,7 +44,11 @@ fn logged_curve(dir: &Path) -> Vec<(u64, f64, f64)> {
     text.lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["train/loss"].as_f64().unwrap(), v["train/grad_norm"].as_f64().unwrap())
+            (
+                v["step"].as_u64().unwrap(),
+                v["train/loss"].as_f64().unwrap(),
+                v["train/grad_norm"].as_f64().unwrap(),
+            )
         })
         .collect()
 }
@@ -52,7 +60,10 @@ fn assert_logged_matches(what: &str, dir: &Path, fx_reference: &[ferl_actors::sf
         assert_eq!(*step, r.step, "{what}");
         for (name, a, b) in [("loss", *loss, r.loss), ("grad_norm", *gn, r.grad_norm)] {
             let err = (a - b).abs() / b.abs();
-            assert!(err <= 1e-5, "{what}: step {step} {name} {a} vs {b} (relative error {err:e})");
+            assert!(
+                err <= 1e-5,
+                "{what}: step {step} {name} {a} vs {b} (relative error {err:e})"
+            );
         }
     }
 }
@@ -61,7 +72,10 @@ fn assert_logged_matches(what: &str, dir: &Path, fx_reference: &[ferl_actors::sf
 fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
     let ferl = ferl_binary();
     let fx = Fixture::new().unwrap();
-    let extra = ["trainer.resume_mode=disable", "trainer.logger=[console,jsonl]"];
+    let extra = [
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console,jsonl]",
+    ];
     let reference = reference_run(&fx.overrides(2, "ref", &extra)).unwrap();
 
     let actors = fx.overrides(2, "actors", &extra);
@@ -72,10 +86,18 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
         .output()
         .unwrap();
     check(out, "ferl sft --nproc-per-node 2");
-    assert_logged_matches("ferl sft --nproc-per-node 2", &fx.dir.path().join("actors"), &reference);
+    assert_logged_matches(
+        "ferl sft --nproc-per-node 2",
+        &fx.dir.path().join("actors"),
+        &reference,
+    );
 
     let env_run = fx.overrides(2, "torchrun", &extra);
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let children: Vec<_> = (0..2)
         .map(|rank| {
             Command::new(&ferl)
@@ -94,7 +116,14 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
         })
         .collect();
     for (rank, child) in children.into_iter().enumerate() {
-        check(child.wait_with_output().unwrap(), &format!("ferl sft as torchrun rank {rank}"));
+        check(
+            child.wait_with_output().unwrap(),
+            &format!("ferl sft as torchrun rank {rank}"),
+        );
     }
-    assert_logged_matches("ferl sft under torchrun variables", &fx.dir.path().join("torchrun"), &reference);
+    assert_logged_matches(
+        "ferl sft under torchrun variables",
+        &fx.dir.path().join("torchrun"),
+        &reference,
+    );
 }

@@ -25,7 +25,10 @@ pub struct DistArgs {
 /// Whether this process was started as one rank of an external launch (torchrun, or `srun` with several tasks).
 pub fn launched_externally() -> bool {
     let set = |k: &str| std::env::var_os(k).is_some();
-    let slurm_tasks = std::env::var("SLURM_NTASKS").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1);
+    let slurm_tasks = std::env::var("SLURM_NTASKS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1);
     (set("RANK") && set("WORLD_SIZE")) || (set("SLURM_PROCID") && slurm_tasks > 1)
 }
 

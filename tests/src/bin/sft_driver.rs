@@ -12,17 +12,27 @@ fn main() -> Result<()> {
     let (mut nproc, mut summary, mut overrides) = (0usize, None, Vec::new());
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--nproc-per-node" => nproc = args.next().context("--nproc-per-node needs a number")?.parse()?,
+            "--nproc-per-node" => {
+                nproc = args
+                    .next()
+                    .context("--nproc-per-node needs a number")?
+                    .parse()?
+            }
             "--summary" => summary = Some(args.next().context("--summary needs a path")?),
             s if s.starts_with("--") => bail!("unknown flag {s}"),
             _ => overrides.push(a),
         }
     }
     let cfg = ferl_config::SftConfig::load(None, &overrides)?;
-    let opts = ferl_actors::sft::LaunchOptions { nproc_per_node: nproc, nnodes: 1, address: None };
+    let opts = ferl_actors::sft::LaunchOptions {
+        nproc_per_node: nproc,
+        nnodes: 1,
+        address: None,
+    };
     let result = ferl_actors::sft::run(cfg, &opts)?;
     if let Some(path) = summary {
-        std::fs::write(&path, serde_json::to_vec_pretty(&result)?).with_context(|| format!("writing {path}"))?;
+        std::fs::write(&path, serde_json::to_vec_pretty(&result)?)
+            .with_context(|| format!("writing {path}"))?;
     }
     Ok(())
 }
