@@ -93,7 +93,7 @@ impl DataSource for PluginDataSource {
 }
 
 /// The dataset `data.plugin` names, one plugin instance per file of `files` (`data.train_files` or
-/// `data.val_files`), tokenized like the built-in readers' examples.
+/// `data.val_files`, `~/` expanded), tokenized like the built-in readers' examples.
 pub fn plugin_dataset(
     host: &PluginHost,
     cfg: &DataConfig,
@@ -108,7 +108,8 @@ pub fn plugin_dataset(
     let tokenizer = SftTokenizer::from_dir(tokenizer_dir, cfg.chat_template.as_deref())?;
     let mut sources: Vec<Box<dyn DataSource>> = Vec::new();
     for f in files {
-        let s = PluginDataSource::open(host, name, &dataset_config(f, cfg))
+        let f = ferl_trainer::config::expand_path(f).display().to_string();
+        let s = PluginDataSource::open(host, name, &dataset_config(&f, cfg))
             .with_context(|| format!("data.plugin={name}"))?;
         sources.push(Box::new(s));
     }

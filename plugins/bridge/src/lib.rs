@@ -6,14 +6,17 @@
 //! - [`dataset`]: `data.plugin=NAME` reads examples from a dataset plugin as a [`ferl_trainer::data::DataSource`];
 //! - [`kernels`]: `model.use_liger=true` runs the trainer's head through the `liger` kernel plugin
 //!   ([`kernels::LigerHeadLoss`], given to the run as `RunOptions::head_loss`);
+//! - [`run`]: `ferl sft` with all of the above in one call ([`run_sft`]);
 //! - [`setup`]: one [`ferl_plugin_host::PluginHost`] per job, in its run directory, watching the plugin folders.
 
 pub mod dataset;
 pub mod kernels;
 pub mod logger;
+pub mod run;
 pub mod setup;
 
 pub use dataset::{plugin_dataset, PluginDataSource};
 pub use kernels::LigerHeadLoss;
 pub use logger::{register_logger_plugins, PluginMetricsLogger};
+pub use run::{plugin_run_options, run_sft};
 pub use setup::job_plugin_host;
