@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use tokio::sync::{broadcast, Notify};
+use tracing::Instrument;
 
 use crate::actor::{Actor, Context, Handler, ItemSink, StreamHandler};
 use crate::membership::Membership;
@@ -301,12 +302,13 @@ impl Head {
                 a.spec.type_name.clone(),
             )
         };
-        let _span = tracing::info_span!("start_worker", actor = id, node = %node).entered();
-        drop(_span);
+        let span =
+            tracing::info_span!("start_worker", actor = id, node = %node, r#type = %type_name);
         let (addr, _pid) = self
             .0
             .process
             .call_at(node_addr, NODE_ACTOR, &msg)
+            .instrument(span)
             .await
             .map_err(|e| {
                 let e = match e {
@@ -612,7 +614,10 @@ impl Handler<CreateGroup> for Head {
                 }
             };
             match outcome {
-                Ok(placed) => return Ok(placed),
+                Ok(placed) => {
+                    tracing::debug!(group = placed.group, nodes = ?placed.nodes, strategy = ?m.strategy, "resource group placed");
+                    return Ok(placed);
+                }
                 Err(PlaceError::Infeasible(why)) => bail!("resource group is infeasible: {why}"),
                 Err(PlaceError::Busy(why)) => {
                     let left = deadline.saturating_duration_since(Instant::now());

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use futures::FutureExt;
 use rkyv::util::AlignedVec;
 use tokio::sync::{mpsc, oneshot, Semaphore};
+use tracing::Instrument;
 
 use crate::actor::{AnyActor, Context, Dispatch};
 use crate::protocol::{CallKind, RemoteError, RemoteErrorKind};
@@ -169,8 +170,6 @@ async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, 
         Err(e) => return reply.finish(Err(e)).await,
     };
     let id = ctx.actor_id;
-    let _span = tracing::trace_span!("handle", actor = id, msg = %msg).entered();
-    drop(_span);
     match kind {
         CallKind::Tell | CallKind::Call => {
             let Some(handler) = dispatch.calls.get(msg.as_str()) else {
@@ -182,7 +181,8 @@ async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, 
                     }))
                     .await;
             };
-            let result = AssertUnwindSafe(handler(actor, bytes, ctx))
+            let span = tracing::debug_span!("call", actor = id, msg = %msg);
+            let result = AssertUnwindSafe(handler(actor, bytes, ctx).instrument(span))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| Err(panicked(&msg, id)));
@@ -199,7 +199,8 @@ async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, 
                     .await;
             };
             let sink = reply.sink();
-            let result = AssertUnwindSafe(handler(actor, bytes, ctx, sink))
+            let span = tracing::debug_span!("stream", actor = id, msg = %msg);
+            let result = AssertUnwindSafe(handler(actor, bytes, ctx, sink).instrument(span))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|_| Err(panicked(&msg, id)));

@@ -249,3 +249,41 @@ async fn guarantee_5_calls_to_killed_or_unbuildable_actors_fail_promptly() {
     assert!(err.to_string().contains("constructor"), "{err}");
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_10_driver_shutdown_stops_its_actors_but_not_detached_ones() {
+    let head = common::head(4.0, Duration::from_secs(3)).await;
+    let addr = head.cluster.head_address().unwrap().to_string();
+    let driver = ferl_runtime::connect(&addr, Some(head.token.clone()))
+        .await
+        .unwrap();
+    driver.set_worker_binary(common::testbed()).unwrap();
+    let owned = driver
+        .spawn::<Counter>(1, SpawnOptions::new().name("d", "owned"))
+        .await
+        .unwrap();
+    let kept = driver
+        .spawn::<Counter>(2, SpawnOptions::new().name("d", "kept").detached())
+        .await
+        .unwrap();
+    assert_eq!(
+        owned.call(Get).await.unwrap() + kept.call(Get).await.unwrap(),
+        3
+    );
+    driver.shutdown().await;
+    let kept = head
+        .cluster
+        .get_actor::<Counter>("d", "kept")
+        .await
+        .unwrap()
+        .expect("detached actor survives");
+    assert_eq!(kept.call(Get).await.unwrap(), 2);
+    assert!(
+        head.cluster
+            .get_actor::<Counter>("d", "owned")
+            .await
+            .unwrap()
+            .is_none(),
+        "owned actor stopped"
+    );
+}
