@@ -22,13 +22,14 @@
 //! 2. Gradients of a tied output matrix from the head are accumulated into the embedding's gradient.
 
 use crate::batch::MicroBatch;
+use crate::head::ChunkedHead;
 use crate::model::config::ModelConfig;
 use crate::model::layers::{self, Rope};
 use crate::model::layout::Stage;
 use crate::params::ParamStore;
 use anyhow::{Context, Result};
 use std::sync::Arc;
-use tch::{Kind, Reduction, Tensor};
+use tch::{Kind, Tensor};
 
 /// A replacement for the training head's projection + cross-entropy (e.g. the `liger` kernel plugin's fused op,
 /// adapted by `ferl-plugin-bridge`): from the normalised target rows `x [n, H]`, the output matrix `w [V, H]` and the
@@ -80,6 +81,7 @@ pub struct Engine<P: ParamStore> {
     opts: EngineOptions,
     kind: Kind,
     head_loss: Option<Arc<dyn HeadLoss>>,
+    head: ChunkedHead,
 }
 
 /// Sum of the VJP of `output` with `grad`: back-propagating it gives `grad`-weighted gradients of the inputs.
@@ -97,6 +99,7 @@ impl<P: ParamStore> Engine<P> {
             opts,
             kind,
             head_loss: None,
+            head: ChunkedHead::new(opts.logits_chunk_elements),
         }
     }
 
@@ -123,10 +126,6 @@ impl<P: ParamStore> Engine<P> {
     /// The schedule options.
     pub fn options_mut(&mut self) -> &mut EngineOptions {
         &mut self.opts
-    }
-
-    fn chunk_rows(&self) -> i64 {
-        (self.opts.logits_chunk_elements / self.cfg.vocab_size).max(1)
     }
 
     /// Final hidden states `[B, T, H]` without grad.
@@ -241,7 +240,6 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let normed = layers::head_norm(&self.cfg, norm_w, &rows);
         let normed_d = normed.detach();
-        let chunk = self.chunk_rows();
         let scale = 1.0 / global_targets.max(1) as f64;
         let mut loss_sum = Tensor::zeros([], (Kind::Double, h.device()));
         let mut grad_rows = Vec::new();
@@ -254,26 +252,13 @@ impl<P: ParamStore> Engine<P> {
             grad_w = Some(gw * scale);
             start = mb.num_targets;
         }
-        while start < mb.num_targets {
-            let n = chunk.min(mb.num_targets - start);
-            let x = normed_d.narrow(0, start, n).set_requires_grad(true);
-            let logits = layers::project(&x, out_w);
-            let ce = logits.cross_entropy_loss::<Tensor>(
-                &mb.target_ids.narrow(0, start, n),
-                None,
-                Reduction::Sum,
-                -100,
-                0.0,
-            );
-            loss_sum += ce.detach().to_kind(Kind::Double);
-            let mut g = Tensor::run_backward(&[ce * scale], &[&x, out_w], false, false);
-            let gw = g.pop().context("grad of output matrix")?;
-            grad_rows.push(g.pop().context("grad of rows")?);
-            grad_w = Some(match grad_w {
-                None => gw,
-                Some(acc) => acc + gw,
-            });
-            start += n;
+        if start < mb.num_targets {
+            let (ce, gx, gw) = self
+                .head
+                .loss_and_grads(&normed_d, out_w, &mb.target_ids, scale);
+            loss_sum += ce;
+            grad_rows.push(gx);
+            grad_w = Some(gw);
         }
         let grad_normed = Tensor::cat(&grad_rows, 0);
         let mut g = vjp(&normed, &grad_normed, &[&h_leaf, norm_w]);
@@ -296,22 +281,10 @@ impl<P: ParamStore> Engine<P> {
             .reshape([-1, self.cfg.hidden_size])
             .index_select(0, &mb.target_rows);
         let normed = layers::head_norm(&self.cfg, &p.tensors[0], &rows);
-        let chunk = self.chunk_rows();
-        let mut total = 0.0;
-        let mut start = 0;
-        while start < mb.num_targets {
-            let n = chunk.min(mb.num_targets - start);
-            let logits = layers::project(&normed.narrow(0, start, n), &p.tensors[1]);
-            let ce = logits.cross_entropy_loss::<Tensor>(
-                &mb.target_ids.narrow(0, start, n),
-                None,
-                Reduction::Sum,
-                -100,
-                0.0,
-            );
-            total += ce.double_value(&[]);
-            start += n;
-        }
+        let total = self
+            .head
+            .loss(&normed, &p.tensors[1], &mb.target_ids)
+            .double_value(&[]);
         self.store.release(Stage::Head);
         Ok((total, mb.num_targets))
     }

@@ -5,6 +5,7 @@
 //! - [`params`]: the [`params::ParamStore`] trait — the hook where sharding (FSDP) plugs in — and the local store.
 //! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
+//! - [`head`]: the chunked output projection + cross-entropy with a hand-written backward into one reused buffer.
 //! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
 //! - [`checkpoint`]: `global_step_N/` folders (Hugging Face model, optimizer, trainer state), resume, pruning.
 //! - [`metrics`]: the [`metrics::MetricsLogger`] trait and the registry of logger kinds (`console`, `jsonl`).
@@ -17,6 +18,7 @@ pub use ferl_data as data;
 pub mod batch;
 pub mod checkpoint;
 pub mod engine;
+pub mod head;
 pub mod metrics;
 pub mod model;
 pub mod optim;
