@@ -1,5 +1,5 @@
 //! Hosting actors in this process: one task per actor drains a bounded mailbox (senders wait when it is full) and
-//! runs handlers one at a time, or up to `max_concurrency` at once. Replies go back through a [`Responder`], which
+//! runs handlers one at a time, or up to `max_concurrency` at once. Replies go back through a `Responder`, which
 //! is either an in-process channel or a connection's outbox; both paths run the same code.
 
 use std::panic::AssertUnwindSafe;

@@ -39,6 +39,16 @@
 //! cluster.kv_put("rendezvous", b"10.0.0.1:29500".to_vec()).await?;
 //! # Ok(()) }
 //! ```
+//! ## The API a distributed trainer uses
+//! - start: [`init`] (embedded head + node), [`connect`] (running cluster), [`connect_or_init`] (`FERL_ADDRESS`);
+//! - reserve: [`Cluster::create_group`] with bundles made by [`bundle`] (`{"CPU": 1}` or `{"GPU": 1}`);
+//! - spawn: [`Cluster::spawn`] with [`SpawnOptions::in_bundle`], [`SpawnOptions::env`], `max_restarts`, `name`;
+//! - drive: [`WorkerGroup::spawn`], [`WorkerGroup::call_all`], [`WorkerGroup::call_split`],
+//!   [`WorkerGroup::call_rank0`];
+//! - rendezvous: [`Cluster::kv_put`], [`Cluster::kv_get`], [`Cluster::kv_wait`] (also from inside an actor through
+//!   [`Context::cluster`]);
+//! - failures: [`Error::ActorDied`], [`Cluster::events`].
+//!
 //! Message types from other crates: derive `rkyv::{Archive, Serialize, Deserialize}`, then
 //! `ferl_runtime::message!(MyMsg => MyReply);` and `ferl_runtime::register_actor!(MyActor, calls: [MyMsg]);`.
 
