@@ -3,7 +3,6 @@
 use anyhow::{bail, Result};
 use clap::Args;
 use ferl_trainer::config::SftConfig;
-use ferl_trainer::sft::{run as run_sft, RunOptions};
 use std::path::PathBuf;
 
 /// Arguments of `ferl sft`.
@@ -37,7 +36,8 @@ pub fn run(args: SftArgs) -> Result<()> {
     if args.dist.requested() {
         return super::sft_dist::run(cfg, &args.dist);
     }
-    let summary = run_sft(&cfg, RunOptions::default())?;
+    // Plugins: the run directory's host, folders from $FERL_PLUGIN_PATH, logger/dataset/kernel plugins by name.
+    let summary = ferl_plugin_bridge::run_sft(&cfg, &[])?;
     let first = summary.train_losses.first().map(|(_, l)| *l);
     let last = summary.train_losses.last().map(|(_, l)| *l);
     if let (Some(a), Some(b)) = (first, last) {

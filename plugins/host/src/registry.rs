@@ -355,6 +355,14 @@ impl PluginHost {
     fn serve_requests(&self, staged: &mut Vec<String>) {
         let Some(control) = &self.control else { return };
         for req in control.take_requests() {
+            if let Some(v) = self.unchanged_version(&req.name) {
+                let msg = format!(
+                    "plugin `{}` is already at version {v}: its file has not changed",
+                    req.name
+                );
+                control.respond(&req, true, &msg);
+                continue;
+            }
             let result = self.reload(&req.name);
             let (ok, message) = match &result {
                 Ok(v) => {
@@ -365,6 +373,16 @@ impl PluginHost {
             };
             control.respond(&req, ok, &message);
         }
+    }
+
+    /// The version plugin `name` has (pending, else current) when its source file still holds the same bytes.
+    fn unchanged_version(&self, name: &str) -> Option<String> {
+        let source = self.lock().slots.get(name)?.source.clone()?;
+        let hash = sha256_hex(&std::fs::read(&source).ok()?);
+        let st = self.lock();
+        let slot = st.slots.get(name)?;
+        let newest = slot.pending.as_ref().unwrap_or(&slot.current);
+        (newest.info().sha256 == hash).then(|| newest.info().version.clone())
     }
 
     /// The step boundary: [`PluginHost::poll`], then every pending version becomes current. Users holding the old

@@ -146,3 +146,20 @@ fn reload_request_through_the_run_dir_control_channel() {
     assert_eq!(current.len(), 1);
     assert_eq!(current[0].version, "2.0.0");
 }
+
+#[test]
+fn reload_request_for_an_unchanged_file_keeps_the_loaded_version() {
+    let run = tempfile::tempdir().unwrap();
+    let file = common::build_into("ferl-plugin-testkit", &[], &[], run.path(), "testkit");
+    let host = PluginHost::for_run_dir(run.path()).unwrap();
+    let loaded = host.load_file(&file, None).unwrap();
+    let control = ControlDir::new(run.path());
+    let id = control.submit_reload("testkit").unwrap();
+    assert!(host.step_boundary().is_empty(), "nothing to switch to");
+    let r = control.wait_response(&id, Duration::from_secs(5)).unwrap();
+    assert!(
+        r.ok && r.message.contains("already at version 1.0.0"),
+        "{r:?}"
+    );
+    assert!(Arc::ptr_eq(&loaded, &host.get("testkit").unwrap()));
+}
