@@ -44,6 +44,9 @@ pub struct CheckpointMeta {
     pub optimizer_step: i64,
     /// The flat units, in order.
     pub units: Vec<FlatUnit>,
+    /// The model's `config.json` as read (lets [`export_sharded`] write a Hugging Face folder without the source).
+    #[serde(default)]
+    pub model_config: Option<serde_json::Value>,
 }
 
 /// The model file of rank `r` at world size `w`.
@@ -100,11 +103,18 @@ impl ShardSnapshot {
                 global_step,
                 optimizer_step: optimizer.step,
                 units: plan.units.clone(),
+                model_config: None,
             },
             rank,
             model,
             optim,
         })
+    }
+
+    /// Records the model's config in the metadata (so the checkpoint exports on its own).
+    pub fn with_model_config(mut self, cfg: &ModelConfig) -> Self {
+        self.meta.model_config = Some(cfg.raw.clone());
+        self
     }
 
     /// Writes this rank's two files into `dir` (created if needed). Rank 0 should call [`ShardSnapshot::write_meta`]
@@ -127,15 +137,16 @@ impl ShardSnapshot {
     }
 }
 
-/// Saves a sharded checkpoint from every rank (collective: all ranks call it): each writes its files, then rank 0
-/// writes the metadata once all have finished.
+/// Saves a sharded checkpoint of the model with `cfg` from every rank (collective: all ranks call it): each writes its
+/// files, then rank 0 writes the metadata once all have finished.
 pub fn save_sharded(
     store: &mut ShardedParams,
     optimizer: &AdamW,
+    cfg: &ModelConfig,
     global_step: i64,
     dir: &Path,
 ) -> Result<()> {
-    let snap = ShardSnapshot::take(store, optimizer, global_step)?;
+    let snap = ShardSnapshot::take(store, optimizer, global_step)?.with_model_config(cfg);
     let written = snap.write(dir);
     let ok = store.all_reduce_sum(&[if written.is_ok() { 0.0 } else { 1.0 }])?;
     written?;
@@ -359,4 +370,19 @@ pub fn export_hf(
     }
     let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
     save_hf_folder(out, cfg, &layout, &params, kind, side_from)
+}
+
+/// `ferl export` for a sharded checkpoint: writes the Hugging Face folder `out` in `kind` using the model config the
+/// checkpoint recorded (pass `dir.join("huggingface")` as `out` to give the checkpoint verl's `huggingface/` folder,
+/// which `ferl_trainer::checkpoint::export` then reads).
+pub fn export_sharded(dir: &Path, out: &Path, kind: Kind, side_from: &[&Path]) -> Result<()> {
+    let meta = read_meta(dir)?;
+    let raw = meta.model_config.with_context(|| {
+        format!(
+            "{}: the checkpoint recorded no model config; use export_hf with the model's config",
+            dir.display()
+        )
+    })?;
+    let cfg = ModelConfig::from_value(raw, &dir.join(META_FILE))?;
+    export_hf(dir, &cfg, out, kind, side_from)
 }

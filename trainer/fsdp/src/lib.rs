@@ -21,7 +21,10 @@
 //! // `ferl_fsdp::global_step(&mut stepper, &my_slice_of_the_global_batch)` every step on every rank.
 //! # Ok(()) }
 //! ```
-//! Checkpoints: [`save_sharded`] / [`load_sharded`] (any world size on load), [`assemble_full`] and [`export_hf`].
+//! Checkpoints: [`save_sharded`] / [`load_sharded`] (any world size and strategy on load), [`assemble_full`],
+//! [`export_hf`] / [`export_sharded`] (the Hugging Face folder from shards). A checkpointer that writes while training
+//! continues takes a [`ShardSnapshot`] on each rank (a copy), writes it from another thread, and has rank 0 call
+//! [`ShardSnapshot::write_meta`] after every rank's write returned.
 //!
 //! # Modules
 //! - [`units`]: the flat unit layout (who owns which elements).
@@ -37,8 +40,8 @@ pub mod units;
 mod worker;
 
 pub use checkpoint::{
-    assemble_full, export_hf, load_sharded, read_meta, save_sharded, CheckpointMeta, LoadedShards,
-    ShardSnapshot,
+    assemble_full, export_hf, export_sharded, load_sharded, read_meta, save_sharded,
+    CheckpointMeta, LoadedShards, ShardSnapshot,
 };
 pub use global::global_step;
 pub use store::{CommStats, ShardedParams};

@@ -6,8 +6,8 @@ mod common;
 
 use common::*;
 use ferl_fsdp::{
-    assemble_full, export_hf, global_step, load_sharded, read_meta, save_sharded, FsdpOptions,
-    ShardedParams, ShardingStrategy,
+    assemble_full, export_hf, export_sharded, global_step, load_sharded, read_meta, save_sharded,
+    FsdpOptions, ShardedParams, ShardingStrategy,
 };
 use ferl_trainer::model::load_model;
 use ferl_trainer::optim::AdamW;
@@ -42,7 +42,7 @@ fn train_and_save(samples: Arc<Samples>, dir: PathBuf) -> Vec<Tensor> {
             global_step(&mut s, &samples.refs(rank_slice(step, rank, 4))).unwrap();
         }
         let optimizer = std::mem::replace(&mut s.optimizer, AdamW::new(adam(), &[]));
-        save_sharded(s.engine.store_mut(), &optimizer, SAVE_AT as i64, &dir).unwrap();
+        save_sharded(s.engine.store_mut(), &optimizer, &cfg, SAVE_AT as i64, &dir).unwrap();
         s.engine.store_mut().full_params().unwrap()
     });
     fulls.swap_remove(0)
@@ -138,6 +138,20 @@ fn assembled_checkpoint_equals_the_live_model_and_exports_to_hugging_face() {
     let back = load_model(out).unwrap();
     for (((name, _), a), b) in layout.tensors.iter().zip(&back.params).zip(&live) {
         assert!(a.equal(b), "exported `{name}` differs");
+    }
+    // Self-contained export (config recorded in the checkpoint) into verl's `huggingface/`, which the engine's
+    // `ferl export` then reads.
+    export_sharded(&dir, &dir.join("huggingface"), Kind::BFloat16, &[]).unwrap();
+    let out2 = tmp.path().join("exported-by-engine");
+    ferl_trainer::checkpoint::export(&dir, &out2, "fp32").unwrap();
+    let again = load_model(&out2).unwrap();
+    for (a, b) in again.params.iter().zip(&live) {
+        assert!(a.allclose(
+            &b.to_kind(Kind::BFloat16).to_kind(Kind::Float),
+            0.0,
+            0.0,
+            false
+        ));
     }
 }
 
