@@ -66,3 +66,33 @@ impl PluginStore {
         Ok((h, p))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stores_by_hash_verifies_and_dedupes() {
+        let dir = std::env::temp_dir().join(format!("ferl-store-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = PluginStore::new(&dir);
+        let src = dir.with_extension("src");
+        std::fs::write(&src, b"plugin bytes").unwrap();
+        let (hash, path) = store.insert_file(&src).unwrap();
+        assert_eq!(hash, PluginStore::hash_file(&src).unwrap());
+        assert_eq!(store.get(&hash), Some(path.clone()));
+        assert_eq!(std::fs::read(&path).unwrap(), b"plugin bytes");
+        // The same bytes again: same file, nothing new.
+        assert_eq!(store.insert_bytes(&hash, b"plugin bytes").unwrap(), path);
+        // Bytes that do not match the announced hash are refused and not stored.
+        let e = store
+            .insert_bytes(&hash, b"tampered")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("refusing"), "{e}");
+        assert!(store.get(&sha256_hex(b"tampered")).is_none());
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_file(&src).unwrap();
+    }
+}

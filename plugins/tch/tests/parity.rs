@@ -16,8 +16,17 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     ((a - b).abs() - b.abs() * TOL).max().double_value(&[])
 }
 
+thread_local! {
+    /// The device the checks of this thread run on.
+    static DEVICE: std::cell::Cell<Device> = const { std::cell::Cell::new(Device::Cpu) };
+}
+
+fn device() -> Device {
+    DEVICE.with(|d| d.get())
+}
+
 fn randn(shape: &[i64], scale: f64) -> Tensor {
-    Tensor::randn(shape, (Kind::Float, Device::Cpu)) * scale
+    Tensor::randn(shape, (Kind::Float, device())) * scale
 }
 
 /// Reference and kernel loss, d hidden and d weight for one configuration.
@@ -32,7 +41,7 @@ fn check_fused_ce(
 ) {
     let hidden = randn(&[n, h], 1.0).set_requires_grad(true);
     let weight = randn(&[v, h], 0.5).set_requires_grad(true);
-    let targets = Tensor::randint(v, [n], (Kind::Int64, Device::Cpu));
+    let targets = Tensor::randint(v, [n], (Kind::Int64, device()));
     for &i in ignored {
         let _ = targets.get(i).fill_(-100);
     }
@@ -135,6 +144,17 @@ fn check_all(k: &Kernels) {
 
 #[test]
 fn builtin_kernels_match_reference_within_1e_5() {
+    check_all(&Kernels::builtin().unwrap());
+}
+
+#[test]
+fn cuda_kernels_match_reference_within_1e_5() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device (the same kernels run on CUDA tensors through the tch HostOps)");
+        return;
+    }
+    // libtorch keeps TF32 matmuls off by default, so CUDA fp32 is held to the same 1e-5.
+    DEVICE.with(|d| d.set(Device::Cuda(0)));
     check_all(&Kernels::builtin().unwrap());
 }
 
