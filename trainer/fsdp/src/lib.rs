@@ -33,6 +33,8 @@
 //! - [`global`]: the exact token-mean over the global batch across ranks.
 //! - `worker`: the thread that runs the collectives in order while the main thread computes.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod global;
 pub mod store;
