@@ -292,7 +292,8 @@ impl RankState {
             let store = self.stepper.engine.store_mut();
             store.finish_grads()?;
             ShardSnapshot::take(store, &self.stepper.optimizer, step)?
-        };
+        }
+        .with_model_config(self.stepper.engine.config());
         let meta = serde_json::to_string(&snap.meta)?;
         let (rank, world) = self.rank_and_world();
         let files = vec![
@@ -312,8 +313,15 @@ impl RankState {
     pub fn save_now(&mut self, dir: &Path) -> Result<()> {
         self.finish_save()?;
         let step = self.stepper.completed_steps;
+        let model = self.stepper.engine.config().clone();
         let optimizer = &self.stepper.optimizer;
-        save_sharded(self.stepper.engine.store_mut(), optimizer, step, dir)
+        save_sharded(
+            self.stepper.engine.store_mut(),
+            optimizer,
+            &model,
+            step,
+            dir,
+        )
     }
 
     /// Restores model shard, optimizer state and schedule position from the sharded checkpoint `dir`, written at

@@ -372,7 +372,13 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
     let launch = LaunchEnv::from_env().context(
         "no --nproc-per-node given and no launcher environment (RANK/WORLD_SIZE/MASTER_ADDR or SLURM variables)",
     )?;
-    let device = rank_device(&cfg, launch.local_rank);
+    // torchrun's agent already serves its own store at MASTER_PORT; ranks then meet on the next port.
+    if std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true")) {
+        std::env::set_var("MASTER_PORT", (launch.master_port + 1).to_string());
+    }
+    // SLURM's --gpus-per-task leaves one visible device per task; torchrun leaves all of them.
+    let visible = tch::Cuda::device_count().max(1) as usize;
+    let device = rank_device(&cfg, launch.local_rank % visible);
     let comm = init_from_env(device).context("joining the group from the launcher environment")?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let (train, val) = load_datasets(&cfg)?;

@@ -7,7 +7,8 @@ use std::process::{Command, Output};
 
 use ferl_tests::*;
 
-/// `target/<profile>/ferl`, brought up to date first (this test's own binary lives in `target/<profile>/deps`).
+/// `target/<profile>/ferl`, built first when missing (this test's own binary lives in `target/<profile>/deps`). It is
+/// not rebuilt when present: build it (`cargo build -p ferl`) after changing ferl's sources.
 fn ferl_binary() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe
@@ -16,7 +17,7 @@ fn ferl_binary() -> PathBuf {
         .expect("target/<profile>/deps/<test>")
         .to_path_buf();
     let bin = profile_dir.join("ferl");
-    if profile_dir.file_name().is_some_and(|n| n == "debug") {
+    if !bin.exists() {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
             .args(["build", "-p", "ferl", "--bin", "ferl"])
@@ -123,6 +124,54 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
     }
     assert_logged_matches(
         "ferl sft under torchrun variables",
+        &fx.dir.path().join("torchrun"),
+        &reference,
+    );
+}
+
+/// The venv's `torchrun`, or `None` (with the reason printed).
+fn torchrun() -> Option<PathBuf> {
+    let venv = std::env::var_os("FERL_VENV")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/ferl/venv")))?;
+    let bin = venv.join("bin/torchrun");
+    if bin.exists() {
+        Some(bin)
+    } else {
+        println!(
+            "SKIP: no torchrun at {} (run scripts/setup.sh)",
+            bin.display()
+        );
+        None
+    }
+}
+
+#[test]
+fn ferl_sft_under_torchrun_matches_single_process() {
+    let Some(torchrun) = torchrun() else { return };
+    let ferl = ferl_binary();
+    let fx = Fixture::new().unwrap();
+    let extra = [
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console,jsonl]",
+    ];
+    let reference = reference_run(&fx.overrides(2, "ref", &extra)).unwrap();
+    let keys = fx.overrides(2, "torchrun", &extra);
+    // torchrun opens its own sockets: run it in a private network namespace with only loopback.
+    let script = format!(
+        "ip link set lo up && exec {} --no-python --standalone --nnodes=1 --nproc_per_node=2 {} sft {}",
+        torchrun.display(),
+        ferl.display(),
+        keys.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(" ")
+    );
+    let out = Command::new("unshare")
+        .args(["-n", "bash", "-c", &script])
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    check(out, "torchrun --no-python ... ferl sft");
+    assert_logged_matches(
+        "ferl sft under torchrun",
         &fx.dir.path().join("torchrun"),
         &reference,
     );
