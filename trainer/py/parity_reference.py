@@ -2,7 +2,7 @@
 
 Subcommands (all deterministic, threads set by --threads):
   make    --out DIR --vocab V --hidden H --layers L --heads N --kv-heads K --tie 0|1 --seed S --samples M
-          writes a tiny Qwen2 (transformers, randomly initialised then perturbed so norms and biases are not trivial)
+          writes a tiny Qwen2 or Llama (--arch; transformers, randomly initialised then perturbed so norms and biases are not trivial)
           to DIR/model and random SFT samples (input_ids, loss_mask) to DIR/data.json
   train   --model DIR --data FILE --settings FILE --out FILE
           trains with a plain PyTorch loop (same batches, micro-batching, token-mean loss over the global batch,
@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 
 def make(a):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(a.seed)
-    cfg = Qwen2Config(
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if a.arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = config_cls(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
         intermediate_size=a.hidden * 3,
@@ -40,7 +41,7 @@ def make(a):
         use_cache=False,
         dtype="float32",
     )
-    model = Qwen2ForCausalLM(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -158,6 +159,7 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--tie", type=int, default=1)
+    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-len", type=int, default=40)

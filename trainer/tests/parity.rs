@@ -24,6 +24,7 @@ struct Case {
     scheduler: &'static str,
     layout: Layout,
     vocab: i64,
+    arch: &'static str,
 }
 
 fn run_case(name: &str, case: Case) {
@@ -46,6 +47,8 @@ fn run_case(name: &str, case: Case) {
             &kv,
             "--vocab",
             &case.vocab.to_string(),
+            "--arch",
+            case.arch,
             "--samples",
             "24",
         ],
@@ -81,6 +84,10 @@ fn run_case(name: &str, case: Case) {
     let samples = read_samples(&data);
     let loaded = load_model(&model_dir).unwrap();
     assert_eq!(loaded.config.tie_word_embeddings, case.tie);
+    assert_eq!(
+        format!("{:?}", loaded.config.arch).to_lowercase(),
+        case.arch
+    );
     let store = LocalParams::new(loaded.layout.clone(), loaded.params, Kind::Float);
     let opts = EngineOptions {
         gradient_checkpointing: case.checkpointing,
@@ -212,6 +219,7 @@ fn parity_tied_gqa_accumulation_without_checkpointing() {
         scheduler: "cosine",
         layout: Layout::Padded,
         vocab: 512,
+        arch: "qwen2",
     };
     run_case("tied-gqa-accum2", case);
 }
@@ -227,6 +235,7 @@ fn parity_untied_gqa_accumulation_with_checkpointing() {
         scheduler: "cosine",
         layout: Layout::Padded,
         vocab: 512,
+        arch: "qwen2",
     };
     run_case("untied-gqa-accum4-ckpt", case);
 }
@@ -242,6 +251,7 @@ fn parity_untied_mha_single_micro_batch_constant_schedule() {
         scheduler: "constant",
         layout: Layout::Padded,
         vocab: 512,
+        arch: "qwen2",
     };
     run_case("untied-mha-accum1-constant", case);
 }
@@ -257,6 +267,7 @@ fn parity_tied_packed_micro_batches_with_checkpointing() {
         scheduler: "cosine",
         layout: Layout::Packed,
         vocab: 512,
+        arch: "qwen2",
     };
     run_case("tied-packed-accum2-ckpt", case);
 }
@@ -272,6 +283,23 @@ fn parity_real_qwen_vocab_untied_gqa_accumulation() {
         scheduler: "cosine",
         layout: Layout::Padded,
         vocab: 151_936,
+        arch: "qwen2",
     };
     run_case("real-vocab-untied-gqa-accum2-ckpt", case);
+}
+
+#[test]
+fn parity_llama_untied_gqa_accumulation_with_checkpointing() {
+    let case = Case {
+        tie: false,
+        kv_heads: 2,
+        batch: 4,
+        micro: 2,
+        checkpointing: true,
+        scheduler: "cosine",
+        layout: Layout::Padded,
+        vocab: 512,
+        arch: "llama",
+    };
+    run_case("llama-untied-gqa-accum2-ckpt", case);
 }
