@@ -93,7 +93,7 @@ pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     if let Some(dir) = &a.child {
         return child(&a, dir);
     }
-    if a.batch % a.micro_batch != 0 || a.steps < 2 {
+    if a.micro_batch == 0 || !a.batch.is_multiple_of(a.micro_batch) || a.steps < 2 {
         bail!("--batch must be a multiple of --micro-batch and --steps at least 2");
     }
     let dir = std::env::temp_dir().join(format!("ferl-bench-train-{}", std::process::id()));
