@@ -89,11 +89,16 @@ fn main() {
             tokens as f64 / start.elapsed().as_secs_f64()
         );
     }
+    // FERL_FSDP_BENCH_ONLY=shard_grad_op (a substring of the row names) limits the run to matching strategies.
+    let only = std::env::var("FERL_FSDP_BENCH_ONLY").unwrap_or_default();
     for (name, strategy) in [
         ("full_shard", ShardingStrategy::FullShard),
         ("shard_grad_op", ShardingStrategy::ShardGradOp),
         ("no_shard", ShardingStrategy::NoShard),
     ] {
+        if !name.contains(only.as_str()) {
+            continue;
+        }
         for world in [1, 2] {
             let mut prefetch_modes = vec![true];
             if strategy == ShardingStrategy::FullShard {
