@@ -55,6 +55,14 @@ fn transport_config(idle: Duration) -> quinn::TransportConfig {
     t
 }
 
+/// Lets peers send datagrams up to loopback size (MTU discovery still finds the real path MTU); with the default
+/// 1472-byte cap, pacing limits one connection to a few hundred MB/s.
+fn endpoint_config() -> Result<quinn::EndpointConfig> {
+    let mut cfg = quinn::EndpointConfig::default();
+    cfg.max_udp_payload_size(65_000)?;
+    Ok(cfg)
+}
+
 /// Asks for large socket buffers so bursts of datagrams are not dropped (the kernel caps them at its maximum).
 fn enlarge_buffers(socket: &std::net::UdpSocket) {
     use std::os::fd::AsRawFd;
@@ -93,12 +101,7 @@ pub(crate) fn endpoint(
     let socket = std::net::UdpSocket::bind(bind).with_context(|| format!("binding UDP {bind}"))?;
     enlarge_buffers(&socket);
     let runtime = quinn::default_runtime().context("no async runtime for the endpoint")?;
-    let mut endpoint = quinn::Endpoint::new(
-        quinn::EndpointConfig::default(),
-        Some(server),
-        socket,
-        runtime,
-    )?;
+    let mut endpoint = quinn::Endpoint::new(endpoint_config()?, Some(server), socket, runtime)?;
     let mut client = quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(
         tls::client_config(creds)?,
     )?));
