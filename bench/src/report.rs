@@ -15,7 +15,10 @@ impl Report {
     #[allow(dead_code)]
     pub fn row(&mut self, name: &str, value: f64, unit: &str) {
         if self.json {
-            println!("{}", serde_json::json!({ "name": name, "value": value, "unit": unit }));
+            println!(
+                "{}",
+                serde_json::json!({ "name": name, "value": value, "unit": unit })
+            );
         } else {
             println!("{name} {value:.4} {unit}");
         }
