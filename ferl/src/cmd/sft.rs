@@ -15,7 +15,7 @@ pub struct SftArgs {
     #[arg(long = "cfg", value_name = "job")]
     pub cfg: Option<String>,
     /// Overrides: `a.b=c`, `+a.b=c`, `~a.b`, lists as `[x,y]`.
-    #[arg(value_name = "KEY=VALUE", allow_hyphen_values = true)]
+    #[arg(value_name = "KEY=VALUE")]
     pub overrides: Vec<String>,
     /// Distributed training: `--nproc-per-node`, `--nnodes`, `--address` (see `sft_dist`).
     #[command(flatten)]
