@@ -127,13 +127,20 @@ fn tensors_the_backend_cannot_use_are_rejected_with_a_reason() {
     }
 }
 
-/// A toy layer: parameters of odd sizes, and a per-rank gradient that differs between ranks.
+/// A toy layer: parameters of odd sizes, and a per-rank gradient that differs between ranks. The values come from a
+/// formula, not torch's global RNG: every rank thread builds them, and concurrent `manual_seed` + `randn` calls from
+/// several threads would interleave and give the ranks different "identical" parameters.
 fn layer_params() -> Vec<Tensor> {
-    tch::manual_seed(7);
+    let values = |shape: &[i64], offset: f64| {
+        let n: i64 = shape.iter().product();
+        (Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + offset)
+            .sin()
+            .reshape(shape)
+    };
     vec![
-        Tensor::randn([3, 5], (Kind::Float, Device::Cpu)),
-        Tensor::randn([7], (Kind::Float, Device::Cpu)),
-        Tensor::randn([2, 2], (Kind::Float, Device::Cpu)),
+        values(&[3, 5], 0.1),
+        values(&[7], 1.3),
+        values(&[2, 2], 2.7),
     ]
 }
 
