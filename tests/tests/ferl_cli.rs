@@ -79,7 +79,8 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
     ];
     let reference = reference_run(&fx.overrides(2, "ref", &extra)).unwrap();
 
-    let actors = fx.overrides(2, "actors", &extra);
+    let mut actors = fx.overrides(2, "actors", &extra);
+    actors.push("trainer.save_freq=2".into());
     let out = Command::new(&ferl)
         .env("OMP_NUM_THREADS", "1")
         .args(["sft", "--nproc-per-node", "2"])
@@ -92,6 +93,26 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
         &fx.dir.path().join("actors"),
         &reference,
     );
+
+    // The sharded checkpoint it left exports to a Hugging Face folder, tokenizer files copied from the model.
+    let hf = fx.dir.path().join("actors-hf");
+    let out = Command::new(&ferl)
+        .arg("export")
+        .arg("--checkpoint")
+        .arg(fx.dir.path().join("actors/global_step_2"))
+        .arg("--out")
+        .arg(&hf)
+        .arg("--copy-from")
+        .arg(fx.dir.path().join("model"))
+        .output()
+        .unwrap();
+    check(out, "ferl export of a sharded checkpoint");
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        let len = std::fs::metadata(hf.join(file))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        assert!(len > 0, "the export lacks {file}");
+    }
 
     let env_run = fx.overrides(2, "torchrun", &extra);
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -1,8 +1,9 @@
-//! `ferl export`: a checkpoint's model as a Hugging Face folder.
+//! `ferl export`: a checkpoint's model as a Hugging Face folder, from a single-process checkpoint or from a sharded
+//! one (`fsdp_meta.json` beside per-rank shards, as `ferl sft --nproc-per-node` writes) at any world size.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Arguments of `ferl export`.
 #[derive(Args)]
@@ -16,11 +17,25 @@ pub struct ExportArgs {
     /// Weight dtype of the export: fp32 or bf16.
     #[arg(long, default_value = "fp32")]
     pub dtype: String,
+    /// For a sharded checkpoint: a folder whose tokenizer and generation-config files are copied into the export
+    /// (typically the `model.partial_pretrain` folder the run started from).
+    #[arg(long, value_name = "DIR")]
+    pub copy_from: Option<PathBuf>,
 }
 
 /// Writes the export.
 pub fn run(a: ExportArgs) -> Result<()> {
-    ferl_trainer::checkpoint::export(&a.checkpoint, &a.out, &a.dtype)?;
+    if a.checkpoint.join("fsdp_meta.json").is_file() {
+        let kind = match a.dtype.as_str() {
+            "fp32" | "float32" => tch::Kind::Float,
+            "bf16" | "bfloat16" => tch::Kind::BFloat16,
+            other => bail!("export dtype `{other}`: expected fp32 or bf16"),
+        };
+        let side: Vec<&Path> = a.copy_from.iter().map(PathBuf::as_path).collect();
+        ferl_fsdp::checkpoint::export_sharded(&a.checkpoint, &a.out, kind, &side)?;
+    } else {
+        ferl_trainer::checkpoint::export(&a.checkpoint, &a.out, &a.dtype)?;
+    }
     println!("exported {} to {}", a.checkpoint.display(), a.out.display());
     Ok(())
 }
