@@ -213,14 +213,19 @@ pub fn load(dir: &Path, layout: &ModelLayout) -> Result<LoadedCheckpoint> {
     })
 }
 
+/// The weight dtype of an export named on the command line: `fp32`/`float32` or `bf16`/`bfloat16`.
+pub fn export_kind(dtype: &str) -> Result<Kind> {
+    match dtype {
+        "fp32" | "float32" => Ok(Kind::Float),
+        "bf16" | "bfloat16" => Ok(Kind::BFloat16),
+        other => bail!("export dtype `{other}`: expected fp32 or bf16"),
+    }
+}
+
 /// `ferl export`: writes the model of checkpoint `dir` (or of a Hugging Face folder) to `out` as a Hugging Face
 /// folder with weights in `dtype` (`fp32` or `bf16`).
 pub fn export(dir: &Path, out: &Path, dtype: &str) -> Result<()> {
-    let kind = match dtype {
-        "fp32" | "float32" => Kind::Float,
-        "bf16" | "bfloat16" => Kind::BFloat16,
-        other => bail!("export dtype `{other}`: expected fp32 or bf16"),
-    };
+    let kind = export_kind(dtype)?;
     let src = if dir.join("huggingface").is_dir() {
         dir.join("huggingface")
     } else {

@@ -1,7 +1,7 @@
 //! `ferl export`: a checkpoint's model as a Hugging Face folder, from a single-process checkpoint or from a sharded
 //! one (`fsdp_meta.json` beside per-rank shards, as `ferl sft --nproc-per-node` writes) at any world size.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use std::path::{Path, PathBuf};
 
@@ -26,11 +26,7 @@ pub struct ExportArgs {
 /// Writes the export.
 pub fn run(a: ExportArgs) -> Result<()> {
     if a.checkpoint.join("fsdp_meta.json").is_file() {
-        let kind = match a.dtype.as_str() {
-            "fp32" | "float32" => tch::Kind::Float,
-            "bf16" | "bfloat16" => tch::Kind::BFloat16,
-            other => bail!("export dtype `{other}`: expected fp32 or bf16"),
-        };
+        let kind = ferl_trainer::checkpoint::export_kind(&a.dtype)?;
         let side: Vec<&Path> = a.copy_from.iter().map(PathBuf::as_path).collect();
         ferl_fsdp::checkpoint::export_sharded(&a.checkpoint, &a.out, kind, &side)?;
     } else {
