@@ -2,9 +2,9 @@
 
 use crate::PluginCallError;
 use anyhow::{anyhow, bail, Context, Result};
-use ferl_plugin_abi::dataset::{DatasetTableFn, DatasetVTable};
-use ferl_plugin_abi::kernel::{KernelTableFn, KernelVTable};
-use ferl_plugin_abi::logger::{LoggerTableFn, LoggerVTable};
+use ferl_plugin_abi::dataset::DatasetVTable;
+use ferl_plugin_abi::kernel::KernelVTable;
+use ferl_plugin_abi::logger::LoggerVTable;
 use ferl_plugin_abi::{
     ErrorMessage, Manifest, ManifestFn, PluginKind, FERL_PLUGIN_ABI_VERSION, MANIFEST_SYMBOL,
     STATUS_OK, STATUS_PANIC,
@@ -147,54 +147,34 @@ impl LoadedPlugin {
         let missing = || {
             anyhow!("plugin {shown}: manifest declares a {} plugin but the symbol `{symbol}` is missing", kind.as_str())
         };
-        // SAFETY: each table symbol has the signature the ABI gives it; results are checked for null and size.
+        // SAFETY: each kind's table symbol has the signature `load_table` is asked for; the tables live as long as
+        // `library`, which `Self` keeps loaded.
         let table = unsafe {
             match kind {
-                PluginKind::Dataset => {
-                    let f = *library
-                        .get::<DatasetTableFn>(symbol.as_bytes())
-                        .map_err(|_| missing())?;
-                    let t = f()
-                        .as_ref()
-                        .ok_or_else(|| anyhow!("plugin {shown}: `{symbol}` returned null"))?;
-                    check_size(
-                        shown.to_string(),
-                        symbol,
-                        t.struct_size,
-                        std::mem::size_of::<DatasetVTable>(),
-                    )?;
-                    KindTable::Dataset(&*(t as *const DatasetVTable))
-                }
-                PluginKind::Logger => {
-                    let f = *library
-                        .get::<LoggerTableFn>(symbol.as_bytes())
-                        .map_err(|_| missing())?;
-                    let t = f()
-                        .as_ref()
-                        .ok_or_else(|| anyhow!("plugin {shown}: `{symbol}` returned null"))?;
-                    check_size(
-                        shown.to_string(),
-                        symbol,
-                        t.struct_size,
-                        std::mem::size_of::<LoggerVTable>(),
-                    )?;
-                    KindTable::Logger(&*(t as *const LoggerVTable))
-                }
+                PluginKind::Dataset => KindTable::Dataset(load_table::<DatasetVTable>(
+                    &library,
+                    symbol,
+                    &shown,
+                    |t| t.struct_size,
+                    &missing,
+                )?),
+                PluginKind::Logger => KindTable::Logger(load_table::<LoggerVTable>(
+                    &library,
+                    symbol,
+                    &shown,
+                    |t| t.struct_size,
+                    &missing,
+                )?),
                 PluginKind::Kernel => {
-                    let f = *library
-                        .get::<KernelTableFn>(symbol.as_bytes())
-                        .map_err(|_| missing())?;
-                    let t = f()
-                        .as_ref()
-                        .ok_or_else(|| anyhow!("plugin {shown}: `{symbol}` returned null"))?;
-                    check_size(
-                        shown.to_string(),
+                    let t = load_table::<KernelVTable>(
+                        &library,
                         symbol,
-                        t.struct_size,
-                        std::mem::size_of::<KernelVTable>(),
+                        &shown,
+                        |t| t.struct_size,
+                        &missing,
                     )?;
                     check_kernel_ops(&shown.to_string(), t)?;
-                    KindTable::Kernel(&*(t as *const KernelVTable))
+                    KindTable::Kernel(t)
                 }
             }
         };
@@ -281,6 +261,34 @@ impl LoadedPlugin {
             Err(self.call_error(call, status, err))
         }
     }
+}
+
+/// Calls the table function `symbol` of `library` and checks its answer: not null, and at least as large as this
+/// host's `T` (`struct_size` reads the size the plugin declares in the table).
+///
+/// # Safety
+/// `symbol` must be an `extern "C" fn() -> *const T` of the ABI, and `library` must stay loaded while the returned
+/// table is used.
+unsafe fn load_table<T>(
+    library: &libloading::Library,
+    symbol: &str,
+    shown: &std::path::Display<'_>,
+    struct_size: fn(&T) -> usize,
+    missing: &dyn Fn() -> anyhow::Error,
+) -> Result<&'static T> {
+    let f = *library
+        .get::<unsafe extern "C" fn() -> *const T>(symbol.as_bytes())
+        .map_err(|_| missing())?;
+    let t = f()
+        .as_ref()
+        .ok_or_else(|| anyhow!("plugin {shown}: `{symbol}` returned null"))?;
+    check_size(
+        shown.to_string(),
+        symbol,
+        struct_size(t),
+        std::mem::size_of::<T>(),
+    )?;
+    Ok(&*(t as *const T))
 }
 
 fn check_size(file: String, symbol: &str, got: usize, want: usize) -> Result<()> {
