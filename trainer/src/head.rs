@@ -54,6 +54,9 @@ impl ChunkedHead {
 
     /// Summed cross-entropy of `x` (`[n, H]`, normalised rows) against `w` (`[V, H]`) for `targets` (`[n]`), and the
     /// gradients of `scale * loss` with respect to `x` (in `x`'s dtype) and `w` (fp32). Runs without autograd.
+    /// The logits and their softmax are fp32 whatever the inputs; when `x` is in a low-precision dtype (bf16
+    /// compute) the two gradient matmuls run in that dtype too (the logits' gradient is cast per chunk), as autocast
+    /// would run them — an fp32 matmul over the vocabulary would dominate a GPU step.
     pub fn loss_and_grads(
         &mut self,
         x: &Tensor,
@@ -66,7 +69,12 @@ impl ChunkedHead {
         let chunk = self.rows_per_chunk(w.size()[0]);
         let mut loss = Tensor::zeros([], (Kind::Double, x.device()));
         let mut grad_w = Tensor::zeros(w.size(), (Kind::Float, x.device()));
-        let w_f = w.to_kind(Kind::Float);
+        let low_precision = x.kind() != Kind::Float;
+        let w_f = if low_precision {
+            w.shallow_clone()
+        } else {
+            w.to_kind(Kind::Float)
+        };
         let mut grad_x = Vec::new();
         let mut start = 0;
         while start < n_all {
@@ -84,8 +92,14 @@ impl ChunkedHead {
                 &Tensor::full([n, 1], -1.0, (Kind::Float, x.device())),
             );
             let _ = g.g_mul_scalar_(scale);
-            grad_x.push(g.mm(&w_f).to_kind(x.kind()));
-            let _ = grad_w.addmm_(&g.tr(), &xc.to_kind(Kind::Float));
+            if low_precision {
+                let gl = g.to_kind(x.kind());
+                grad_x.push(gl.mm(&w_f.to_kind(x.kind())));
+                let _ = grad_w.g_add_(&gl.tr().mm(&xc));
+            } else {
+                grad_x.push(g.mm(&w_f).to_kind(x.kind()));
+                let _ = grad_w.addmm_(&g.tr(), &xc.to_kind(Kind::Float));
+            }
             start += n;
         }
         (loss, Tensor::cat(&grad_x, 0), grad_w)
@@ -140,5 +154,29 @@ mod tests {
             close(&gw, &g[1])
         );
         assert!((head.loss(&x, &w, &t).double_value(&[]) - ce.double_value(&[])).abs() < 1e-4);
+    }
+
+    #[test]
+    fn bf16_inputs_give_bf16_grad_x_and_fp32_grad_w_close_to_fp32() {
+        tch::manual_seed(1);
+        let x = Tensor::randn([9, 16], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([13, 16], (Kind::Float, Device::Cpu)) * 0.3;
+        let t = Tensor::from_slice(&[0i64, 3, 12, 4, 4, 1, 9, 7, 2]);
+        let (xb, wb) = (x.to_kind(Kind::BFloat16), w.to_kind(Kind::BFloat16));
+        let (loss, gx, gw) = ChunkedHead::new(4 * 13).loss_and_grads(&xb, &wb, &t, 0.25);
+        let (loss32, gx32, gw32) = ChunkedHead::new(4 * 13).loss_and_grads(
+            &xb.to_kind(Kind::Float),
+            &wb.to_kind(Kind::Float),
+            &t,
+            0.25,
+        );
+        assert_eq!((gx.kind(), gw.kind()), (Kind::BFloat16, Kind::Float));
+        let rel = |a: &Tensor, b: &Tensor| {
+            let a = a.to_kind(Kind::Float);
+            ((&a - b).norm().double_value(&[]) / b.norm().double_value(&[])).abs()
+        };
+        assert!((loss.double_value(&[]) - loss32.double_value(&[])).abs() < 0.05);
+        assert!(rel(&gx, &gx32) < 0.02, "grad x off by {}", rel(&gx, &gx32));
+        assert!(rel(&gw, &gw32) < 0.02, "grad w off by {}", rel(&gw, &gw32));
     }
 }
