@@ -440,6 +440,12 @@ impl Cluster {
         ActorRef::new(address, self.process.clone())
     }
 
+    /// A handle on the actor at `address` that another process passed on (e.g. one it hosts with
+    /// [`Cluster::spawn_local`]); calls from here go through this process's own connections.
+    pub fn actor_ref<A: Actor>(&self, address: ActorAddress) -> ActorRef<A> {
+        ActorRef::new(address, self.process.clone())
+    }
+
     /// Stops an actor (no restart); calls to it fail with `ActorDied`.
     pub async fn kill<A>(&self, actor: &ActorRef<A>) -> Result<()> {
         if actor.id() >= (1 << 62) {

@@ -17,7 +17,10 @@ use crate::membership::Membership;
 use crate::placement::{show, BundleSlot, PlaceError, Placement};
 use crate::process::{Process, HEAD_ACTOR, NODE_ACTOR};
 use crate::protocol::*;
-use crate::supervision::{Life, Supervisor, Verdict};
+use crate::supervision::{Life, Supervisor};
+
+mod recovery;
+mod status;
 
 struct NodeEntry {
     addr: SocketAddr,
@@ -52,6 +55,8 @@ struct GroupEntry {
     strategy: Strategy,
     actors: Vec<u64>,
     master_port: Option<u16>,
+    /// Bundles whose node died, with why: they are not re-placed (their ranks' peers are bound to the old layout).
+    lost: BTreeMap<usize, String>,
 }
 
 #[derive(Default)]
@@ -128,43 +133,6 @@ impl Head {
         self.0.process.apply_event(&event);
     }
 
-    fn node_lost(&self, node: &str, reason: &str) {
-        let (dead, addr) = {
-            let mut st = self.lock();
-            let Some(entry) = st.nodes.get_mut(node) else {
-                return;
-            };
-            entry.alive = false;
-            let addr = entry.addr;
-            st.placement.remove_node(node);
-            let mut dead = Vec::new();
-            for (id, a) in st.actors.iter_mut() {
-                if a.node == node && a.sup.kill(reason) {
-                    dead.push(Event::ActorDied {
-                        id: *id,
-                        type_name: a.spec.type_name.clone(),
-                        node: node.into(),
-                        reason: reason.into(),
-                    });
-                }
-            }
-            for e in &dead {
-                if let Event::ActorDied { id, .. } = e {
-                    forget_actor(&mut st, *id);
-                }
-            }
-            (dead, addr)
-        };
-        self.0.process.conns.forget(addr);
-        for e in dead {
-            self.emit(e);
-        }
-        self.emit(Event::NodeDied {
-            node: node.into(),
-            reason: reason.into(),
-        });
-    }
-
     async fn ensure_master_port(&self, group: u64) -> Result<()> {
         let target = {
             let st = self.lock();
@@ -178,6 +146,7 @@ impl Head {
             let node = &g.slots[0].node;
             st.nodes
                 .get(node)
+                .filter(|n| n.alive)
                 .map(|n| n.addr)
                 .with_context(|| format!("node {node} of group {group} is gone"))?
         };
@@ -193,7 +162,15 @@ impl Head {
     }
 
     async fn spawn(&self, spec: SpawnSpec) -> Result<ActorAddress> {
-        if let Some((group, _)) = spec.bundle {
+        if let Some((group, bundle)) = spec.bundle {
+            if let Some(why) = self
+                .lock()
+                .groups
+                .get(&group)
+                .and_then(|g| g.lost.get(&(bundle as usize)))
+            {
+                bail!("cannot spawn {} into a lost bundle: {why}; remove the group and create it again", spec.type_name);
+            }
             self.ensure_master_port(group).await?;
         }
         let id = {
@@ -330,47 +307,6 @@ impl Head {
         Ok(a.address(id))
     }
 
-    fn worker_exited(&self, id: u64, reason: String) {
-        let verdict = {
-            let mut st = self.lock();
-            let Some(a) = st.actors.get_mut(&id) else {
-                return;
-            };
-            let v = a.sup.worker_exited(&reason);
-            let ev = match &v {
-                Verdict::Restart(attempt) => Some(Event::ActorRestarting {
-                    id,
-                    node: a.node.clone(),
-                    reason: reason.clone(),
-                    attempt: *attempt,
-                }),
-                Verdict::Dead(why) => Some(Event::ActorDied {
-                    id,
-                    type_name: a.spec.type_name.clone(),
-                    node: a.node.clone(),
-                    reason: why.clone(),
-                }),
-                Verdict::Ignore => None,
-            };
-            if matches!(v, Verdict::Dead(_)) {
-                forget_actor(&mut st, id);
-            }
-            ev
-        };
-        let Some(event) = verdict else { return };
-        let restart = matches!(event, Event::ActorRestarting { .. });
-        self.emit(event);
-        if restart {
-            let head = self.clone();
-            tokio::spawn(async move {
-                match head.start_worker(id).await {
-                    Ok(actor) => head.emit(Event::ActorRestarted { actor }),
-                    Err(e) => head.worker_exited(id, format!("restart failed: {e:#}")),
-                }
-            });
-        }
-    }
-
     /// Marks actors dead on purpose and stops their workers.
     async fn stop_actors(&self, ids: &[u64], reason: &str) {
         let mut stops = Vec::new();
@@ -407,52 +343,6 @@ impl Head {
             }
             self.emit(ev);
         }
-    }
-
-    fn status_json(&self) -> serde_json::Value {
-        let st = self.lock();
-        let used = |n: &str| -> Resources {
-            let Some(cap) = st.placement.node(n) else {
-                return Resources::new();
-            };
-            cap.total
-                .iter()
-                .map(|(k, v)| (k.clone(), v - cap.free.get(k).copied().unwrap_or(0.0)))
-                .collect()
-        };
-        let nodes: Vec<serde_json::Value> = st
-            .nodes
-            .iter()
-            .map(|(name, n)| {
-                let actors: Vec<u64> = st.actors.iter().filter(|(_, a)| &a.node == name && a.sup.life == Life::Alive).map(|(i, _)| *i).collect();
-                serde_json::json!({
-                    "name": name, "address": n.addr.to_string(), "ip": n.ip, "alive": n.alive,
-                    "resources_total": n.resources, "resources_used": used(name), "log_dir": n.log_dir, "actors": actors,
-                })
-            })
-            .collect();
-        let actors: Vec<serde_json::Value> = st
-            .actors
-            .iter()
-            .map(|(id, a)| {
-                let state = match &a.sup.life {
-                    Life::Starting => "starting".to_string(),
-                    Life::Alive => "alive".into(),
-                    Life::Restarting(n) => format!("restarting (attempt {n})"),
-                    Life::Dead(r) => format!("dead: {r}"),
-                };
-                serde_json::json!({"id": id, "type": a.spec.type_name, "name": a.spec.name, "node": a.node, "address": a.addr, "state": state})
-            })
-            .collect();
-        let groups: Vec<serde_json::Value> = st
-            .groups
-            .iter()
-            .map(|(id, g)| {
-                let bundles: Vec<_> = g.slots.iter().map(|s| serde_json::json!({"node": s.node, "resources": s.resources, "gpus": s.gpus})).collect();
-                serde_json::json!({"id": id, "strategy": format!("{:?}", g.strategy), "bundles": bundles, "actors": g.actors})
-            })
-            .collect();
-        serde_json::json!({"head": self.0.process.addr.to_string(), "nodes": nodes, "actors": actors, "groups": groups, "kv_keys": st.kv.len()})
     }
 }
 
@@ -606,6 +496,7 @@ impl Handler<CreateGroup> for Head {
                                 strategy: m.strategy,
                                 actors: Vec::new(),
                                 master_port: None,
+                                lost: BTreeMap::new(),
                             },
                         );
                         Ok(GroupPlaced { group, nodes })

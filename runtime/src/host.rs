@@ -2,12 +2,13 @@
 //! runs handlers one at a time, or up to `max_concurrency` at once. Replies go back through a `Responder`, which
 //! is either an in-process channel or a connection's outbox; both paths run the same code.
 
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
 use rkyv::util::AlignedVec;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 use tracing::Instrument;
 
 use crate::actor::{AnyActor, Context, Dispatch};
@@ -119,16 +120,130 @@ pub(crate) struct Envelope {
     pub reply: Responder,
 }
 
-/// Starts the task that runs an actor's mailbox; returns the mailbox's sending side. The task ends when every sender
-/// is dropped (the process forgets the actor) after draining what was queued.
+/// An actor's mailbox as its process sees it: the bounded channel its task drains, plus a waiting line for remote
+/// messages that find the channel full (guarantee 3 in `runtime/README.md`).
+///
+/// A connection carries calls to every actor of this process, so its reader must never wait on one actor's full
+/// mailbox: such a message joins this actor's line instead (in arrival order; while the line is not empty every
+/// later remote message for the actor joins it too, so per-sender order holds) and one task moves the line into the
+/// channel as room frees. The line holds at most `capacity` messages; a remote call or stream that finds it full
+/// is refused at once with a "mailbox full" error, and a remote tell waits for room (it cannot be refused).
+pub(crate) struct Mailbox {
+    tx: mpsc::Sender<Envelope>,
+    capacity: usize,
+    line: Mutex<Line>,
+    room: Notify,
+}
+
+#[derive(Default)]
+struct Line {
+    waiting: VecDeque<Envelope>,
+    /// A task is moving `waiting` into the channel (set from the first message queued until the line is empty).
+    draining: bool,
+}
+
+/// What became of a message offered to a [`Mailbox`] from a connection.
+pub(crate) enum Offered {
+    /// In the mailbox or in its waiting line.
+    Queued,
+    /// The actor is no longer hosted: the message comes back.
+    Closed(Envelope),
+    /// Mailbox and line are full and the message is a call or stream: it comes back to be refused.
+    Full(Envelope),
+}
+
+impl Mailbox {
+    /// How many messages the mailbox holds.
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// An in-process sender: waits while the mailbox is full. Gives the message back if the actor stopped.
+    pub(crate) async fn send_local(&self, env: Envelope) -> Result<(), Envelope> {
+        self.tx.send(env).await.map_err(|e| e.0)
+    }
+
+    /// A message from a connection: never waits on a full mailbox except for a tell whose line is full too.
+    pub(crate) async fn offer(self: &Arc<Self>, env: Envelope) -> Offered {
+        loop {
+            let room = self.room.notified();
+            {
+                let mut line = self.line.lock().expect("mailbox line lock");
+                if !line.draining {
+                    match self.tx.try_send(env) {
+                        Ok(()) => return Offered::Queued,
+                        Err(mpsc::error::TrySendError::Closed(e)) => return Offered::Closed(e),
+                        Err(mpsc::error::TrySendError::Full(e)) => {
+                            line.waiting.push_back(e);
+                            line.draining = true;
+                            tokio::spawn(self.clone().drain());
+                            return Offered::Queued;
+                        }
+                    }
+                }
+                if line.waiting.len() < self.capacity {
+                    line.waiting.push_back(env);
+                    return Offered::Queued;
+                }
+                if !matches!(env.kind, CallKind::Tell) {
+                    return Offered::Full(env);
+                }
+            }
+            room.await;
+        }
+    }
+
+    /// Moves the waiting line into the channel, in order, as room frees.
+    async fn drain(self: Arc<Self>) {
+        loop {
+            let Ok(permit) = self.tx.reserve().await else {
+                // The actor's task is gone: refuse what still waits so no caller hangs.
+                return self.refuse_waiting().await;
+            };
+            let more = {
+                let mut line = self.line.lock().expect("mailbox line lock");
+                if let Some(env) = line.waiting.pop_front() {
+                    permit.send(env);
+                }
+                line.draining = !line.waiting.is_empty();
+                line.draining
+            };
+            self.room.notify_waiters();
+            if !more {
+                return;
+            }
+        }
+    }
+
+    async fn refuse_waiting(&self) {
+        let left: Vec<Envelope> = {
+            let mut line = self.line.lock().expect("mailbox line lock");
+            line.draining = false;
+            line.waiting.drain(..).collect()
+        };
+        self.room.notify_waiters();
+        for env in left {
+            env.reply
+                .finish(Err(RemoteError {
+                    kind: RemoteErrorKind::NoSuchActor,
+                    message: "the actor stopped before this message was delivered".into(),
+                }))
+                .await;
+        }
+    }
+}
+
+/// Starts the task that runs an actor's mailbox. The task ends when every sender is dropped (the process forgets the
+/// actor and the waiting line is empty) after draining what was queued.
 pub(crate) fn run_mailbox(
     actor: AnyActor,
     dispatch: &'static Dispatch,
     ctx: Context,
     max_concurrency: usize,
     capacity: usize,
-) -> mpsc::Sender<Envelope> {
-    let (tx, mut rx) = mpsc::channel::<Envelope>(capacity.max(1));
+) -> Arc<Mailbox> {
+    let capacity = capacity.max(1);
+    let (tx, mut rx) = mpsc::channel::<Envelope>(capacity);
     tokio::spawn(async move {
         let limit = Arc::new(Semaphore::new(max_concurrency.max(1)));
         while let Some(env) = rx.recv().await {
@@ -148,7 +263,12 @@ pub(crate) fn run_mailbox(
             }
         }
     });
-    tx
+    Arc::new(Mailbox {
+        tx,
+        capacity,
+        line: Mutex::new(Line::default()),
+        room: Notify::new(),
+    })
 }
 
 fn panicked(msg: &str, actor: u64) -> RemoteError {

@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::actor::{AnyActor, Context, Dispatch, Dispatchable, Message, StreamMessage};
 use crate::error::Error;
-use crate::host::{run_mailbox, Envelope, Payload, Responder};
+use crate::host::{run_mailbox, Envelope, Mailbox, Offered, Payload, Responder};
 use crate::protocol::{ActorAddress, CallKind, Event, RemoteError, RemoteErrorKind, Subscribe};
 use crate::tls::Credentials;
 use crate::transport::{self, Connections, Inbound, ReplyHandle};
@@ -46,7 +46,7 @@ pub struct Process {
     pub(crate) endpoint: quinn::Endpoint,
     pub(crate) conns: Connections,
     pub(crate) creds: Credentials,
-    actors: DashMap<u64, mpsc::Sender<Envelope>>,
+    actors: DashMap<u64, Arc<Mailbox>>,
     pub(crate) fates: DashMap<u64, Fate>,
     pub(crate) moved: DashMap<u64, ActorAddress>,
     pub(crate) events: broadcast::Sender<Event>,
@@ -173,7 +173,7 @@ impl Process {
         };
         let mailbox = self.actors.get(&id).map(|m| m.clone());
         match mailbox {
-            Some(m) if m.send(env).await.is_ok() => Ok(handle),
+            Some(m) if m.send_local(env).await.is_ok() => Ok(handle),
             _ => Err(Error::Lost {
                 actor: id,
                 reason: format!("no actor {id} is hosted in process {}", self.addr),
@@ -287,20 +287,31 @@ impl Inbound for Process {
     fn deliver(&self, actor: u64, env: Envelope) -> BoxFuture<'_, ()> {
         Box::pin(async move {
             let mailbox = self.actors.get(&actor).map(|m| m.clone());
-            let env = match mailbox {
-                Some(m) => match m.send(env).await {
-                    Ok(()) => return,
-                    Err(mpsc::error::SendError(env)) => env,
+            let (env, error) = match mailbox {
+                Some(m) => match m.offer(env).await {
+                    Offered::Queued => return,
+                    Offered::Closed(env) => (env, None),
+                    Offered::Full(env) => {
+                        let message = format!(
+                            "mailbox full: actor {actor} in process {} already holds {} messages and {} more \
+                             wait for room; retry later or raise its mailbox (SpawnOptions::mailbox)",
+                            self.addr,
+                            m.capacity(),
+                            m.capacity()
+                        );
+                        (env, Some(message))
+                    }
                 },
-                None => env,
+                None => (env, None),
             };
-            let message = format!("no actor {actor} is hosted in process {}", self.addr);
-            env.reply
-                .finish(Err(RemoteError {
-                    kind: RemoteErrorKind::NoSuchActor,
-                    message,
-                }))
-                .await;
+            let (kind, message) = match error {
+                Some(message) => (RemoteErrorKind::Handler, message),
+                None => (
+                    RemoteErrorKind::NoSuchActor,
+                    format!("no actor {actor} is hosted in process {}", self.addr),
+                ),
+            };
+            env.reply.finish(Err(RemoteError { kind, message })).await;
         })
     }
 

@@ -1,6 +1,7 @@
 //! An actor's lifecycle as the head tracks it. Pure state machine: the head applies what happened (started, worker
 //! exited, node lost, killed) and acts on the verdict (guarantee 5 in `runtime/README.md`: a worker death restarts
-//! the actor while `max_restarts` allows, else the actor is dead for good; a killed actor never restarts).
+//! the actor while `max_restarts` allows, else the actor is dead for good; a killed actor never restarts). A node's
+//! death counts as a worker exit for each of its actors (guarantee 12: they restart on another node).
 
 /// Where an actor is in its life.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,7 +74,7 @@ impl Supervisor {
             }
         }
     }
-    /// Killed on purpose, or its node or group is gone: dead without restart. `false` if it was already dead.
+    /// Killed on purpose, or its group or bundle is gone: dead without restart. `false` if it was already dead.
     pub fn kill(&mut self, reason: &str) -> bool {
         if matches!(self.life, Life::Dead(_)) {
             return false;

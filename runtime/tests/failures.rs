@@ -5,7 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use ferl_runtime::testbed::*;
-use ferl_runtime::{bundle, Error, Event, SpawnOptions};
+use ferl_runtime::{bundle, Error, Event, SpawnOptions, Strategy};
 
 fn sigkill(pid: u32) {
     nix::sys::signal::kill(
@@ -142,4 +142,227 @@ async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
         .unwrap()
         .clone();
     assert_eq!(dead["alive"], false);
+}
+
+/// Waits (generously) for a call to succeed again after a failure.
+async fn answer_again(actor: &ferl_runtime::ActorRef<Counter>) -> u32 {
+    let t0 = Instant::now();
+    loop {
+        match actor.call(Pid).await {
+            Ok(p) => return p,
+            Err(e) if t0.elapsed() < Duration::from_secs(60) => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("the actor never answered again: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_12_actors_of_a_dead_node_restart_on_another_node() {
+    let bound = Duration::from_millis(1500);
+    let head = common::head(2.0, bound).await;
+    let flags = [
+        "--num-cpus",
+        "2",
+        "--resources",
+        "special=1",
+        "--heartbeat-ms",
+        "1500",
+    ];
+    let mut first = common::node(&head, &flags, &[]);
+    let second = common::node(&head, &flags, &[]);
+    let cluster = &head.cluster;
+    let mut events = cluster.events();
+    let actor = cluster
+        .spawn::<Counter>(
+            5,
+            SpawnOptions::new()
+                .resources(bundle(&[("special", 1.0)]))
+                .max_restarts(2)
+                .name("ns", "movable"),
+        )
+        .await
+        .unwrap();
+    // Placement packs onto the first node that has `special`.
+    assert_eq!(actor.address().node, first.name);
+    assert_eq!(actor.call(Add(10)).await.unwrap(), 15);
+    let old_pid = actor.call(Pid).await.unwrap();
+    let pending = {
+        let a = actor.clone();
+        tokio::spawn(async move { a.call(Sleep(60_000)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.child.kill().unwrap(); // SIGKILL: its workers die with it
+    let err = tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("the pending call fails instead of hanging")
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ActorDied { actor: a, node, .. }
+            if a.contains("Counter") && a.contains(&actor.id().to_string()) && *node == first.name),
+        "{err}"
+    );
+    // The head notices within the bound, then re-creates the actor on the node that still has `special`.
+    let t0 = Instant::now();
+    let moved = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(60), events.recv())
+            .await
+            .expect("a restart on another node")
+            .unwrap();
+        match ev {
+            Event::ActorRestarting { id, node, .. } if id == actor.id() => {
+                assert_eq!(node, first.name, "the restart names the dead node");
+            }
+            Event::ActorRestarted { actor: a } if a.id == actor.id() => break a,
+            Event::ActorDied { id, reason, .. } if id == actor.id() => {
+                panic!("died instead of moving: {reason}")
+            }
+            _ => {}
+        }
+    };
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    assert_eq!(moved.node, second.name);
+    // The same handle reaches the new instance; its constructor ran again (the count is back at 5).
+    let new_pid = answer_again(&actor).await;
+    assert_ne!(new_pid, old_pid);
+    assert_eq!(actor.call(Get).await.unwrap(), 5);
+    // The name resolves to the new instance.
+    let named = cluster
+        .get_actor::<Counter>("ns", "movable")
+        .await
+        .unwrap()
+        .expect("the name survives the move");
+    assert_eq!(named.id(), actor.id());
+    assert_eq!(named.address().node, second.name);
+    assert_eq!(named.call(Pid).await.unwrap(), new_pid);
+    // Its reservation moved with it: the second node's `special` is in use, the dead node holds nothing.
+    let status = cluster.status().await.unwrap();
+    let node = |name: &str| {
+        status["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(node(&second.name)["resources_used"]["special"], 1.0);
+    assert_eq!(node(&first.name)["alive"], false);
+    // With no node left that has `special`, the next node death is final (restarts left or not) and says why.
+    let second_name = second.name.clone();
+    drop(second);
+    let t0 = Instant::now();
+    loop {
+        match actor.call(Get).await {
+            Err(Error::ActorDied { reason, node, .. })
+                if reason.contains("no live node can host it") =>
+            {
+                assert!(reason.contains("special"), "{reason}");
+                assert_eq!(node, second_name);
+                break;
+            }
+            other => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "still no final verdict: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    head.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_12_actors_of_a_lost_bundle_die_with_the_reason_and_the_group_stays_removable() {
+    let bound = Duration::from_millis(1500);
+    let head = common::head(2.0, bound).await;
+    let flags = [
+        "--num-cpus",
+        "2",
+        "--resources",
+        "special=1",
+        "--heartbeat-ms",
+        "1500",
+    ];
+    let mut doomed = common::node(&head, &flags, &[]);
+    let survivor = common::node(&head, &flags, &[]);
+    let cluster = &head.cluster;
+    let group = cluster
+        .create_group(
+            vec![bundle(&[("special", 1.0)]); 2],
+            Strategy::StrictSpread,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+    let on = |name: &str| group.nodes.iter().position(|n| n == name).unwrap();
+    let (lost_b, kept_b) = (on(&doomed.name), on(&survivor.name));
+    let spawn = |b: usize| {
+        cluster.spawn::<Counter>(
+            b as u64,
+            SpawnOptions::new().in_bundle(&group, b).max_restarts(3),
+        )
+    };
+    let lost = spawn(lost_b).await.unwrap();
+    let kept = spawn(kept_b).await.unwrap();
+    doomed.child.kill().unwrap();
+    let t0 = Instant::now();
+    let reason = loop {
+        match lost.call(Get).await {
+            Err(Error::ActorDied { reason, node, .. }) if reason.contains("bundle") => {
+                assert_eq!(node, doomed.name);
+                break reason;
+            }
+            other => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "no verdict for the actor of the lost bundle: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert!(
+        reason.contains(&format!("bundle {lost_b} of resource group {}", group.id))
+            && reason.contains("remove the group"),
+        "{reason}"
+    );
+    // max_restarts does not move it: it stays dead.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(matches!(lost.call(Get).await, Err(Error::ActorDied { .. })));
+    // The other bundle's actor is untouched.
+    assert_eq!(kept.call(Get).await.unwrap(), kept_b as u64);
+    // Spawning into the lost bundle fails at once, saying why.
+    let err = spawn(lost_b).await.unwrap_err().to_string();
+    assert!(err.contains("lost bundle"), "{err}");
+    let status = cluster.status().await.unwrap();
+    let g = status["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["id"] == group.id)
+        .unwrap()
+        .clone();
+    assert!(g["bundles"][lost_b]["lost"]
+        .as_str()
+        .unwrap()
+        .contains(&doomed.name));
+    assert!(g["bundles"][kept_b]["lost"].is_null());
+    // Removing the group stops the surviving actor and frees the survivor's reservation.
+    cluster.remove_group(&group).await.unwrap();
+    assert!(matches!(kept.call(Get).await, Err(Error::ActorDied { .. })));
+    let status = cluster.status().await.unwrap();
+    let node = status["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == survivor.name.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(node["resources_used"]["special"], 0.0);
+    head.cluster.shutdown().await;
 }
