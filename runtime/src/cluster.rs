@@ -353,6 +353,16 @@ impl SpawnOptions {
         self.spec.mailbox = n.max(1);
         self
     }
+    /// Ship the file at `path` to the actor's node before its worker starts (by sha256, cached on the node, so it
+    /// travels at most once per node); the actor finds its local copy with [`crate::shipped_file`]`(name)`.
+    pub fn ship_file(mut self, name: &str, path: impl Into<PathBuf>) -> Self {
+        self.spec.files.push(crate::blobs::ShippedFile {
+            name: name.into(),
+            driver_path: path.into().display().to_string(),
+            ..Default::default()
+        });
+        self
+    }
     /// Keep the actor alive after this driver's [`Cluster::shutdown`].
     pub fn detached(mut self) -> Self {
         self.spec.detached = true;
@@ -414,6 +424,8 @@ impl Cluster {
         spec.type_name = A::NAME.to_string();
         spec.args = args.to_wire()?.to_vec();
         spec.binary = self.binary_spec()?;
+        crate::binary::offer_files(&spec.binary.server, &mut spec.files)
+            .map_err(|e| Error::Cluster(format!("{e:#}")))?;
         let detached = spec.detached;
         let address = self.process.call_head(&SpawnActor { spec }).await?;
         if !detached {

@@ -55,6 +55,7 @@
 pub mod actor;
 pub mod actor_ref;
 mod binary;
+pub mod blobs;
 pub mod cluster;
 pub mod error;
 pub mod head;
@@ -80,6 +81,8 @@ pub use actor::{
     Dispatch, Dispatchable, Handler, ItemSink, Message, StreamHandler, StreamMessage,
 };
 pub use actor_ref::{ActorRef, ReplyStream};
+pub use binary::file_chunks_served;
+pub use blobs::{shipped_file, shipped_files};
 pub use cluster::{
     bundle, connect, connect_or_init, init, start_head, start_node, Cluster, HeadHandle,
     HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,

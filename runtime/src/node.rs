@@ -198,6 +198,9 @@ impl NodeAgent {
             .binary(&m.spec.binary)
             .await
             .with_context(|| format!("finding the binary {}", m.spec.binary.path))?;
+        let shipped = crate::blobs::materialise(&self.0.process, &self.0.bin_cache, &m.spec.files)
+            .await
+            .with_context(|| format!("files for actor {} ({})", m.id, m.spec.type_name))?;
         let short = m
             .spec
             .type_name
@@ -217,6 +220,7 @@ impl NodeAgent {
             .env(wenv::BIND_IP, self.0.process.addr.ip().to_string())
             .envs(m.spec.env.iter().cloned())
             .envs(m.env.iter().cloned())
+            .envs(shipped)
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out)

@@ -180,6 +180,8 @@ pub struct SpawnSpec {
     pub detached: bool,
     /// The binary workers run.
     pub binary: BinarySpec,
+    /// Files the node fetches (by sha256, cached) before starting the worker ([`crate::SpawnOptions::ship_file`]).
+    pub files: Vec<crate::blobs::ShippedFile>,
 }
 
 /// The driver's binary, found locally by path (same size and mtime) or fetched from the driver by content hash.
