@@ -12,6 +12,11 @@
 //!    enabled (checkpointing) or reuse the kept graph, take the vector-Jacobian product with the upstream gradient via
 //!    `Tensor::run_backward`, `accumulate_grads` for the parameters, pass the input gradient down, `release`.
 //!
+//! # Hook point for kernels
+//! Every RMSNorm, the MLP activation and the head's projection + cross-entropy go through the engine's
+//! [`KernelRegistry`] ([`Engine::set_kernels`], `model.use_liger=true`): a replaced op runs its kernel's forward and
+//! backward, and a layer with replaced ops is run split at them (`model::graph`), with or without checkpointing.
+//!
 //! # Hook point for sharding
 //! Everything about where parameters live is behind [`ParamStore`]: `gather` (all-gather), `accumulate_grads`
 //! (reduce-scatter), `release` (free), `grad_sq_norm` (all-reduce). The engine is generic over it and needs no change.
@@ -23,26 +28,16 @@
 
 use crate::batch::MicroBatch;
 use crate::head::ChunkedHead;
+use crate::kernels::KernelRegistry;
 use crate::model::config::ModelConfig;
+use crate::model::graph::{self, LayerGraph, NormGraph};
 use crate::model::layers::{self, Rope};
 use crate::model::layout::Stage;
 use crate::params::ParamStore;
 use anyhow::{Context, Result};
-use std::sync::Arc;
 use tch::{Kind, Tensor};
 
-/// A replacement for the training head's projection + cross-entropy (e.g. the `liger` kernel plugin's fused op,
-/// adapted by `ferl-plugin-bridge`): from the normalised target rows `x [n, H]`, the output matrix `w [V, H]` and the
-/// targets `[n]`, returns the *summed* cross-entropy (0-d) and its gradients with respect to `x` and `w`.
-pub trait HeadLoss: Send + Sync {
-    /// `(sum of CE, d/dx, d/dw)`.
-    fn sum_loss_and_grads(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        targets: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)>;
-}
+pub use crate::kernels::HeadLoss;
 
 /// Options of the step schedule.
 #[derive(Clone, Copy, Debug)]
@@ -66,12 +61,8 @@ impl Default for EngineOptions {
 enum Saved {
     /// Checkpointing: the layer's input only.
     Input(Tensor),
-    /// No checkpointing: the input leaf, the output with its graph, and the parameters the graph refers to.
-    Graph {
-        input: Tensor,
-        output: Tensor,
-        params: Vec<Tensor>,
-    },
+    /// No checkpointing: the layer's forward with what its backward needs.
+    Graph(LayerGraph),
 }
 
 /// The model's forward/backward over a [`ParamStore`].
@@ -80,7 +71,7 @@ pub struct Engine<P: ParamStore> {
     store: P,
     opts: EngineOptions,
     kind: Kind,
-    head_loss: Option<Arc<dyn HeadLoss>>,
+    kernels: KernelRegistry,
     head: ChunkedHead,
 }
 
@@ -98,14 +89,19 @@ impl<P: ParamStore> Engine<P> {
             store,
             opts,
             kind,
-            head_loss: None,
+            kernels: KernelRegistry::builtin(),
             head: ChunkedHead::new(opts.logits_chunk_elements),
         }
     }
 
-    /// Replaces the head's chunked projection + cross-entropy (`model.use_liger=true`); `None` restores it.
-    pub fn set_head_loss(&mut self, head_loss: Option<Arc<dyn HeadLoss>>) {
-        self.head_loss = head_loss;
+    /// Replaces ops by kernels (`model.use_liger=true`); [`KernelRegistry::builtin`] restores the built-in ops.
+    pub fn set_kernels(&mut self, kernels: KernelRegistry) {
+        self.kernels = kernels;
+    }
+
+    /// The op overrides in use.
+    pub fn kernels(&self) -> &KernelRegistry {
+        &self.kernels
     }
 
     /// The model config.
@@ -138,7 +134,15 @@ impl<P: ParamStore> Engine<P> {
         let d = self.store.layout().decoder;
         for l in 0..self.cfg.num_layers {
             let p = self.store.gather(Stage::Decoder(l))?;
-            h = layers::decoder_layer(&self.cfg, &d, &p.tensors, &h, &rope, &mb.attention);
+            h = graph::decoder_layer_forward(
+                &self.cfg,
+                &d,
+                &p.tensors,
+                &h,
+                &rope,
+                &mb.attention,
+                &self.kernels,
+            )?;
             self.store.release(Stage::Decoder(l));
         }
         Ok(h)
@@ -163,19 +167,28 @@ impl<P: ParamStore> Engine<P> {
             let p = self.store.gather(Stage::Decoder(l))?;
             if self.opts.gradient_checkpointing {
                 let _g = tch::no_grad_guard();
-                let out =
-                    layers::decoder_layer(&self.cfg, &d, &p.tensors, &h, &rope, &mb.attention);
+                let out = graph::decoder_layer_forward(
+                    &self.cfg,
+                    &d,
+                    &p.tensors,
+                    &h,
+                    &rope,
+                    &mb.attention,
+                    &self.kernels,
+                )?;
                 saved.push(Saved::Input(std::mem::replace(&mut h, out)));
             } else {
-                let input = h.detach().set_requires_grad(true);
-                let output =
-                    layers::decoder_layer(&self.cfg, &d, &p.tensors, &input, &rope, &mb.attention);
-                h = output.detach();
-                saved.push(Saved::Graph {
-                    input,
-                    output,
-                    params: p.tensors,
-                });
+                let g = LayerGraph::build(
+                    &self.cfg,
+                    &d,
+                    p.tensors,
+                    &h,
+                    &rope,
+                    &mb.attention,
+                    &self.kernels,
+                )?;
+                h = g.output();
+                saved.push(Saved::Graph(g));
             }
             self.store.release(Stage::Decoder(l));
         }
@@ -184,30 +197,23 @@ impl<P: ParamStore> Engine<P> {
         drop(h);
         // 3. Backward through the decoder layers.
         for l in (0..self.cfg.num_layers).rev() {
-            let (input, output, params) = match saved.pop().context("saved layer state")? {
+            let layer = match saved.pop().context("saved layer state")? {
                 Saved::Input(x) => {
                     let p = self.store.gather(Stage::Decoder(l))?;
-                    let input = x.set_requires_grad(true);
-                    let output = layers::decoder_layer(
+                    LayerGraph::build(
                         &self.cfg,
                         &d,
-                        &p.tensors,
-                        &input,
+                        p.tensors,
+                        &x,
                         &rope,
                         &mb.attention,
-                    );
-                    (input, output, p.tensors)
+                        &self.kernels,
+                    )?
                 }
-                Saved::Graph {
-                    input,
-                    output,
-                    params,
-                } => (input, output, params),
+                Saved::Graph(g) => g,
             };
-            let mut inputs: Vec<&Tensor> = vec![&input];
-            inputs.extend(params.iter());
-            let mut grads = vjp(&output, &grad_h, &inputs);
-            grad_h = grads.remove(0);
+            let (grad_input, grads) = layer.backward(&grad_h)?;
+            grad_h = grad_input;
             self.store.accumulate_grads(Stage::Decoder(l), &grads)?;
             self.store.release(Stage::Decoder(l));
         }
@@ -230,22 +236,22 @@ impl<P: ParamStore> Engine<P> {
         let hidden = self.cfg.hidden_size;
         let p = self.store.gather(Stage::Head)?;
         let (norm_w, out_w) = (&p.tensors[0], &p.tensors[1]);
-        let h_leaf = h.detach().set_requires_grad(true);
         if mb.num_targets == 0 {
             self.store.release(Stage::Head);
             return Ok((0.0, h.zeros_like()));
         }
-        let rows = h_leaf
+        let rows = h
+            .detach()
             .reshape([-1, hidden])
             .index_select(0, &mb.target_rows);
-        let normed = layers::head_norm(&self.cfg, norm_w, &rows);
-        let normed_d = normed.detach();
+        let norm = NormGraph::build(&self.kernels, &rows, norm_w, self.cfg.rms_norm_eps)?;
+        let normed_d = norm.output();
         let scale = 1.0 / global_targets.max(1) as f64;
         let mut loss_sum = Tensor::zeros([], (Kind::Double, h.device()));
         let mut grad_rows = Vec::new();
         let mut grad_w: Option<Tensor> = None;
         let mut start = 0;
-        if let Some(head) = &self.head_loss {
+        if let Some(head) = &self.kernels.head {
             let (ce, gx, gw) = head.sum_loss_and_grads(&normed_d, out_w, &mb.target_ids)?;
             loss_sum += ce.to_kind(Kind::Double);
             grad_rows.push(gx * scale);
@@ -261,9 +267,11 @@ impl<P: ParamStore> Engine<P> {
             grad_w = Some(gw);
         }
         let grad_normed = Tensor::cat(&grad_rows, 0);
-        let mut g = vjp(&normed, &grad_normed, &[&h_leaf, norm_w]);
-        let grad_norm_w = g.pop().context("grad of final norm")?;
-        let grad_h = g.pop().context("grad of final hidden")?;
+        let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
+        // The gradient of the row selection: the target rows' gradients, zeros elsewhere.
+        let grad_h = Tensor::zeros([h.size()[0] * h.size()[1], hidden], (h.kind(), h.device()))
+            .index_add(0, &mb.target_rows, &grad_rows)
+            .reshape(h.size());
         self.store.accumulate_grads(
             Stage::Head,
             &[grad_norm_w, grad_w.context("grad of output matrix")?],
@@ -280,7 +288,8 @@ impl<P: ParamStore> Engine<P> {
         let rows = h
             .reshape([-1, self.cfg.hidden_size])
             .index_select(0, &mb.target_rows);
-        let normed = layers::head_norm(&self.cfg, &p.tensors[0], &rows);
+        let normed =
+            graph::norm_forward(&self.kernels, &rows, &p.tensors[0], self.cfg.rms_norm_eps)?;
         let total = self
             .head
             .loss(&normed, &p.tensors[1], &mb.target_ids)
@@ -294,7 +303,7 @@ impl<P: ParamStore> Engine<P> {
         let h = self.forward_hidden_no_grad(mb)?;
         let _g = tch::no_grad_guard();
         let p = self.store.gather(Stage::Head)?;
-        let normed = layers::head_norm(&self.cfg, &p.tensors[0], &h);
+        let normed = graph::norm_forward(&self.kernels, &h, &p.tensors[0], self.cfg.rms_norm_eps)?;
         let logits = layers::project(&normed, &p.tensors[1]);
         self.store.release(Stage::Head);
         Ok(logits)

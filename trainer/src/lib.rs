@@ -6,6 +6,8 @@
 //! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
 //! - [`head`]: the chunked output projection + cross-entropy with a hand-written backward into one reused buffer.
+//! - [`kernels`]: the op-override hook ([`kernels::KernelRegistry`]): RMSNorm, SwiGLU and the head replaced by
+//!   kernels (`model.use_liger=true`), the built-in ops otherwise.
 //! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
 //! - [`checkpoint`]: `global_step_N/` folders (Hugging Face model, optimizer, trainer state), resume, pruning.
 //! - [`metrics`]: the [`metrics::MetricsLogger`] trait and the registry of logger kinds (`console`, `jsonl`).
@@ -19,6 +21,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod engine;
 pub mod head;
+pub mod kernels;
 pub mod metrics;
 pub mod model;
 pub mod optim;

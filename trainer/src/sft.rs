@@ -97,8 +97,11 @@ pub struct RunOptions {
     pub progress: bool,
     /// Logger kinds `trainer.logger` may name.
     pub loggers: LoggerRegistry,
-    /// The fused head `model.use_liger=true` uses (the `liger` kernel plugin, from `ferl-plugin-bridge`).
-    pub head_loss: Option<std::sync::Arc<dyn crate::engine::HeadLoss>>,
+    /// The op overrides `model.use_liger=true` turns on (the `liger` kernel plugin's RMSNorm, SwiGLU and fused
+    /// linear + cross-entropy, from `ferl-plugin-bridge`); ignored when it is false.
+    pub kernels: crate::kernels::KernelRegistry,
+    /// Called after every training step, before the loggers (e.g. the plugin host's step boundary).
+    pub on_step_end: Option<Box<dyn FnMut(i64) + Send>>,
 }
 
 impl Default for RunOptions {
@@ -107,7 +110,8 @@ impl Default for RunOptions {
             stop_after_steps: None,
             progress: true,
             loggers: LoggerRegistry::default(),
-            head_loss: None,
+            kernels: crate::kernels::KernelRegistry::builtin(),
+            on_step_end: None,
         }
     }
 }
@@ -177,7 +181,7 @@ pub fn run_with_data(
     cfg: &SftConfig,
     train: &SftDataset,
     val: Option<&SftDataset>,
-    opts: RunOptions,
+    mut opts: RunOptions,
 ) -> Result<RunSummary> {
     check_supported(cfg, &opts)?;
     let device = device_of(cfg)?;
@@ -214,10 +218,11 @@ pub fn run_with_data(
     };
     let mut engine = Engine::new(model_cfg.clone(), store, kind, engine_opts);
     if cfg.model.use_liger {
-        let head = opts.head_loss.clone().context(
-            "model.use_liger=true needs the liger kernel (RunOptions::head_loss; `ferl sft` sets it up)",
-        )?;
-        engine.set_head_loss(Some(head));
+        if opts.kernels.is_builtin() {
+            bail!("model.use_liger=true needs the liger kernels (RunOptions::kernels; `ferl sft` sets them up)");
+        }
+        tracing::info!(ops = ?opts.kernels.replaced(), "model.use_liger=true: ops replaced by kernels");
+        engine.set_kernels(opts.kernels.clone());
     }
     let o = &cfg.optim;
     let adam = AdamWConfig {
@@ -358,6 +363,9 @@ pub fn run_with_data(
                 metrics.push(("train/skipped_step".to_string(), 1.0));
             }
             summary.train_losses.push((step, stats.loss));
+            if let Some(hook) = opts.on_step_end.as_mut() {
+                hook(step);
+            }
             let last = step >= total_steps;
             let test_freq = cfg.trainer.test_freq;
             if !val_refs.is_empty() && (last || (test_freq > 0 && step % test_freq == 0)) {

@@ -1,7 +1,7 @@
 //! Logger plugins as trainer loggers.
 
 use anyhow::Result;
-use ferl_plugin_host::{HotLogger, PluginHost, PluginKind};
+use ferl_plugin_host::{HotLogger, PluginHost, PluginKind, PluginStatus};
 use ferl_trainer::metrics::{LoggerContext, LoggerRegistry, MetricsLogger};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use std::sync::Arc;
 /// A logger plugin behind the trainer's [`MetricsLogger`]. Each `log` is a step boundary of the job's plugins
 /// (see the crate docs); a plugin error is reported as a warning and a panic disables the plugin (the run goes on).
 pub struct PluginMetricsLogger {
-    host: Arc<PluginHost>,
+    boundary: StepBoundary,
     logger: HotLogger,
 }
 
@@ -18,7 +18,7 @@ impl PluginMetricsLogger {
     pub fn open(host: Arc<PluginHost>, name: &str, config: &str) -> Result<Self> {
         Ok(Self {
             logger: HotLogger::new(host.clone(), name, config)?,
-            host,
+            boundary: StepBoundary::new(host),
         })
     }
 
@@ -30,14 +30,7 @@ impl PluginMetricsLogger {
 
 impl MetricsLogger for PluginMetricsLogger {
     fn log(&mut self, step: i64, metrics: &[(String, f64)]) -> Result<()> {
-        for s in self.host.step_boundary() {
-            tracing::info!(
-                "plugin `{}`: version {} -> {} from step {step}",
-                s.name,
-                s.from,
-                s.to
-            );
-        }
+        self.boundary.run(step);
         let pairs: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         if let Err(e) = self.logger.log(step.max(0) as u64, &pairs) {
             tracing::warn!("{e}");
@@ -50,6 +43,39 @@ impl MetricsLogger for PluginMetricsLogger {
             tracing::warn!("{e}");
         }
         Ok(())
+    }
+}
+
+/// The plugin step boundary of a job (see [`PluginHost::step_boundary`]): serves reload requests, switches pending
+/// versions in (logged), and republishes the state file when what is loaded changed since this boundary last looked
+/// (a retired version let go by its last user). Harmless to run more than once per step.
+pub struct StepBoundary {
+    host: Arc<PluginHost>,
+    seen: Vec<PluginStatus>,
+}
+
+impl StepBoundary {
+    /// The step boundary of `host`.
+    pub fn new(host: Arc<PluginHost>) -> Self {
+        let seen = host.list();
+        Self { host, seen }
+    }
+
+    /// Runs the boundary after training step `step`.
+    pub fn run(&mut self, step: i64) {
+        for s in self.host.step_boundary() {
+            tracing::info!(
+                "plugin `{}`: version {} -> {} after step {step}",
+                s.name,
+                s.from,
+                s.to
+            );
+        }
+        let now = self.host.list();
+        if now != self.seen {
+            self.host.publish_state();
+            self.seen = now;
+        }
     }
 }
 

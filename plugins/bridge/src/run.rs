@@ -1,6 +1,8 @@
 //! `ferl sft` with plugins: one call that sets up the job's plugin host and runs the trainer with it.
 
-use crate::{job_plugin_host, plugin_dataset, register_logger_plugins, LigerHeadLoss};
+use crate::{
+    job_plugin_host, liger_kernels, plugin_dataset, register_logger_plugins, StepBoundary,
+};
 use anyhow::{Context, Result};
 use ferl_plugin_host::PluginHost;
 use ferl_trainer::config::{expand_path, SftConfig};
@@ -9,8 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// The run options of `cfg` with its plugins: the host of the run directory (`trainer.default_local_dir`) watching
-/// `folders` and `$FERL_PLUGIN_PATH`, every loaded logger plugin as a `trainer.logger` kind, and the `liger` head
-/// when `model.use_liger=true` (the loaded `liger` plugin, else the built-in kernels).
+/// `folders` and `$FERL_PLUGIN_PATH`, every loaded logger plugin as a `trainer.logger` kind, the `liger` kernels
+/// (RMSNorm, SwiGLU, fused linear + cross-entropy) when `model.use_liger=true` (the loaded `liger` plugin, else the
+/// built-in copy), and the plugins' step boundary after every step (reload requests of `ferl plugin reload` are
+/// served there, whatever the loggers are).
 pub fn plugin_run_options(
     cfg: &SftConfig,
     folders: &[PathBuf],
@@ -20,8 +24,10 @@ pub fn plugin_run_options(
     let mut opts = RunOptions::default();
     register_logger_plugins(&mut opts.loggers, &host);
     if cfg.model.use_liger {
-        opts.head_loss = Some(Arc::new(LigerHeadLoss::new(Some(host.clone()))));
+        opts.kernels = liger_kernels(Some(host.clone()));
     }
+    let mut boundary = StepBoundary::new(host.clone());
+    opts.on_step_end = Some(Box::new(move |step| boundary.run(step)));
     Ok((opts, host))
 }
 

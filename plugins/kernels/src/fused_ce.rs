@@ -4,9 +4,13 @@
 //! Backward only scales those saved gradients by the incoming loss gradient.
 //!
 //! Inputs: `hidden [N, H]`, `weight [V, H]`, `targets [N]` (int64). Attributes:
-//! `[ignore_index = -100, reduction = 1 (0: sum, 1: mean over non-ignored targets), chunk_rows = 0 (0: automatic)]`.
-//! Output: the loss (0-d). Saved: `d loss / d hidden`, `d loss / d weight`. With `reduction = mean` and no target left,
-//! the loss and its gradients are 0 (torch would return NaN).
+//! `[ignore_index = -100, reduction = 1 (0: sum, 1: mean over non-ignored targets), chunk_rows = 0 (0: automatic),
+//! mixed = 0]`. Output: the loss (0-d). Saved: `d loss / d hidden`, `d loss / d weight`. With `reduction = mean` and
+//! no target left, the loss and its gradients are 0 (torch would return NaN).
+//!
+//! Mixed precision (`mixed = 1`, e.g. fp32 `hidden` and a bf16 `weight`): the matrix products run in `weight`'s
+//! dtype, while the logits' softmax, the loss and both gradients are computed and accumulated in `hidden`'s dtype
+//! (the gradient of `weight` is returned in `hidden`'s dtype). With one dtype everywhere (`mixed = 0`) nothing is cast.
 //!
 //! Memory: one `[chunk_rows, V]` buffer plus the gradients (`[N, H]` and `[V, H]`), instead of several `[N, V]`.
 
@@ -67,6 +71,7 @@ impl KernelOpImpl for FusedLinearCrossEntropy {
         let ignore_index = attr(attrs, 0, -100.0);
         let mean = attr(attrs, 1, 1.0) != 0.0;
         let rows = chunk_rows(attr(attrs, 2, 0.0), n, v);
+        let mixed = attr(attrs, 3, 0.0) != 0.0;
 
         let mask = targets.ne_scalar(ignore_index)?; // int64 1/0
         let safe_targets = targets.mul(&mask)?; // ignored rows point at class 0, masked out below
@@ -81,7 +86,11 @@ impl KernelOpImpl for FusedLinearCrossEntropy {
         };
 
         let grad_hidden = hidden.zeros_like()?;
-        let grad_weight = weight.zeros_like()?;
+        let grad_weight = if mixed {
+            weight.zeros_like()?.cast_like(hidden)?
+        } else {
+            weight.zeros_like()?
+        };
         let row_loss = mask_f.zeros_like()?;
         let mut start = 0;
         while start < n {
@@ -89,8 +98,15 @@ impl KernelOpImpl for FusedLinearCrossEntropy {
             let hc = hidden.narrow(0, start, len)?;
             let tc = safe_targets.narrow(0, start, len)?.reshape(&[len, 1])?;
             let mc = mask_f.narrow(0, start, len)?.reshape(&[len, 1])?;
+            // The rows in the matmul dtype (a no-op cast without `mixed`).
+            let hm = if mixed { hc.cast_like(weight)? } else { hc };
             // logits, then the loss per row: logsumexp - logit of the target, zero where ignored.
-            let logits = hc.matmul(weight, false, true)?;
+            let logits = hm.matmul(weight, false, true)?;
+            let logits = if mixed {
+                logits.cast_like(hidden)?
+            } else {
+                logits
+            };
             let lse = logits.logsumexp(1, true)?;
             let loss_c = lse
                 .sub(&logits.gather(1, &tc)?)?
@@ -103,12 +119,22 @@ impl KernelOpImpl for FusedLinearCrossEntropy {
             logits.exp_into()?;
             logits.scatter_add_into(1, &tc, &mc.neg()?)?;
             let row_scale = mc.mul_scalar(scale)?;
-            grad_hidden.copy_into(
-                0,
-                start,
-                &logits.matmul(weight, false, false)?.mul(&row_scale)?,
-            )?;
-            grad_weight.addmm_into(&logits, &hc.mul(&row_scale)?, true, false)?;
+            if mixed {
+                // Products in the weight's dtype, added into the accumulation dtype.
+                let gl = logits.cast_like(weight)?;
+                drop(logits);
+                let gh = gl.matmul(weight, false, false)?.cast_like(hidden)?;
+                grad_hidden.copy_into(0, start, &gh.mul(&row_scale)?)?;
+                let scaled = hm.mul(&row_scale.cast_like(weight)?)?;
+                grad_weight.add_into(&gl.matmul(&scaled, true, false)?)?;
+            } else {
+                grad_hidden.copy_into(
+                    0,
+                    start,
+                    &logits.matmul(weight, false, false)?.mul(&row_scale)?,
+                )?;
+                grad_weight.addmm_into(&logits, &hm.mul(&row_scale)?, true, false)?;
+            }
             start += len;
         }
         let loss = row_loss.sum(REDUCE_ALL, false)?.mul_scalar(scale)?;

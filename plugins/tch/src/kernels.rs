@@ -10,7 +10,7 @@
 
 use crate::host_ops::{from_handle, into_handle, tch_host_ops};
 use anyhow::{anyhow, Result};
-use ferl_plugin_abi::kernel::{HostOps, TensorHandle};
+use ferl_plugin_abi::kernel::TensorHandle;
 use ferl_plugin_host::{KernelOpRef, LoadedPlugin, PluginHost, PluginKind};
 use std::sync::Arc;
 use tch::Tensor;
@@ -29,12 +29,32 @@ pub struct RmsNormSaved {
     rstd: Tensor,
 }
 
-/// The three `liger` ops of one kernel plugin version.
+impl RmsNormSaved {
+    /// The saved tensors, in the op's order (for callers that keep them in a list).
+    pub fn into_tensors(self) -> Vec<Tensor> {
+        vec![self.rstd]
+    }
+
+    /// Back from [`RmsNormSaved::into_tensors`].
+    pub fn from_tensors(saved: &[Tensor]) -> Result<Self> {
+        match saved {
+            [rstd] => Ok(Self {
+                rstd: rstd.shallow_clone(),
+            }),
+            _ => Err(anyhow!(
+                "rms_norm backward: expected 1 saved tensor (rstd), got {}",
+                saved.len()
+            )),
+        }
+    }
+}
+
+/// The three `liger` ops of one kernel plugin version. `Send + Sync`: the [`ferl_plugin_abi::kernel::HostOps`]
+/// table a call lends the plugin is made per call (it is stateless).
 pub struct Kernels {
     fused_ce: KernelOpRef,
     rms_norm: KernelOpRef,
     swiglu: KernelOpRef,
-    ops: HostOps,
 }
 
 /// The name of the kernel plugin and of the built-in copy.
@@ -59,7 +79,6 @@ impl Kernels {
             fused_ce: KernelOpRef::find(plugin.clone(), "fused_linear_cross_entropy")?,
             rms_norm: KernelOpRef::find(plugin.clone(), "rms_norm")?,
             swiglu: KernelOpRef::find(plugin, "swiglu")?,
-            ops: tch_host_ops(),
         })
     }
 
@@ -80,7 +99,7 @@ impl Kernels {
 
     fn forward(&self, op: &KernelOpRef, inputs: &[&Tensor], attrs: &[f64]) -> Result<Vec<Tensor>> {
         let handles: Vec<TensorHandle> = inputs.iter().map(|t| into_handle(t.detach())).collect();
-        let r = tch::no_grad(|| op.forward(&self.ops, &handles, attrs));
+        let r = tch::no_grad(|| op.forward(&tch_host_ops(), &handles, attrs));
         for h in handles {
             // SAFETY: made above, released once.
             drop(unsafe { from_handle(h) });
@@ -102,7 +121,7 @@ impl Kernels {
                 .collect::<Vec<_>>()
         };
         let (g, i, s) = (mk(grads), mk(inputs), mk(saved));
-        let r = tch::no_grad(|| op.backward(&self.ops, &g, &i, &s, &[]));
+        let r = tch::no_grad(|| op.backward(&tch_host_ops(), &g, &i, &s, &[]));
         for h in g.into_iter().chain(i).chain(s) {
             // SAFETY: made above, released once.
             drop(unsafe { from_handle(h) });
@@ -150,7 +169,8 @@ impl Kernels {
     }
 
     /// The fused op without autograd: `(loss, d loss / d hidden, d loss / d weight)` (for engines that run their own
-    /// backward, such as the trainer's layer-wise head).
+    /// backward, such as the trainer's layer-wise head). When `hidden` and `weight` differ in dtype (fp32 rows, bf16
+    /// weight) the products run in the weight's dtype and everything else, both gradients included, in the rows'.
     pub fn fused_linear_cross_entropy_grads(
         &self,
         hidden: &Tensor,
@@ -164,6 +184,7 @@ impl Kernels {
             ignore_index as f64,
             (reduction == Reduction::Mean) as u8 as f64,
             chunk_rows as f64,
+            (hidden.kind() != weight.kind()) as u8 as f64,
         ];
         let mut out = self
             .forward(&self.fused_ce, &[hidden, weight, targets], &attrs)?
@@ -204,9 +225,14 @@ impl Kernels {
         Ok((some(g.next())?, some(g.next())?))
     }
 
+    /// SwiGLU forward without autograd: `silu(gate) * up`.
+    pub fn swiglu_forward(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        next(&mut self.forward(&self.swiglu, &[gate, up], &[])?.into_iter())
+    }
+
     /// `silu(gate) * up`, differentiable with respect to both.
     pub fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-        let y = next(&mut self.forward(&self.swiglu, &[gate, up], &[])?.into_iter())?;
+        let y = self.swiglu_forward(gate, up)?;
         if !gate.requires_grad() && !up.requires_grad() {
             return Ok(y);
         }

@@ -212,3 +212,35 @@ fn all_targets_ignored_gives_zero_loss_and_gradients() {
     let g = Tensor::run_backward(&[&f], &[&hidden], false, false);
     assert_eq!(g[0].abs().sum(None::<Kind>).double_value(&[]), 0.0);
 }
+
+/// Mixed precision: fp32 rows with a bf16 output matrix. The products run in bf16, the loss and the gradients stay
+/// in fp32 (the loss is not rounded to bf16's 8-bit mantissa), within bf16's precision of the fp32 reference on the
+/// same (bf16-rounded) values.
+#[test]
+fn fused_ce_with_fp32_rows_and_bf16_weight_accumulates_in_fp32() {
+    tch::manual_seed(3);
+    let k = Kernels::builtin().unwrap();
+    let hidden = randn(&[45, 32], 1.0);
+    let weight = randn(&[3001, 32], 0.5).to_kind(Kind::BFloat16);
+    let targets = Tensor::randint(3001, [45], (Kind::Int64, Device::Cpu));
+    let (loss, gh, gw) = k
+        .fused_linear_cross_entropy_grads(&hidden, &weight, &targets, -100, Reduction::Sum, 16)
+        .unwrap();
+    assert_eq!(
+        (loss.kind(), gh.kind(), gw.kind()),
+        (Kind::Float, Kind::Float, Kind::Float)
+    );
+    let h = hidden
+        .to_kind(Kind::BFloat16)
+        .to_kind(Kind::Float)
+        .set_requires_grad(true);
+    let w = weight.to_kind(Kind::Float).set_requires_grad(true);
+    let r = reference::linear_cross_entropy(&h, &w, &targets, -100, Reduction::Sum);
+    let g = Tensor::run_backward(&[&r], &[&h, &w], false, false);
+    let rel = |a: &Tensor, b: &Tensor| {
+        (a - b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-12)
+    };
+    assert!(rel(&loss, &r) < 1e-3, "loss {loss:?} vs {r:?}");
+    assert!(rel(&gh, &g[0]) < 2e-2, "d hidden: {}", rel(&gh, &g[0]));
+    assert!(rel(&gw, &g[1]) < 2e-2, "d weight: {}", rel(&gw, &g[1]));
+}

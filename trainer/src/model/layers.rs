@@ -1,6 +1,8 @@
 //! The forward functions of the model, each a pure function of (its parameter tensors, its input): embedding, one
 //! decoder layer (RMSNorm, GQA self-attention with RoPE through SDPA, RMSNorm, SwiGLU MLP) and the head (final norm and
 //! the output projection of the selected rows). The engine calls them stage by stage; nothing here owns parameters.
+//! The layer's pieces ([`attention`], [`mlp_in`], [`swiglu`], [`mlp_out`]) are public so that `model::graph` can run a
+//! layer split at ops replaced by kernels.
 
 use super::config::ModelConfig;
 use super::layout::DecoderParam;
@@ -61,7 +63,7 @@ pub fn embed(embed: &Tensor, ids: &Tensor) -> Tensor {
     Tensor::embedding(embed, ids, -1, false, false)
 }
 
-/// One decoder layer on `h` (`[B, T, H]`); `p` holds the layer's tensors in the order of `d`.
+/// One decoder layer on `h` (`[B, T, H]`) with the built-in ops; `p` holds the layer's tensors in the order of `d`.
 pub fn decoder_layer(
     cfg: &ModelConfig,
     d: &DecoderParam,
@@ -70,16 +72,32 @@ pub fn decoder_layer(
     rope: &Rope,
     attn: &Attention,
 ) -> Tensor {
-    let (b, t) = (h.size()[0], h.size()[1]);
-    let lin = |x: &Tensor, (w, bias): (usize, Option<usize>)| x.linear(&p[w], bias.map(|i| &p[i]));
     let x = rms_norm(h, &p[d.input_norm], cfg.rms_norm_eps);
-    let q = lin(&x, d.q)
+    let h = h + attention(cfg, d, p, &x, rope, attn);
+    let x = rms_norm(&h, &p[d.post_norm], cfg.rms_norm_eps);
+    let (gate, up) = mlp_in(d, p, &x);
+    h + mlp_out(d, p, &swiglu(&gate, &up))
+}
+
+/// The attention block of a decoder layer on the normalised input `x` (`[B, T, H]`): q/k/v projections, RoPE,
+/// SDPA and the output projection (the residual is added by the caller).
+pub fn attention(
+    cfg: &ModelConfig,
+    d: &DecoderParam,
+    p: &[Tensor],
+    x: &Tensor,
+    rope: &Rope,
+    attn: &Attention,
+) -> Tensor {
+    let (b, t) = (x.size()[0], x.size()[1]);
+    let lin = |x: &Tensor, (w, bias): (usize, Option<usize>)| x.linear(&p[w], bias.map(|i| &p[i]));
+    let q = lin(x, d.q)
         .view([b, t, cfg.num_heads, cfg.head_dim])
         .transpose(1, 2);
-    let k = lin(&x, d.k)
+    let k = lin(x, d.k)
         .view([b, t, cfg.num_kv_heads, cfg.head_dim])
         .transpose(1, 2);
-    let v = lin(&x, d.v)
+    let v = lin(x, d.v)
         .view([b, t, cfg.num_kv_heads, cfg.head_dim])
         .transpose(1, 2);
     let (q, k) = (rope.apply(&q), rope.apply(&k));
@@ -95,17 +113,25 @@ pub fn decoder_layer(
     let o = o
         .transpose(1, 2)
         .reshape([b, t, cfg.num_heads * cfg.head_dim]);
-    let h = h + lin(&o, d.o);
-    let x = rms_norm(&h, &p[d.post_norm], cfg.rms_norm_eps);
-    let gate = x.linear(&p[d.gate], None::<&Tensor>).silu();
-    let up = x.linear(&p[d.up], None::<&Tensor>);
-    h + (gate * up).linear(&p[d.down], None::<&Tensor>)
+    lin(&o, d.o)
 }
 
-/// The head up to the logits of selected rows: final norm of `rows` (`[N, H]`, already gathered) — the projection is
-/// done by the caller in chunks so that `[N, vocab]` never exists whole.
-pub fn head_norm(cfg: &ModelConfig, norm: &Tensor, rows: &Tensor) -> Tensor {
-    rms_norm(rows, norm, cfg.rms_norm_eps)
+/// The MLP's input projections of the normalised `x`: `(gate, up)`.
+pub fn mlp_in(d: &DecoderParam, p: &[Tensor], x: &Tensor) -> (Tensor, Tensor) {
+    (
+        x.linear(&p[d.gate], None::<&Tensor>),
+        x.linear(&p[d.up], None::<&Tensor>),
+    )
+}
+
+/// The built-in MLP activation, `silu(gate) * up`.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    gate.silu() * up
+}
+
+/// The MLP's output projection of the activation `m` (the residual is added by the caller).
+pub fn mlp_out(d: &DecoderParam, p: &[Tensor], m: &Tensor) -> Tensor {
+    m.linear(&p[d.down], None::<&Tensor>)
 }
 
 /// Logits of normalised rows `x` (`[n, H]`) against the output matrix `w` (`[vocab, H]`), in fp32.

@@ -1,7 +1,9 @@
 //! Qwen2 and Llama decoders from a Hugging Face folder: [`config`] (config.json), [`layout`] (which tensors each stage
-//! uses), [`layers`] (the forward functions) and [`weights`] (safetensors in and out, random init).
+//! uses), [`layers`] (the forward functions), [`graph`] (layers split at ops replaced by kernels, with their backward)
+//! and [`weights`] (safetensors in and out, random init).
 
 pub mod config;
+pub mod graph;
 pub mod layers;
 pub mod layout;
 pub mod weights;
