@@ -29,7 +29,7 @@ enum Suite {
     /// Actor runtime: calls, transfers, resource groups, actor creation, cluster start (Ray's microbenchmark rows).
     Runtime(runtime::RuntimeArgs),
     /// SFT train step of the tiny Qwen2 (vocab 151,936) on GSM8K: ferl beside the PyTorch eager loop (tokens/s, peak RSS).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -40,7 +40,7 @@ fn main() -> anyhow::Result<()> {
         Suite::Collectives(args) => collectives::run(args, &mut out)?,
         Suite::Runtime(args) => runtime::run(args, &mut out)?,
         Suite::Kernels(args) => kernels::run(args, &mut out)?,
-        Suite::Train(args) => train::run(args, &mut out)?,
+        Suite::Train(args) => train::run(*args, &mut out)?,
     }
     #[allow(unreachable_code)]
     {

@@ -8,15 +8,24 @@
 //! the child's `VmHWM` (resident high-water mark) — the whole process, interpreter and libraries included.
 //! Rows: `train_<side>_tokens_per_s`, `train_<side>_peak_rss_MiB`, `train_tokens_per_s_ratio` (ferl ÷ PyTorch, goal
 //! ≥ 1.2) and `train_peak_rss_ratio` (ferl ÷ PyTorch, goal ≤ 1.0).
+//!
+//! Two more modes share the prepared data and settings ([`common`]):
+//! - `--nproc-per-node N` ([`fsdp`]): sharded training at world size 1 and N, ferl's FULL_SHARD trainer ranks beside
+//!   PyTorch FSDP2 (`fully_shard`, gloo), rows `fsdp_wW_*`.
+//! - `--model-shape SHAPE --device cpu|cuda` ([`shape`]): bf16 steps of a random-init model of a named shape (e.g.
+//!   Qwen2.5-0.5B at seq 2048) on synthetic tokens, with tokens/s and MFU — the GPU benchmark `bench/gpu/h200_sft.sh`.
+
+mod common;
+mod fsdp;
+mod shape;
 
 use crate::report::Report;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use common::{prepare, py_script, python, vm_hwm_kib, SideRecord};
 use ferl::trainer::batch::{Layout, SampleRef};
-use ferl::trainer::config::SftConfig;
-use ferl::trainer::data::SftDataset;
 use ferl::trainer::engine::{Engine, EngineOptions};
-use ferl::trainer::model::{init_model, load_model};
+use ferl::trainer::model::load_model;
 use ferl::trainer::optim::{AdamW, AdamWConfig, LrSchedule};
 use ferl::trainer::params::LocalParams;
 use ferl::trainer::step::Stepper;
@@ -28,21 +37,45 @@ use tch::{Device, Kind};
 /// Options of the train suite.
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// Samples per optimizer step.
+    /// Samples per optimizer step (the global batch).
     #[arg(long, default_value_t = 16)]
     batch: usize,
-    /// Samples per micro-batch (gradient accumulation = batch / micro_batch).
+    /// Samples per micro-batch (gradient accumulation = batch / micro_batch, per rank).
     #[arg(long, default_value_t = 4)]
     micro_batch: usize,
     /// Steps per side; the first is a warm-up.
     #[arg(long, default_value_t = 4)]
     steps: usize,
-    /// Intra-op threads of both sides.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
+    /// Intra-op threads of every process (rank) of both sides; default 2, or 1 per rank with --nproc-per-node.
+    #[arg(long)]
+    threads: Option<usize>,
     /// Recompute layers in backward (both sides).
     #[arg(long)]
     gradient_checkpointing: bool,
+    /// Sharded training at world size 1 and N: ferl FULL_SHARD ranks beside PyTorch FSDP2 (gloo).
+    #[arg(long)]
+    nproc_per_node: Option<usize>,
+    /// Train a random-init model of this shape on synthetic tokens instead (qwen2.5-0.5b, tiny-qwen2, test).
+    #[arg(long)]
+    model_shape: Option<String>,
+    /// Device of --model-shape runs: cpu or cuda.
+    #[arg(long)]
+    device: Option<String>,
+    /// Tokens per sample of --model-shape runs.
+    #[arg(long, default_value_t = 2048)]
+    seq_len: usize,
+    /// Compute dtype of --model-shape runs: bf16 or fp32 (fp32 masters either way).
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Parameter store of --model-shape runs: local (single process) or fsdp (FULL_SHARD at world size 1).
+    #[arg(long, default_value = "local")]
+    store: String,
+    /// Logits per head chunk of --model-shape runs (default: the engine's on the CPU, 2^28 on CUDA).
+    #[arg(long)]
+    logits_chunk_elements: Option<i64>,
+    /// Peak dense bf16 TFLOP/s the MFU of --model-shape runs is taken against (H200: 989).
+    #[arg(long, default_value_t = 989.0)]
+    peak_tflops: f64,
     /// Model config.json.
     #[arg(long, default_value = "assets/models/tiny-qwen2/config.json")]
     config: PathBuf,
@@ -55,89 +88,47 @@ pub struct TrainArgs {
     /// Internal: run ferl's side in this process on the prepared folder.
     #[arg(long, hide = true)]
     child: Option<PathBuf>,
+    /// Internal: run one ferl rank of the --nproc-per-node comparison on the prepared folder.
+    #[arg(long, hide = true)]
+    rank_child: Option<PathBuf>,
 }
 
-fn vm_hwm_kib() -> Result<f64> {
-    let s = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let line = s
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .context("no VmHWM in /proc/self/status")?;
-    Ok(line["VmHWM:".len()..]
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()?)
-}
-
-fn python() -> PathBuf {
-    let venv = std::env::var_os("FERL_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/ferl/venv")
-        });
-    venv.join("bin/python")
-}
-
-fn settings(a: &TrainArgs) -> serde_json::Value {
-    serde_json::json!({
-        "lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.01, "warmup_ratio": 0.0, "min_lr_ratio": 0.0,
-        "scheduler": "constant", "total_steps": a.steps, "clip_grad": 1.0,
-        "train_batch_size": a.batch, "micro_batch_size": a.micro_batch,
-        "gradient_checkpointing": a.gradient_checkpointing,
-    })
-}
-
-/// Runs the suite (or, with `--child`, ferl's side of it).
+/// Runs the suite: the single-process comparison, or (`--nproc-per-node`) the sharded one, or (`--model-shape`) the
+/// synthetic-shape run; internally also one side's child process.
 pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     if let Some(dir) = &a.child {
         return child(&a, dir);
+    }
+    if let Some(dir) = &a.rank_child {
+        return fsdp::rank_child(&a, dir);
+    }
+    if let Some(shape) = &a.model_shape {
+        return shape::run(&a, shape, out);
     }
     if a.micro_batch == 0 || !a.batch.is_multiple_of(a.micro_batch) || a.steps < 2 {
         bail!("--batch must be a multiple of --micro-batch and --steps at least 2");
     }
     let dir = std::env::temp_dir().join(format!("ferl-bench-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let result = measure(&a, &dir, out);
+    let result = match a.nproc_per_node {
+        Some(world) => fsdp::run(&a, world, &dir, out),
+        None => measure(&a, &dir, out),
+    };
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
 fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
-    init_model(&a.config, Some(&a.tokenizer), &dir.join("model"), 0)?;
-    let rows = a.batch * a.steps;
-    let cfg = SftConfig::load(
-        None,
-        &[
-            "data.prompt_key=question".into(),
-            "data.response_key=answer".into(),
-            format!("data.train_files={}", a.data.display()),
-            format!("data.train_max_samples={rows}"),
-            "data.shuffle=false".into(),
-        ],
-    )?;
-    let data = SftDataset::train(&cfg.data, &a.tokenizer)?;
-    if data.len() < rows {
-        bail!(
-            "{}: {} rows, the benchmark needs {rows}",
-            a.data.display(),
-            data.len()
-        );
-    }
-    let samples: Vec<serde_json::Value> = data.samples()[..rows]
-        .iter()
-        .map(|s| serde_json::json!({"input_ids": s.input_ids, "loss_mask": s.loss_mask}))
-        .collect();
-    std::fs::write(dir.join("data.json"), serde_json::to_string(&samples)?)?;
-    std::fs::write(dir.join("settings.json"), settings(a).to_string())?;
-
-    let exe = std::env::current_exe()?;
-    let threads = a.threads.to_string();
-    let mut ferl_cmd = Command::new(exe);
+    prepare(a, dir)?;
+    let threads = a.threads.unwrap_or(2).to_string();
+    let mut ferl_cmd = Command::new(std::env::current_exe()?);
     ferl_cmd
         .args(["train", "--child"])
         .arg(dir)
-        .args(["--threads", &threads]);
+        .args(["--threads", &threads])
+        .args(["--batch", &a.batch.to_string()])
+        .args(["--micro-batch", &a.micro_batch.to_string()])
+        .args(["--steps", &a.steps.to_string()]);
     if a.gradient_checkpointing {
         ferl_cmd.arg("--gradient-checkpointing");
     }
@@ -145,9 +136,8 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
     if !status.success() {
         bail!("ferl's side failed ({status})");
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../trainer/py/parity_reference.py");
     let py = Command::new(python())
-        .arg(&script)
+        .arg(py_script("parity_reference.py"))
         .args(["train", "--model"])
         .arg(dir.join("model"))
         .arg("--data")
@@ -165,22 +155,10 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
             String::from_utf8_lossy(&py.stderr)
         );
     }
-    let figures = |file: &str| -> Result<(f64, f64)> {
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(file))?)?;
-        let num = |k: &str| -> Vec<f64> {
-            v[k].as_array()
-                .map(|x| x.iter().filter_map(|y| y.as_f64()).collect())
-                .unwrap_or_default()
-        };
-        let (tokens, secs) = (num("tokens"), num("step_s"));
-        let rate = tokens[1..].iter().sum::<f64>() / secs[1..].iter().sum::<f64>();
-        Ok((
-            rate,
-            v["peak_rss_kib"].as_f64().context("peak_rss_kib")? / 1024.0,
-        ))
-    };
-    let (ferl_rate, ferl_mib) = figures("ferl.json")?;
-    let (torch_rate, torch_mib) = figures("pytorch.json")?;
+    let ferl = SideRecord::read(&dir.join("ferl.json"))?;
+    let torch = SideRecord::read(&dir.join("pytorch.json"))?;
+    let (ferl_rate, torch_rate) = (ferl.tokens_per_s(), torch.tokens_per_s());
+    let (ferl_mib, torch_mib) = (ferl.peak_rss_kib / 1024.0, torch.peak_rss_kib / 1024.0);
     out.row("train_ferl_tokens_per_s", ferl_rate, "tokens/s");
     out.row("train_pytorch_tokens_per_s", torch_rate, "tokens/s");
     out.row("train_ferl_peak_rss_MiB", ferl_mib, "MiB");
@@ -192,29 +170,8 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
 
 /// ferl's side: the same loop as the PyTorch script (constant lr, AdamW, clipping, micro-batches).
 fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
-    tch::set_num_threads(a.threads as i32);
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("settings.json"))?)?;
-    let samples: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("data.json"))?)?;
-    let ids: Vec<Vec<i64>> = samples
-        .iter()
-        .map(|x| {
-            x["input_ids"]
-                .as_array()
-                .map(|v| v.iter().filter_map(|t| t.as_i64()).collect())
-                .unwrap_or_default()
-        })
-        .collect();
-    let masks: Vec<Vec<bool>> = samples
-        .iter()
-        .map(|x| {
-            x["loss_mask"]
-                .as_array()
-                .map(|v| v.iter().filter_map(|t| t.as_bool()).collect())
-                .unwrap_or_default()
-        })
-        .collect();
+    tch::set_num_threads(a.threads.unwrap_or(2) as i32);
+    let samples = common::read_samples(dir)?;
     let model = load_model(&dir.join("model"))?;
     let store = LocalParams::new(model.layout.clone(), model.params, Kind::Float);
     let opts = EngineOptions {
@@ -230,32 +187,37 @@ fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
         },
         engine.store().master(),
     );
-    let steps = s["total_steps"].as_i64().unwrap_or(a.steps as i64);
     let mut stepper = Stepper {
         engine,
         optimizer,
-        schedule: LrSchedule::from_verl("constant", 1e-4, 0.0, steps, 0.0)?,
+        schedule: LrSchedule::from_verl("constant", 1e-4, 0.0, a.steps as i64, 0.0)?,
         clip_grad: 1.0,
         micro_batch_size: a.micro_batch,
         layout: Layout::Padded,
         device: Device::Cpu,
         completed_steps: 0,
     };
-    let (mut tokens, mut secs) = (Vec::new(), Vec::new());
-    for step in 0..steps as usize {
-        let batch: Vec<SampleRef> = (step * a.batch..(step + 1) * a.batch)
-            .map(|i| SampleRef {
-                input_ids: &ids[i],
-                loss_mask: &masks[i],
+    let (mut tokens, mut secs, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+    for step in 0..a.steps {
+        let rows = samples
+            .get(step * a.batch..(step + 1) * a.batch)
+            .with_context(|| format!("step {step}: {} samples prepared", samples.len()))?;
+        let batch: Vec<SampleRef> = rows
+            .iter()
+            .map(|s| SampleRef {
+                input_ids: &s.input_ids,
+                loss_mask: &s.loss_mask,
             })
             .collect();
         let t0 = Instant::now();
         let stats = stepper.step(&batch)?;
         secs.push(t0.elapsed().as_secs_f64());
         tokens.push(stats.tokens as f64);
+        losses.push(stats.loss);
     }
-    let result =
-        serde_json::json!({"tokens": tokens, "step_s": secs, "peak_rss_kib": vm_hwm_kib()?});
+    let result = serde_json::json!({
+        "tokens": tokens, "step_s": secs, "loss": losses, "peak_rss_kib": vm_hwm_kib()?,
+    });
     std::fs::write(dir.join("ferl.json"), result.to_string())?;
     Ok(())
 }
