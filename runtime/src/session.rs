@@ -7,6 +7,7 @@
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 
@@ -130,9 +131,13 @@ pub fn detach(cmd: &mut std::process::Command) {
     }
 }
 
-/// Sends SIGTERM to every head or node process recorded under the session root; returns how many were signalled.
-pub fn stop_local() -> usize {
-    let mut stopped = 0;
+/// Stops every head or node process that `ferl start` recorded under the session root: SIGTERM, then SIGKILL for
+/// any still running after `grace`. A pid file whose process is gone, or is no longer a `start` command (the pid
+/// was reused), is only removed. Returns the pids that were stopped; none of them runs when this returns.
+pub fn stop_local(grace: Duration) -> Vec<i32> {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let mut stopped = Vec::new();
     for entry in std::fs::read_dir(root()).into_iter().flatten().flatten() {
         let pid_file = entry.path().join("pid");
         let Some(pid) = std::fs::read_to_string(&pid_file)
@@ -141,15 +146,39 @@ pub fn stop_local() -> usize {
         else {
             continue;
         };
-        if nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGTERM,
-        )
-        .is_ok()
-        {
-            stopped += 1;
+        if is_start_command(pid) && kill(Pid::from_raw(pid), Signal::SIGTERM).is_ok() {
+            stopped.push(pid);
         }
         let _ = std::fs::remove_file(pid_file);
     }
+    let deadline = Instant::now() + grace;
+    while stopped.iter().any(|p| is_running(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for pid in stopped.iter().filter(|p| is_running(**p)) {
+        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+    }
+    while stopped.iter().any(|p| is_running(*p)) && Instant::now() < deadline + grace {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     stopped
+}
+
+/// Whether `pid` runs (a zombie waiting for its parent to reap it does not).
+pub fn is_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may itself hold spaces or parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Whether `pid` is a `ferl start ...` process (its command line has a `start` argument).
+fn is_start_command(pid: i32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| c.split(|b| *b == 0).any(|arg| arg == b"start"))
+        .unwrap_or(false)
 }

@@ -248,12 +248,17 @@ pub fn status(args: StatusArgs) -> Result<()> {
     Ok(())
 }
 
-/// `ferl stop`: asks the head to stop the cluster, then stops what this machine started.
+/// How long `ferl stop` lets local head and node processes exit after SIGTERM before it kills them.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// `ferl stop`: asks the head to stop the cluster, then stops what this machine started and waits until it is gone.
 pub fn stop(args: StopArgs) -> Result<()> {
-    if let Ok(address) = head_address(args.address) {
+    let local = session::local_address();
+    let address = head_address(args.address).ok();
+    if let Some(address) = &address {
         let rt = tokio::runtime::Runtime::new()?;
         let asked = rt.block_on(async {
-            let cluster = ferl_runtime::connect(&address, args.token).await?;
+            let cluster = ferl_runtime::connect(address, args.token).await?;
             cluster.shutdown_cluster().await?;
             anyhow::Ok(())
         });
@@ -262,7 +267,20 @@ pub fn stop(args: StopArgs) -> Result<()> {
             Err(e) => eprintln!("could not reach the head at {address}: {e:#}"),
         }
     }
-    let stopped = session::stop_local();
-    println!("stopped {stopped} local ferl process(es)");
+    let stopped = session::stop_local(STOP_GRACE);
+    if address.is_some() && address == local {
+        // The head this machine pointed at is gone: local commands must not keep reaching for it.
+        let _ = std::fs::remove_file(session::root().join("session_latest"));
+    }
+    let pids: Vec<String> = stopped.iter().map(|p| p.to_string()).collect();
+    println!(
+        "stopped {} local ferl process(es){}",
+        stopped.len(),
+        if pids.is_empty() {
+            String::new()
+        } else {
+            format!(" (pids {})", pids.join(", "))
+        }
+    );
     Ok(())
 }
