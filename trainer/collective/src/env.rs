@@ -68,10 +68,10 @@ impl LaunchEnv {
     pub fn rendezvous(&self, hosted: bool, options: &GroupOptions) -> Result<TcpStore> {
         let addr = format!("{}:{}", self.master_addr, self.master_port);
         if self.rank == 0 && !hosted {
-            TcpStore::host(&addr, options.timeout)
+            TcpStore::host(&addr, options.join_timeout)
                 .with_context(|| format!("rank 0: hosting the rendezvous store at {addr}"))
         } else {
-            TcpStore::connect(&addr, options.timeout)
+            TcpStore::connect(&addr, options.join_timeout)
         }
     }
 }

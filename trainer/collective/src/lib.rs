@@ -21,7 +21,7 @@ pub use env::{init_from_env, LaunchEnv};
 pub use nccl::{load_torch_cuda, nccl_available, NcclCommunicator};
 pub use rendezvous::{MemoryRendezvous, Rendezvous};
 pub use store::{TcpStore, TcpStoreServer};
-pub use tcp::TcpCommunicator;
+pub use tcp::{TcpCommunicator, Transport};
 
 use anyhow::Result;
 use std::net::IpAddr;
@@ -83,8 +83,14 @@ pub trait Communicator: Send + Sync {
 /// How a group forms and behaves.
 #[derive(Clone, Debug)]
 pub struct GroupOptions {
-    /// Bound on joining and on any wait for a peer during a collective (a dead peer is detected at once regardless).
+    /// Bound on joining and on any wait for a peer during a collective: a rank that makes no progress for this long
+    /// fails the collective on the others (a dead peer is detected at once regardless). Default 30 s, or
+    /// `FERL_COLLECTIVE_TIMEOUT_S` (seconds, fractions allowed).
     pub timeout: Duration,
+    /// Bound on joining the group (reaching the rendezvous store, waiting for every rank to publish its address and
+    /// connect): `FERL_COLLECTIVE_JOIN_TIMEOUT_S`, else the same as `timeout`. Ranks may start far apart (process
+    /// start, model loading) while a collective should fail fast, hence two bounds.
+    pub join_timeout: Duration,
     /// Namespace of this group's keys in the rendezvous store (distinct groups sharing a store need distinct ones).
     pub prefix: String,
     /// Address this rank listens on for its peers (TCP backend); default 127.0.0.1.
@@ -94,26 +100,46 @@ pub struct GroupOptions {
     /// Send and receive buffer of each TCP connection, in bytes; 0 keeps the kernel's auto-tuning
     /// (`FERL_COLLECTIVE_SOCKET_BUFFER`).
     pub socket_buffer: usize,
+    /// Whether pairs of ranks on the same host talk through shared memory instead of TCP (TCP backend; on unless
+    /// `FERL_COLLECTIVE_SHM=0`). A pair uses it only when both ranks allow it and can map the same segment.
+    pub shared_memory: bool,
+    /// Bytes of each direction's shared-memory ring, a power of two of at least 128 KiB
+    /// (`FERL_COLLECTIVE_SHM_RING_BYTES`).
+    pub shm_ring_bytes: usize,
 }
 
-fn env_number(name: &str) -> Option<f64> {
-    std::env::var(name)
-        .ok()
-        .and_then(|s| s.trim().parse::<f64>().ok())
+/// The number in environment variable `name`, if set to a finite value of at least `min`; any other value is reported
+/// (naming the variable) and ignored.
+fn env_number(name: &str, min: f64) -> Option<f64> {
+    let raw = std::env::var(name).ok()?;
+    match raw.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= min => Some(v),
+        _ => {
+            tracing::warn!("ignoring {name}={raw:?}: expected a number of at least {min}");
+            None
+        }
+    }
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        let timeout = env_number("FERL_COLLECTIVE_TIMEOUT_S")
+        let timeout = env_number("FERL_COLLECTIVE_TIMEOUT_S", 0.001)
             .map(Duration::from_secs_f64)
             .unwrap_or(Duration::from_secs(30));
+        let join_timeout = env_number("FERL_COLLECTIVE_JOIN_TIMEOUT_S", 0.001)
+            .map_or(timeout, Duration::from_secs_f64);
         Self {
             timeout,
+            join_timeout,
             prefix: "ferl/collective".into(),
             bind_ip: None,
-            chunk_bytes: env_number("FERL_COLLECTIVE_CHUNK_BYTES")
+            chunk_bytes: env_number("FERL_COLLECTIVE_CHUNK_BYTES", 1.0)
                 .map_or(256 << 10, |v| v as usize),
-            socket_buffer: env_number("FERL_COLLECTIVE_SOCKET_BUFFER").map_or(0, |v| v as usize),
+            socket_buffer: env_number("FERL_COLLECTIVE_SOCKET_BUFFER", 0.0)
+                .map_or(0, |v| v as usize),
+            shared_memory: std::env::var("FERL_COLLECTIVE_SHM").map_or(true, |v| v.trim() != "0"),
+            shm_ring_bytes: env_number("FERL_COLLECTIVE_SHM_RING_BYTES", 1.0)
+                .map_or(4 << 20, |v| v as usize),
         }
     }
 }

@@ -264,7 +264,7 @@ impl NcclCommunicator {
             rendezvous.set(&key, &bytes)?;
             id
         } else {
-            let bytes = rendezvous.get(&key, options.timeout)?;
+            let bytes = rendezvous.get(&key, options.join_timeout)?;
             if bytes.len() != 128 {
                 bail!(
                     "rank {rank}: NCCL unique id under `{key}` has {} bytes, expected 128",

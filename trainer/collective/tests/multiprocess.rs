@@ -1,12 +1,59 @@
-//! Collectives across real processes on loopback: results against a reference computed locally, a rank killed or
-//! stopped mid-collective, and joining through the launcher environment (torchrun and SLURM variables).
+//! Collectives across real processes on one host: results against a reference computed locally (over shared memory,
+//! and with some ranks on TCP), a rank killed or stopped mid-collective on either transport, and joining through the
+//! launcher environment (torchrun and SLURM variables).
 
 mod common;
 
 use common::*;
-use ferl_collective::{init_from_env, Communicator, ReduceOp, TcpStoreServer};
+use ferl_collective::{
+    init_from_env, Communicator, GroupOptions, LaunchEnv, ReduceOp, TcpCommunicator,
+    TcpStoreServer, Transport,
+};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
+
+/// Ranks (comma-separated) the parent test told to refuse shared memory (`FERL_COLLECTIVE_SHM=0`).
+const TCP_RANKS_VAR: &str = "FERL_COLLECTIVE_TEST_TCP_RANKS";
+
+/// Joins the group of the launcher environment as [`init_from_env`] does, keeping the concrete type so the test can
+/// ask which transport each pair uses.
+fn tcp_from_env() -> TcpCommunicator {
+    let launch = LaunchEnv::from_env().unwrap();
+    let mut options = GroupOptions::default();
+    let hosted = std::env::var("FERL_STORE_HOSTED").is_ok_and(|v| v == "1");
+    let store = launch.rendezvous(hosted, &options).unwrap();
+    options.bind_ip = Some(store.local_ip());
+    TcpCommunicator::connect(launch.rank, launch.world_size, Arc::new(store), &options).unwrap()
+}
+
+/// Asserts this rank reaches every peer over shared memory, except the pairs with a rank the parent put on TCP.
+fn check_transports(comm: &TcpCommunicator) {
+    let tcp_ranks: Vec<usize> = std::env::var(TCP_RANKS_VAR)
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|r| r.parse().ok())
+        .collect();
+    let r = comm.rank();
+    for p in (0..comm.world_size()).filter(|p| *p != r) {
+        let expected = if tcp_ranks.contains(&r) || tcp_ranks.contains(&p) {
+            Transport::Tcp
+        } else {
+            Transport::SharedMemory
+        };
+        assert_eq!(comm.transport(p), Some(expected), "rank {r} to rank {p}");
+    }
+}
+
+/// The environment that puts `rank` on TCP when it is one of `tcp_ranks`.
+fn transport_env(rank: usize, tcp_ranks: &[usize]) -> Vec<(String, String)> {
+    let list: Vec<String> = tcp_ranks.iter().map(|r| r.to_string()).collect();
+    let mut env = vec![(TCP_RANKS_VAR.to_string(), list.join(","))];
+    if tcp_ranks.contains(&rank) {
+        env.push(("FERL_COLLECTIVE_SHM".into(), "0".into()));
+    }
+    env
+}
 
 /// Rank `rank`'s deterministic input: small integers, so sums are exact even in bf16.
 fn input(rank: usize, n: usize, kind: Kind, salt: i64) -> Tensor {
@@ -96,11 +143,13 @@ fn check_all_collectives(comm: &dyn Communicator) {
     comm.barrier().unwrap();
 }
 
-fn run_reference_check(test: &str, world: usize) {
+/// Runs every collective in a group of `world` processes whose ranks `tcp_ranks` refuse shared memory.
+fn run_reference_check(test: &str, world: usize, tcp_ranks: &[usize]) {
     if is_rank() {
-        let comm = init_from_env(Device::Cpu).unwrap();
+        let comm = tcp_from_env();
         assert_eq!((comm.rank(), comm.world_size()), (my_rank(), world));
-        check_all_collectives(comm.as_ref());
+        check_transports(&comm);
+        check_all_collectives(&comm);
         println!("OK rank {}", comm.rank());
         return;
     }
@@ -109,6 +158,7 @@ fn run_reference_check(test: &str, world: usize) {
     let mut ranks = spawn_ranks(test, world, |r| {
         let mut env = torchrun_env(r, world, port);
         env.push(("FERL_STORE_HOSTED".into(), "1".into()));
+        env.extend(transport_env(r, tcp_ranks));
         env
     });
     for (r, p) in ranks.iter_mut().enumerate() {
@@ -122,17 +172,32 @@ fn run_reference_check(test: &str, world: usize) {
 
 #[test]
 fn collectives_match_reference_world_2() {
-    run_reference_check("collectives_match_reference_world_2", 2);
+    run_reference_check("collectives_match_reference_world_2", 2, &[]);
 }
 
 #[test]
 fn collectives_match_reference_world_3() {
-    run_reference_check("collectives_match_reference_world_3", 3);
+    run_reference_check("collectives_match_reference_world_3", 3, &[]);
 }
 
 #[test]
 fn collectives_match_reference_world_4() {
-    run_reference_check("collectives_match_reference_world_4", 4);
+    run_reference_check("collectives_match_reference_world_4", 4, &[]);
+}
+
+#[test]
+fn collectives_match_reference_world_2_over_tcp() {
+    run_reference_check("collectives_match_reference_world_2_over_tcp", 2, &[0, 1]);
+}
+
+#[test]
+fn collectives_match_reference_world_3_mixed_transports() {
+    // Pairs with rank 1 use TCP, the pair (0, 2) shared memory: a ring that crosses both.
+    run_reference_check(
+        "collectives_match_reference_world_3_mixed_transports",
+        3,
+        &[1],
+    );
 }
 
 /// Exit code of a rank whose collective failed (as the failure tests expect).
@@ -140,7 +205,8 @@ const FAILED: i32 = 17;
 
 /// Rank side of the failure tests: all-reduce a 16 MiB tensor until a collective fails, then report how.
 fn all_reduce_until_failure() {
-    let comm = init_from_env(Device::Cpu).unwrap();
+    let comm = tcp_from_env();
+    check_transports(&comm);
     let mut t = Tensor::ones([4 << 20], (Kind::Float, Device::Cpu));
     let mut rounds = 0u64;
     loop {
@@ -155,22 +221,27 @@ fn all_reduce_until_failure() {
     }
 }
 
-fn spawn_failure_group(test: &str, world: usize, timeout_s: u64) -> Vec<RankProcess> {
+/// Starts a group running [`all_reduce_until_failure`], every rank on TCP when `tcp` (else on shared memory).
+fn spawn_failure_group(test: &str, world: usize, timeout_s: u64, tcp: bool) -> Vec<RankProcess> {
     let port = free_port();
+    let tcp_ranks: Vec<usize> = if tcp { (0..world).collect() } else { vec![] };
     spawn_ranks(test, world, |r| {
         let mut env = torchrun_env(r, world, port);
         env.push(("FERL_COLLECTIVE_TIMEOUT_S".into(), timeout_s.to_string()));
+        // Joining may take long on a loaded machine (a rank hosts the store and starts late); only collectives
+        // should be bound by the short timeout.
+        env.push(("FERL_COLLECTIVE_JOIN_TIMEOUT_S".into(), "120".into()));
+        env.extend(transport_env(r, &tcp_ranks));
         env
     })
 }
 
-#[test]
-fn killed_rank_makes_every_other_rank_fail_promptly() {
+/// Kills rank 2 of 4 mid-all-reduce; every other rank must fail with an error long before the 120 s timeout.
+fn check_killed_rank(test: &str, tcp: bool) {
     if is_rank() {
         return all_reduce_until_failure();
     }
-    // A 120 s timeout: failing well before it shows the death was detected from the closed connection.
-    let mut ranks = spawn_failure_group("killed_rank_makes_every_other_rank_fail_promptly", 4, 120);
+    let mut ranks = spawn_failure_group(test, 4, 120, tcp);
     for p in &ranks {
         p.wait_line("READY", Duration::from_secs(120));
     }
@@ -195,12 +266,24 @@ fn killed_rank_makes_every_other_rank_fail_promptly() {
 }
 
 #[test]
-fn stalled_rank_makes_the_other_fail_after_the_timeout() {
+fn killed_rank_makes_every_other_rank_fail_promptly() {
+    check_killed_rank("killed_rank_makes_every_other_rank_fail_promptly", false);
+}
+
+#[test]
+fn killed_rank_makes_every_other_rank_fail_promptly_over_tcp() {
+    check_killed_rank(
+        "killed_rank_makes_every_other_rank_fail_promptly_over_tcp",
+        true,
+    );
+}
+
+/// Stops rank 1 of 2 with SIGSTOP; rank 0 must fail once the 2 s timeout has passed, naming the timeout and rank 1.
+fn check_stalled_rank(test: &str, tcp: bool) {
     if is_rank() {
         return all_reduce_until_failure();
     }
-    let mut ranks =
-        spawn_failure_group("stalled_rank_makes_the_other_fail_after_the_timeout", 2, 2);
+    let mut ranks = spawn_failure_group(test, 2, 2, tcp);
     for p in &ranks {
         p.wait_line("READY", Duration::from_secs(120));
     }
@@ -220,6 +303,19 @@ fn stalled_rank_makes_the_other_fail_after_the_timeout() {
         "failed after {took:?}, before the 2 s timeout could pass"
     );
     ranks[1].child.kill().unwrap();
+}
+
+#[test]
+fn stalled_rank_makes_the_other_fail_after_the_timeout() {
+    check_stalled_rank("stalled_rank_makes_the_other_fail_after_the_timeout", false);
+}
+
+#[test]
+fn stalled_rank_makes_the_other_fail_after_the_timeout_over_tcp() {
+    check_stalled_rank(
+        "stalled_rank_makes_the_other_fail_after_the_timeout_over_tcp",
+        true,
+    );
 }
 
 /// Rank side of the launch tests: a small all-reduce and a barrier.

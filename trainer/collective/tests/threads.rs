@@ -4,7 +4,7 @@
 use ferl_collective::flat::{FlatLayout, FlatShard};
 use ferl_collective::{
     connect, nccl_available, Communicator, GroupOptions, MemoryRendezvous, ReduceOp, Rendezvous,
-    TcpCommunicator,
+    TcpCommunicator, Transport,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,11 +16,20 @@ fn with_group<T: Send + 'static>(
     options: GroupOptions,
     body: impl Fn(TcpCommunicator) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    with_group_per_rank(world, move |_| options.clone(), body)
+}
+
+/// [`with_group`] with each rank's options from `options_of(rank)`.
+fn with_group_per_rank<T: Send + 'static>(
+    world: usize,
+    options_of: impl Fn(usize) -> GroupOptions,
+    body: impl Fn(TcpCommunicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let store: Arc<dyn Rendezvous> = Arc::new(MemoryRendezvous::new());
     let body = Arc::new(body);
     let threads: Vec<_> = (0..world)
         .map(|rank| {
-            let (store, body, options) = (store.clone(), body.clone(), options.clone());
+            let (store, body, options) = (store.clone(), body.clone(), options_of(rank));
             std::thread::spawn(move || {
                 body(TcpCommunicator::connect(rank, world, store, &options).unwrap())
             })
@@ -91,6 +100,54 @@ fn small_chunks_pipeline_every_ring_step() {
             false
         ));
     }
+}
+
+#[test]
+fn same_host_pairs_use_shared_memory_unless_a_rank_opts_out_and_mixed_rings_still_agree() {
+    // Rank 1 refuses shared memory: its pairs keep TCP, the pair (0, 2) uses shared memory, and the ring mixes both.
+    let options_of = |rank: usize| GroupOptions {
+        chunk_bytes: 8192,
+        shared_memory: rank != 1,
+        ..quick_options()
+    };
+    let n = 300_007i64;
+    let results = with_group_per_rank(3, options_of, move |comm| {
+        let transports: Vec<Option<Transport>> = (0..4).map(|p| comm.transport(p)).collect();
+        let mine = Tensor::arange(n, (Kind::Float, Device::Cpu)) * (comm.rank() as f64 + 1.0);
+        let mut sum = mine.copy();
+        comm.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+        let gathered = comm.all_gather_flat(&mine).unwrap();
+        let shard = comm.reduce_scatter_flat(&gathered, ReduceOp::Sum).unwrap();
+        let mut small = Tensor::from_slice(&[comm.rank() as i64, 1]);
+        comm.all_reduce(&mut small, ReduceOp::Max).unwrap();
+        (comm.rank(), transports, sum, gathered, shard, small)
+    });
+    let base = Tensor::arange(n, (Kind::Float, Device::Cpu));
+    let uses_shm = |a: usize, b: usize| a != 1 && b != 1;
+    for (rank, transports, sum, gathered, shard, small) in results {
+        for (peer, t) in transports.iter().enumerate() {
+            let expected = match peer {
+                p if p == rank || p >= 3 => None,
+                p if uses_shm(rank, p) => Some(Transport::SharedMemory),
+                _ => Some(Transport::Tcp),
+            };
+            assert_eq!(*t, expected, "rank {rank} to rank {peer}");
+        }
+        assert!(sum.equal(&(&base * 6.0)), "all_reduce on rank {rank}");
+        let parts: Vec<Tensor> = (1..=3).map(|k| &base * k as f64).collect();
+        assert!(
+            gathered.equal(&Tensor::cat(&parts, 0)),
+            "all_gather on rank {rank}"
+        );
+        assert!(
+            shard.equal(&(&parts[rank] * 3.0)),
+            "reduce_scatter on rank {rank}"
+        );
+        assert_eq!(Vec::<i64>::try_from(&small).unwrap(), vec![2, 1]);
+    }
+    // With the defaults every pair of a same-host group talks through shared memory.
+    let defaults = with_group(2, quick_options(), |comm| comm.transport(1 - comm.rank()));
+    assert_eq!(defaults, vec![Some(Transport::SharedMemory); 2]);
 }
 
 #[test]

@@ -3,10 +3,11 @@
 //! stream: a sender thread and the receiving thread work chunk by chunk, and a send that forwards data received in
 //! the previous step waits only for the chunk it needs, so the steps of a ring pipeline overlap.
 
+use super::link::Peer;
 use super::mesh::Mesh;
 use crate::dtype::{reduce_raw, DType, ReduceOp};
 use anyhow::{anyhow, bail, Result};
-use std::io::{ErrorKind, Read, Write};
+use std::io::ErrorKind;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
@@ -203,28 +204,22 @@ impl Engine {
             .iter()
             .map(|s| s.send.map_or(0, |p| p.len).max(s.recv.map_or(0, |p| p.len)))
             .max();
+        let mut scratch = std::mem::take(&mut self.recv_scratch);
         let result = if largest.unwrap_or(0) <= SMALL_STEP_BYTES {
-            self.run_sequential(plan)
+            self.run_sequential(plan, &mut scratch)
         } else {
-            self.run_pipelined(plan)
+            self.run_pipelined(plan, &mut scratch)
         };
+        self.recv_scratch = scratch;
         if result.is_err() {
             self.mesh.shutdown_all();
         }
         result
     }
 
-    fn scratch(&mut self, bytes: usize) -> *mut u8 {
-        let words = bytes.div_ceil(8);
-        if self.recv_scratch.len() < words {
-            self.recv_scratch.resize(words, 0);
-        }
-        self.recv_scratch.as_mut_ptr() as *mut u8
-    }
-
-    fn run_sequential(&mut self, plan: &Plan) -> Result<()> {
+    fn run_sequential(&self, plan: &Plan, scratch: &mut Vec<u64>) -> Result<()> {
         let me = self.mesh.rank;
-        let tmp = self.scratch(SMALL_STEP_BYTES);
+        let tmp = scratch_bytes(scratch, SMALL_STEP_BYTES);
         let mut frame = Vec::with_capacity(HEADER_LEN + SMALL_STEP_BYTES);
         for step in &plan.steps {
             if let Some(s) = step.send {
@@ -234,27 +229,29 @@ impl Engine {
                     // SAFETY: the plan guarantees `ptr` addresses `len` readable bytes.
                     frame.extend_from_slice(unsafe { std::slice::from_raw_parts(s.ptr, s.len) });
                 }
-                (&self.mesh.peer(s.peer).write)
-                    .write_all(&frame)
+                let peer = self.mesh.peer(s.peer);
+                peer.send(&frame)
+                    .and_then(|()| peer.end_send_frame())
                     .map_err(|e| io_error(me, plan, "sending to", s.peer, e, self.timeout))?;
             }
             if let Some(r) = step.recv {
-                let mut conn = &self.mesh.peer(r.peer).read;
+                let peer = self.mesh.peer(r.peer);
+                let fail = |e| io_error(me, plan, "receiving from", r.peer, e, self.timeout);
                 let mut h = [0u8; HEADER_LEN];
-                conn.read_exact(&mut h)
-                    .map_err(|e| io_error(me, plan, "receiving from", r.peer, e, self.timeout))?;
+                peer.recv_exact(&mut h).map_err(fail)?;
                 check_header(me, plan, r.peer, &h, r.len)?;
-                receive_into(&mut conn, r, tmp, 0, r.len, plan)
-                    .map_err(|e| io_error(me, plan, "receiving from", r.peer, e, self.timeout))?;
+                receive_into(peer, r, tmp, 0, r.len, plan)
+                    .and_then(|()| peer.end_recv_frame())
+                    .map_err(fail)?;
             }
         }
         Ok(())
     }
 
-    fn run_pipelined(&mut self, plan: &Plan) -> Result<()> {
+    fn run_pipelined(&self, plan: &Plan, scratch: &mut Vec<u64>) -> Result<()> {
         let me = self.mesh.rank;
         let chunk = self.chunk_bytes / plan.dtype.size() * plan.dtype.size();
-        let tmp = self.scratch(chunk) as usize;
+        let tmp = scratch_bytes(scratch, chunk);
         let timeout = self.timeout;
         // recv_before[i]: bytes received in steps before step i.
         let mut recv_before = Vec::with_capacity(plan.steps.len() + 1);
@@ -285,18 +282,19 @@ impl Engine {
             let received = (|| -> Result<()> {
                 for (i, step) in plan.steps.iter().enumerate() {
                     let Some(r) = step.recv else { continue };
-                    let mut conn = &mesh.peer(r.peer).read;
+                    let peer = mesh.peer(r.peer);
                     let fail = |e| io_error(me, plan, "receiving from", r.peer, e, timeout);
                     let mut h = [0u8; HEADER_LEN];
-                    conn.read_exact(&mut h).map_err(fail)?;
+                    peer.recv_exact(&mut h).map_err(fail)?;
                     check_header(me, plan, r.peer, &h, r.len)?;
                     let mut off = 0;
                     while off < r.len {
                         let end = (off + chunk).min(r.len);
-                        receive_into(&mut conn, r, tmp as *mut u8, off, end, plan).map_err(fail)?;
+                        receive_into(peer, r, tmp, off, end, plan).map_err(fail)?;
                         progress.publish(recv_before[i] + end as u64);
                         off = end;
                     }
+                    peer.end_recv_frame().map_err(fail)?;
                     if progress.failed.load(Ordering::Acquire) {
                         bail!(
                             "rank {me}: {} #{}: stopped receiving after a failure",
@@ -334,6 +332,15 @@ impl Engine {
     }
 }
 
+/// The first `bytes` bytes of `words` (grown as needed): an 8-byte aligned buffer TCP reductions receive into.
+fn scratch_bytes(words: &mut Vec<u64>, bytes: usize) -> &mut [u8] {
+    if words.len() * 8 < bytes {
+        words.resize(bytes.div_ceil(8), 0);
+    }
+    // SAFETY: the vector owns at least `bytes` initialised bytes; u8 has no alignment or validity requirements.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, bytes) }
+}
+
 /// The sending half of a pipelined collective: every step's send, each chunk once its bytes are ready.
 fn send_all(
     plan: &Plan,
@@ -346,9 +353,9 @@ fn send_all(
     let me = mesh.rank;
     for (i, step) in plan.steps.iter().enumerate() {
         let Some(s) = step.send else { continue };
-        let mut conn = &mesh.peer(s.peer).write;
+        let peer = mesh.peer(s.peer);
         let fail = |e| io_error(me, plan, "sending to", s.peer, e, timeout);
-        conn.write_all(&header(plan, s.len)).map_err(fail)?;
+        peer.send(&header(plan, s.len)).map_err(fail)?;
         let mut off = 0;
         while off < s.len {
             let end = (off + chunk).min(s.len);
@@ -361,18 +368,20 @@ fn send_all(
             }
             // SAFETY: bytes [off, end) of the send range are initialised and no longer written.
             let bytes = unsafe { std::slice::from_raw_parts(s.ptr.add(off), end - off) };
-            conn.write_all(bytes).map_err(fail)?;
+            peer.send(bytes).map_err(fail)?;
             off = end;
         }
+        peer.end_send_frame().map_err(fail)?;
     }
     Ok(())
 }
 
-/// Receives bytes [off, end) of `r`: straight into the destination, or through `tmp` and combined.
+/// Receives bytes [off, end) of `r`: straight into the destination, or combined with local data (in place from
+/// shared memory, through `tmp` from TCP).
 fn receive_into(
-    conn: &mut &std::net::TcpStream,
+    peer: &Peer,
     r: RecvPart,
-    tmp: *mut u8,
+    tmp: &mut [u8],
     off: usize,
     end: usize,
     plan: &Plan,
@@ -385,16 +394,25 @@ fn receive_into(
         RecvMode::Copy => {
             // SAFETY: the destination range is valid for writes and read by nobody until this chunk is published.
             let dst = unsafe { std::slice::from_raw_parts_mut(r.ptr.add(off), len) };
-            conn.read_exact(dst)
+            peer.recv_exact(dst)
         }
         RecvMode::Reduce { other } => {
-            // SAFETY: `tmp` holds at least one chunk; it is only used by the receiving thread.
-            let buf = unsafe { std::slice::from_raw_parts_mut(tmp, len) };
-            conn.read_exact(buf)?;
-            let n = len / plan.dtype.size();
-            // SAFETY: dst/other ranges are valid for `n` elements; `tmp` does not overlap them.
-            unsafe { reduce_raw(plan.dtype, plan.op, r.ptr.add(off), other.add(off), tmp, n) };
-            Ok(())
+            let es = plan.dtype.size();
+            peer.recv_pieces(len, es, tmp, |at, piece| {
+                let o = off + at;
+                // SAFETY: dst/other ranges are valid for the piece's elements; the piece (ring or scratch bytes,
+                // aligned for the element type) overlaps neither.
+                unsafe {
+                    reduce_raw(
+                        plan.dtype,
+                        plan.op,
+                        r.ptr.add(o),
+                        other.add(o),
+                        piece.as_ptr(),
+                        piece.len() / es,
+                    )
+                };
+            })
         }
     }
 }

@@ -1,21 +1,21 @@
-//! Forming the TCP group: every rank listens, publishes its address through the rendezvous, then connects to every
-//! lower rank and accepts every higher one, so each pair of ranks shares exactly one persistent connection.
+//! Forming the group: every rank listens, publishes its address through the rendezvous, then connects to every
+//! lower rank and accepts every higher one, so each pair of ranks shares exactly one persistent connection. Over it,
+//! each pair then tries to set up a shared-memory link (the lower rank offers a segment, the higher one maps it);
+//! pairs on different hosts, or where either rank disabled it, keep TCP.
 
+use super::link::Peer;
+use super::shm::{self, Offer, Pending};
 use crate::rendezvous::Rendezvous;
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const HELLO_MAGIC: u32 = 0x4645_524c; // "FERL"
-
-/// One connection to another rank: the same socket twice, so one thread can write while another reads.
-pub(crate) struct Peer {
-    /// The handle this rank reads from.
-    pub read: TcpStream,
-    /// The handle this rank writes to.
-    pub write: TcpStream,
-}
+const OFFER_MAGIC: u32 = 0x5348_4d3f; // "SHM?"
+const MAX_OFFER_PATH: usize = 4096;
 
 /// The connections of one rank to all others (`None` at its own index).
 pub(crate) struct Mesh {
@@ -34,7 +34,7 @@ impl Mesh {
     /// Closes every connection, so blocked reads and writes on this rank and on its peers return at once.
     pub fn shutdown_all(&self) {
         for p in self.peers.iter().flatten() {
-            let _ = p.read.shutdown(Shutdown::Both);
+            p.shutdown();
         }
     }
 }
@@ -46,7 +46,13 @@ pub(crate) struct MeshConfig<'a> {
     pub prefix: &'a str,
     pub bind_ip: IpAddr,
     pub timeout: Duration,
+    /// Bound on forming the mesh.
+    pub join_timeout: Duration,
     pub socket_buffer: usize,
+    /// Offer and accept shared-memory links.
+    pub shared_memory: bool,
+    /// Bytes per direction of each shared-memory ring.
+    pub shm_ring_bytes: usize,
 }
 
 fn addr_key(prefix: &str, rank: usize) -> String {
@@ -89,6 +95,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
         bind_ip,
         timeout,
         socket_buffer,
+        ..
     } = *cfg;
     if rank >= world {
         bail!("rank {rank} is out of range for world size {world}");
@@ -97,8 +104,9 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
         .with_context(|| format!("rank {rank}: cannot listen on {bind_ip}"))?;
     let my_addr = listener.local_addr()?;
     rendezvous.set(&addr_key(prefix, rank), my_addr.to_string().as_bytes())?;
-    let deadline = Instant::now() + timeout;
-    let mut peers: Vec<Option<Peer>> = (0..world).map(|_| None).collect();
+    let join_timeout = cfg.join_timeout;
+    let deadline = Instant::now() + join_timeout;
+    let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
 
     for (other, slot) in peers.iter_mut().enumerate().take(rank) {
         let remaining = deadline.saturating_duration_since(Instant::now());
@@ -108,7 +116,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
             .with_context(|| format!("rank {rank}: bad address published by rank {other}"))?;
         let mut stream = connect_retrying(addr, deadline)
             .with_context(|| format!("rank {rank}: connecting to rank {other} at {addr}"))?;
-        configure(&stream, timeout, socket_buffer)?;
+        configure(&stream, join_timeout, socket_buffer)?;
         let mut hello = [0u8; 12];
         hello[..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         hello[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
@@ -121,10 +129,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
         if u32::from_le_bytes(ack) != other as u32 {
             bail!("rank {rank}: the process at {addr} is not rank {other} of this group");
         }
-        *slot = Some(Peer {
-            write: stream.try_clone()?,
-            read: stream,
-        });
+        *slot = Some(stream);
     }
 
     listener.set_nonblocking(true)?;
@@ -133,7 +138,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
         match listener.accept() {
             Ok((mut stream, from)) => {
                 stream.set_nonblocking(false)?;
-                configure(&stream, timeout, socket_buffer)?;
+                configure(&stream, join_timeout, socket_buffer)?;
                 let mut hello = [0u8; 12];
                 stream
                     .read_exact(&mut hello)
@@ -148,10 +153,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
                     bail!("rank {rank}: two connections claim to be rank {other}");
                 }
                 stream.write_all(&(rank as u32).to_le_bytes())?;
-                peers[other] = Some(Peer {
-                    write: stream.try_clone()?,
-                    read: stream,
-                });
+                peers[other] = Some(stream);
                 pending -= 1;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -159,7 +161,7 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
                     let missing: Vec<usize> =
                         (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
                     return Err(anyhow!(
-                        "rank {rank}: ranks {missing:?} did not connect within {timeout:?}"
+                        "rank {rank}: ranks {missing:?} did not connect within {join_timeout:?}"
                     ));
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -167,7 +169,122 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
             Err(e) => return Err(e).context(format!("rank {rank}: accepting connections")),
         }
     }
+    let links = negotiate_shared_memory(cfg, &mut peers)?;
+    // Joined: from now on every transfer is bound by the collective timeout.
+    for stream in peers.iter().flatten() {
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+    }
+    let peers = peers
+        .into_iter()
+        .zip(links)
+        .map(|(stream, link)| stream.map(|s| Peer::new(s, link)).transpose())
+        .collect::<std::io::Result<_>>()?;
     Ok(Mesh { rank, peers })
+}
+
+/// Sets up a shared-memory link with every peer that can map this rank's segments: offers to every higher rank
+/// first (small writes that never block), then answers every lower rank's offer, then collects the answers.
+fn negotiate_shared_memory(
+    cfg: &MeshConfig<'_>,
+    streams: &mut [Option<TcpStream>],
+) -> Result<Vec<Option<shm::ShmLink>>> {
+    let (rank, timeout) = (cfg.rank, cfg.timeout);
+    let mut links: Vec<Option<shm::ShmLink>> = (0..cfg.world).map(|_| None).collect();
+    let mut pending: Vec<Option<Pending>> = (0..cfg.world).map(|_| None).collect();
+    for other in rank + 1..cfg.world {
+        let stream = streams[other].as_mut().expect("connected above");
+        let segment = if cfg.shared_memory {
+            Pending::create(
+                cfg.shm_ring_bytes
+                    .next_power_of_two()
+                    .max(shm::MIN_RING_BYTES),
+            )
+            .map_err(|e| tracing::debug!("rank {rank}: no shared memory with rank {other}: {e:#}"))
+            .ok()
+        } else {
+            None
+        };
+        send_offer(stream, segment.as_ref().map(Pending::offer).as_ref())
+            .with_context(|| format!("rank {rank}: offering shared memory to rank {other}"))?;
+        pending[other] = segment;
+    }
+    for (other, link) in links.iter_mut().enumerate().take(rank) {
+        let stream = streams[other].as_mut().expect("connected above");
+        let offer = read_offer(stream)
+            .with_context(|| format!("rank {rank}: reading rank {other}'s shared-memory offer"))?;
+        *link = match offer {
+            Some(offer) if cfg.shared_memory => shm::accept(&offer, stream.as_raw_fd(), timeout)
+                .map_err(|e| {
+                    tracing::debug!("rank {rank}: no shared memory with rank {other}: {e:#}")
+                })
+                .ok(),
+            _ => None,
+        };
+        stream
+            .write_all(&[u8::from(link.is_some())])
+            .with_context(|| {
+                format!("rank {rank}: answering rank {other}'s shared-memory offer")
+            })?;
+    }
+    for other in rank + 1..cfg.world {
+        // Every offer is answered, an empty one too: read the answer so no byte is left on the connection.
+        let stream = streams[other].as_mut().expect("connected above");
+        let mut answer = [0u8; 1];
+        stream
+            .read_exact(&mut answer)
+            .with_context(|| format!("rank {rank}: reading rank {other}'s shared-memory answer"))?;
+        match (pending[other].take(), answer[0]) {
+            (Some(segment), 1) => {
+                links[other] = Some(segment.into_link(stream.as_raw_fd(), timeout))
+            }
+            (None, 1) => {
+                bail!("rank {rank}: rank {other} accepted a shared-memory offer never made")
+            }
+            _ => {}
+        }
+    }
+    Ok(links)
+}
+
+fn send_offer(stream: &mut TcpStream, offer: Option<&Offer>) -> std::io::Result<()> {
+    let mut msg = OFFER_MAGIC.to_le_bytes().to_vec();
+    match offer {
+        None => msg.extend_from_slice(&0u32.to_le_bytes()),
+        Some(offer) => {
+            let path = offer.path.as_os_str().as_encoded_bytes();
+            msg.extend_from_slice(&(path.len() as u32).to_le_bytes());
+            msg.extend_from_slice(path);
+            for word in offer.nonce {
+                msg.extend_from_slice(&word.to_le_bytes());
+            }
+        }
+    }
+    stream.write_all(&msg)
+}
+
+fn read_offer(stream: &mut TcpStream) -> Result<Option<Offer>> {
+    let mut head = [0u8; 8];
+    stream.read_exact(&mut head)?;
+    let magic = u32::from_le_bytes(head[..4].try_into()?);
+    let len = u32::from_le_bytes(head[4..].try_into()?) as usize;
+    if magic != OFFER_MAGIC || len > MAX_OFFER_PATH {
+        bail!("malformed shared-memory offer (magic {magic:#x}, path of {len} bytes)");
+    }
+    if len == 0 {
+        return Ok(None);
+    }
+    let mut body = vec![0u8; len + 16];
+    stream.read_exact(&mut body)?;
+    let path = String::from_utf8(body[..len].to_vec()).context("offered path is not UTF-8")?;
+    let nonce = [
+        u64::from_le_bytes(body[len..len + 8].try_into()?),
+        u64::from_le_bytes(body[len + 8..].try_into()?),
+    ];
+    Ok(Some(Offer {
+        path: PathBuf::from(path),
+        nonce,
+    }))
 }
 
 fn connect_retrying(addr: SocketAddr, deadline: Instant) -> Result<TcpStream> {

@@ -1,8 +1,13 @@
-//! The CPU backend: collectives over persistent TCP connections between ranks (one per pair), ring algorithms
-//! (all-reduce = ring reduce-scatter + ring all-gather), chunked and pipelined so large tensors stream.
+//! The CPU backend: collectives over persistent connections between ranks (one per pair: shared memory between ranks
+//! on the same host, TCP otherwise), ring algorithms (all-reduce = ring reduce-scatter + ring all-gather), chunked and
+//! pipelined so large tensors stream.
 
 mod engine;
+mod link;
 mod mesh;
+mod shm;
+
+pub use link::Transport;
 
 use crate::dtype::{DType, ReduceOp};
 use crate::rendezvous::Rendezvous;
@@ -15,7 +20,8 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
 
-/// A group of ranks talking over TCP; collectives on CPU tensors. Calls are serialised; share it with `Arc`.
+/// A group of ranks on CPU tensors, connected over TCP, with shared-memory links between ranks on the same host
+/// (unless [`GroupOptions::shared_memory`] is off). Calls are serialised; share it with `Arc`.
 pub struct TcpCommunicator {
     rank: usize,
     world: usize,
@@ -50,7 +56,10 @@ impl TcpCommunicator {
             prefix: &options.prefix,
             bind_ip,
             timeout: options.timeout,
+            join_timeout: options.join_timeout,
             socket_buffer: options.socket_buffer,
+            shared_memory: options.shared_memory,
+            shm_ring_bytes: options.shm_ring_bytes,
         };
         let mesh = connect_mesh(&cfg, rendezvous.as_ref())?;
         let engine = Engine::new(mesh, options.timeout, options.chunk_bytes);
@@ -64,6 +73,18 @@ impl TcpCommunicator {
             }),
             _rendezvous: rendezvous,
         })
+    }
+
+    /// How this rank reaches `peer` (`None` for itself or a rank outside the group).
+    pub fn transport(&self, peer: usize) -> Option<Transport> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state
+            .engine
+            .mesh
+            .peers
+            .get(peer)?
+            .as_ref()
+            .map(|p| p.transport())
     }
 
     fn right(&self) -> usize {
