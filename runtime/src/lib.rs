@@ -56,6 +56,7 @@ pub mod actor;
 pub mod actor_ref;
 mod binary;
 pub mod blobs;
+pub mod bulk;
 pub mod cluster;
 pub mod error;
 pub mod head;

@@ -41,13 +41,30 @@ pub struct RemoteError {
     pub message: String,
 }
 
+/// Where the payload of a [`Frame`] is.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body {
+    /// Its `len` raw bytes follow the frame on the same stream.
+    Inline(u64),
+    /// It arrives on the bulk stream with this id (QUIC, for payloads over [`crate::transport::BULK_THRESHOLD`]).
+    Bulk(u64),
+    /// It lies in the sender's shared-memory ring, which the receiver mapped after a [`Frame::ShmOffer`]
+    /// (same-host bulk path, see [`crate::bulk`]).
+    Shared {
+        /// Offset of the first byte in the ring's data area.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+}
+
 /// A frame on a call stream. Inline payloads are not inside the frame: their raw bytes follow it on the stream
-/// (`len` of them), so large arguments are neither re-serialised nor re-validated; the receiver copies them once
+/// (`Body::Inline`), or lie in the same-host ring or on a bulk stream; large arguments are neither re-serialised nor
+/// re-validated by the transport: the receiver copies them once
 /// into an aligned buffer and validates them when the handler decodes its message.
 #[derive(Archive, Serialize, Deserialize, Debug)]
 pub enum Frame {
-    /// A request to an actor hosted by the receiving process. `bulk != 0` means the payload follows on the bulk
-    /// stream with that id.
+    /// A request to an actor hosted by the receiving process.
     Call {
         /// Request id, unique per connection.
         req: u64,
@@ -57,26 +74,22 @@ pub enum Frame {
         msg: String,
         /// Reply expectation.
         kind: CallKind,
-        /// Bulk stream id carrying the payload, or 0.
-        bulk: u64,
-        /// Length of the inline payload that follows this frame on the stream as raw bytes.
-        len: u64,
+        /// Where the encoded message is.
+        body: Body,
     },
-    /// The single reply to a call; `bulk != 0` means the body follows on that bulk stream.
+    /// The single reply to a call.
     Reply {
         /// Request id.
         req: u64,
-        /// Bulk stream id carrying the body, or 0.
-        bulk: u64,
-        /// Length of the inline body that follows this frame as raw bytes.
-        len: u64,
+        /// Where the encoded reply is.
+        body: Body,
     },
     /// One item of a streaming reply.
     Item {
         /// Request id.
         req: u64,
-        /// Length of the item body that follows this frame as raw bytes.
-        len: u64,
+        /// Where the encoded item is.
+        body: Body,
     },
     /// End of a streaming reply (or a failed call).
     End {
@@ -85,6 +98,51 @@ pub enum Frame {
         /// Set when the call failed.
         error: Option<RemoteError>,
     },
+    /// The sender offers its shared-memory ring for the payloads it sends on this stream: a sealed memfd that the
+    /// receiver opens as `/proc/<pid>/fd/<fd>` and recognises by `nonce` (same host, same user only).
+    ShmOffer {
+        /// Sender's process id.
+        pid: u32,
+        /// The memfd's descriptor number in the sender.
+        fd: i32,
+        /// Bytes in the ring's data area.
+        capacity: u64,
+        /// Random bytes written in the ring's header.
+        nonce: Vec<u8>,
+    },
+    /// Answer to the peer's [`Frame::ShmOffer`]: whether its ring was mapped (else payloads stay on QUIC).
+    ShmAnswer {
+        /// The ring is mapped and verified.
+        accepted: bool,
+        /// Why not, when refused.
+        reason: String,
+    },
+}
+
+impl Frame {
+    /// The payload placement of a frame that carries one.
+    pub(crate) fn body_mut(&mut self) -> Option<&mut Body> {
+        match self {
+            Frame::Call { body, .. } | Frame::Reply { body, .. } | Frame::Item { body, .. } => {
+                Some(body)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl ArchivedBody {
+    /// The placement as a native value.
+    pub(crate) fn to_native(&self) -> Body {
+        match self {
+            ArchivedBody::Inline(len) => Body::Inline(len.to_native()),
+            ArchivedBody::Bulk(id) => Body::Bulk(id.to_native()),
+            ArchivedBody::Shared { offset, len } => Body::Shared {
+                offset: offset.to_native(),
+                len: len.to_native(),
+            },
+        }
+    }
 }
 
 /// Messages of the join handshake, on the first stream of a connection without a cluster certificate.

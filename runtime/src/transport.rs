@@ -1,13 +1,13 @@
 //! Sockets: one quinn endpoint per process, one persistent connection per (caller process → callee process), one
 //! long-lived bidirectional stream on it for calls and replies (so calls from one sender stay in order), batched
-//! writes, and separate unidirectional streams for bulk payloads larger than [`BULK_THRESHOLD`].
+//! writes. Large payloads go through [`crate::bulk`]: a shared-memory ring when the peer is on the same host,
+//! else their own QUIC streams when larger than [`BULK_THRESHOLD`].
 //!
 //! A connection that sends an oversized, wrong-version or malformed frame is closed with the reason logged.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
@@ -19,17 +19,24 @@ use rkyv::util::AlignedVec;
 use tokio::io::BufReader;
 use tokio::sync::{mpsc, oneshot, OnceCell};
 
+mod streams;
+
+use self::streams::{write_loop, BodyReader, Got, Outgoing, ShmLink};
+use crate::bulk::{self, BulkInbox};
 use crate::error::Error;
 use crate::host::{Envelope, Payload, Responder};
-use crate::protocol::{ArchivedCallKind, ArchivedFrame, CallKind, Frame, RemoteError};
+use crate::protocol::{ArchivedCallKind, ArchivedFrame, Body, CallKind, Frame, RemoteError};
 use crate::tls::{self, Credentials};
-use crate::wire::{encode_frame, read_frame, FrameError};
+use crate::wire::{read_frame, FrameError};
 
-/// Payloads larger than this travel on their own stream.
+/// Payloads larger than this travel on their own QUIC stream (when the same-host ring is not in use).
 pub const BULK_THRESHOLD: usize = 4 << 20;
-/// Largest bulk payload accepted (4 GiB).
-pub const MAX_BULK: u64 = 4 << 30;
-const WRITE_BATCH: usize = 256 << 10;
+/// Largest datagram MTU discovery probes for. quinn sends up to 10 datagrams in one GSO call, and the kernel
+/// refuses (and quinn silently drops) a GSO call over 64 KiB, which then looks like loss and makes MTU discovery
+/// give up on every large size: so the bound keeps ten datagrams within 64 KiB.
+const MTU_UPPER_BOUND: u16 = 6_500;
+/// Socket buffer asked for (the kernel caps it at `net.core.[rw]mem_max` unless the process may force it).
+const SOCKET_BUFFER: libc::c_int = 32 << 20;
 
 /// What the transport hands incoming traffic to.
 pub(crate) trait Inbound: Send + Sync + 'static {
@@ -48,39 +55,42 @@ fn transport_config(idle: Duration) -> quinn::TransportConfig {
     t.send_window(256 << 20);
     t.max_concurrent_uni_streams(4096u32.into());
     t.max_concurrent_bidi_streams(1024u32.into());
-    // Probe up to loopback-sized datagrams; on a 1500-byte path the probes fail and the MTU stays at 1452.
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(65_000);
+    mtu.upper_bound(MTU_UPPER_BOUND);
     t.mtu_discovery_config(Some(mtu));
     t
 }
 
-/// Lets peers send datagrams up to loopback size (MTU discovery still finds the real path MTU); with the default
-/// 1472-byte cap, pacing limits one connection to a few hundred MB/s.
+/// Lets peers send datagrams up to [`MTU_UPPER_BOUND`] (MTU discovery still finds the real path MTU).
 fn endpoint_config() -> Result<quinn::EndpointConfig> {
     let mut cfg = quinn::EndpointConfig::default();
-    cfg.max_udp_payload_size(65_000)?;
+    cfg.max_udp_payload_size(MTU_UPPER_BOUND)?;
     Ok(cfg)
 }
 
-/// Asks for large socket buffers so bursts of datagrams are not dropped (the kernel caps them at its maximum).
+/// Asks for large socket buffers so bursts of datagrams are not dropped: forced past the system maximum when the
+/// process may (CAP_NET_ADMIN), else as much as the maximum allows.
 fn enlarge_buffers(socket: &std::net::UdpSocket) {
     use std::os::fd::AsRawFd;
-    let size: libc::c_int = 8 << 20;
-    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+    let set = |opt: libc::c_int| {
         // SAFETY: a valid socket descriptor and a pointer to a c_int of the size passed.
-        let rc = unsafe {
+        unsafe {
             libc::setsockopt(
                 socket.as_raw_fd(),
                 libc::SOL_SOCKET,
                 opt,
-                (&size as *const libc::c_int).cast(),
+                (&SOCKET_BUFFER as *const libc::c_int).cast(),
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             )
-        };
-        if rc != 0 {
+        }
+    };
+    for (forced, plain) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        if set(forced) != 0 && set(plain) != 0 {
             tracing::debug!(
-                "setsockopt({opt}) failed: {}",
+                "setsockopt({plain}) failed: {}",
                 std::io::Error::last_os_error()
             );
         }
@@ -124,195 +134,51 @@ pub(crate) fn join_client(idle: Duration) -> Result<quinn::ClientConfig> {
     Ok(client)
 }
 
-/// Bulk payloads that arrived (or are awaited) on one connection, by id.
-#[derive(Default)]
-struct BulkInbox {
-    slots: Mutex<HashMap<u64, BulkSlot>>,
-}
-
-enum BulkSlot {
-    Waiting(oneshot::Sender<AlignedVec>),
-    Arrived(AlignedVec),
-}
-
-impl BulkInbox {
-    fn wait(&self, id: u64) -> oneshot::Receiver<AlignedVec> {
-        let (tx, rx) = oneshot::channel();
-        let mut slots = self.slots.lock().expect("bulk inbox lock");
-        match slots.remove(&id) {
-            Some(BulkSlot::Arrived(bytes)) => {
-                let _ = tx.send(bytes);
-            }
-            _ => {
-                slots.insert(id, BulkSlot::Waiting(tx));
-            }
-        }
-        rx
-    }
-    fn arrive(&self, id: u64, bytes: AlignedVec) {
-        let mut slots = self.slots.lock().expect("bulk inbox lock");
-        match slots.remove(&id) {
-            Some(BulkSlot::Waiting(tx)) => {
-                let _ = tx.send(bytes);
-            }
-            _ => {
-                slots.insert(id, BulkSlot::Arrived(bytes));
-            }
-        }
-    }
-}
-
-fn close(conn: &quinn::Connection, reason: &str) {
+pub(crate) fn close(conn: &quinn::Connection, reason: &str) {
     tracing::warn!(peer = %conn.remote_address(), "closing connection: {reason}");
     conn.close(1u32.into(), reason.as_bytes());
 }
 
-/// Reads bulk streams of a connection into its inbox: `[u64 id][u64 len][bytes]`.
-fn spawn_bulk_reader(conn: quinn::Connection, inbox: Arc<BulkInbox>) {
-    tokio::spawn(async move {
-        while let Ok(mut recv) = conn.accept_uni().await {
-            let (conn, inbox) = (conn.clone(), inbox.clone());
-            tokio::spawn(async move {
-                let mut header = [0u8; 16];
-                if recv.read_exact(&mut header).await.is_err() {
-                    return;
-                }
-                let id = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-                let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
-                if len > MAX_BULK {
-                    return close(
-                        &conn,
-                        &format!("bulk payload of {len} bytes exceeds the maximum of {MAX_BULK}"),
-                    );
-                }
-                let mut bytes = AlignedVec::<16>::with_capacity(len as usize);
-                bytes.resize(len as usize, 0);
-                if recv.read_exact(bytes.as_mut_slice()).await.is_ok() {
-                    inbox.arrive(id, bytes);
-                }
-            });
-        }
-    });
-}
-
-async fn send_bulk(conn: quinn::Connection, id: u64, bytes: AlignedVec) -> Result<()> {
-    let mut send = conn.open_uni().await?;
-    let mut header = [0u8; 16];
-    header[..8].copy_from_slice(&id.to_le_bytes());
-    header[8..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
-    send.write_all(&header).await?;
-    send.write_all(&bytes).await?;
-    send.finish()?;
-    Ok(())
-}
-
-/// What the writer task puts on a call stream: a frame, optionally followed by raw body bytes.
-pub(crate) struct Outgoing {
-    head: Vec<u8>,
-    body: Option<AlignedVec>,
-}
-
-/// Drains frames from `rx` into `send`, batching what is queued into one write; large bodies are written as they
-/// are, without copying.
-async fn write_loop(mut send: quinn::SendStream, mut rx: mpsc::Receiver<Outgoing>) {
-    let mut batch = Vec::with_capacity(WRITE_BATCH);
-    let mut next = rx.recv().await;
-    while let Some(first) = next.take() {
-        batch.clear();
-        let mut pending = Some(first);
-        let mut big: Option<AlignedVec> = None;
-        while let Some(out) = pending.take() {
-            batch.extend_from_slice(&out.head);
-            match out.body {
-                Some(body) if body.len() >= WRITE_BATCH / 4 => {
-                    big = Some(body);
-                    break;
-                }
-                Some(body) => batch.extend_from_slice(&body),
-                None => {}
-            }
-            if batch.len() < WRITE_BATCH {
-                pending = rx.try_recv().ok();
-            }
-        }
-        if send.write_all(&batch).await.is_err() {
-            break;
-        }
-        if let Some(body) = big {
-            if send.write_all(&body).await.is_err() {
-                break;
-            }
-        }
-        next = match rx.try_recv() {
-            Ok(out) => Some(out),
-            Err(_) => rx.recv().await,
-        };
-    }
-    let _ = send.finish();
-}
-
-/// Reads the raw body of `len` bytes that follows a frame.
-async fn read_body<R: tokio::io::AsyncRead + Unpin>(
-    reader: &mut R,
-    len: u64,
-    max: usize,
-) -> Result<AlignedVec, FrameError> {
-    use tokio::io::AsyncReadExt;
-    if len as usize > max {
-        return Err(FrameError::TooLarge {
-            len: len as usize,
-            max,
-        });
-    }
-    let mut bytes = AlignedVec::<16>::with_capacity(len as usize);
-    bytes.resize(len as usize, 0);
-    reader.read_exact(bytes.as_mut_slice()).await?;
-    Ok(bytes)
-}
-
-/// The sending half of one call stream: frames, stream items, replies and bulk payloads.
+/// The sending half of one call stream: frames, stream items and replies.
 #[derive(Clone)]
 pub struct Outbox {
     tx: mpsc::Sender<Outgoing>,
     conn: quinn::Connection,
-    next_bulk: Arc<AtomicU64>,
+    link: Arc<ShmLink>,
 }
 
 impl Outbox {
-    async fn frame(&self, frame: &Frame, body: Option<AlignedVec>) -> Result<()> {
-        let mut head = Vec::with_capacity(64);
-        encode_frame(frame, &mut head)?;
+    /// Starts the writer task of `send`.
+    fn start(send: quinn::SendStream, conn: &quinn::Connection) -> Self {
+        let (tx, rx) = mpsc::channel(1024);
+        let link = Arc::new(ShmLink::default());
+        tokio::spawn(write_loop(send, rx, conn.clone(), link.clone()));
+        Self {
+            tx,
+            conn: conn.clone(),
+            link,
+        }
+    }
+
+    pub(super) async fn frame(&self, frame: Frame, body: Option<AlignedVec>) -> Result<()> {
         self.tx
-            .send(Outgoing { head, body })
+            .send(Outgoing { frame, body })
             .await
             .map_err(|_| anyhow::anyhow!("connection to {} closed", self.conn.remote_address()))
     }
 
-    fn bulk(&self, bytes: AlignedVec) -> u64 {
-        let id = self.next_bulk.fetch_add(1, Ordering::Relaxed) + 1;
-        let conn = self.conn.clone();
-        tokio::spawn(async move {
-            if let Err(e) = send_bulk(conn, id, bytes).await {
-                tracing::debug!("bulk stream {id} failed: {e}");
-            }
-        });
-        id
-    }
-
     pub(crate) async fn reply(&self, req: u64, result: Result<AlignedVec, RemoteError>) {
         let _ = match result {
-            Ok(body) if body.len() > BULK_THRESHOLD => {
-                let bulk = self.bulk(body);
-                self.frame(&Frame::Reply { req, bulk, len: 0 }, None).await
-            }
             Ok(body) => {
-                let len = body.len() as u64;
-                self.frame(&Frame::Reply { req, bulk: 0, len }, Some(body))
-                    .await
+                let frame = Frame::Reply {
+                    req,
+                    body: Body::Inline(0),
+                };
+                self.frame(frame, Some(body)).await
             }
             Err(error) => {
                 self.frame(
-                    &Frame::End {
+                    Frame::End {
                         req,
                         error: Some(error),
                     },
@@ -324,12 +190,15 @@ impl Outbox {
     }
 
     pub(crate) async fn item(&self, req: u64, body: AlignedVec) -> Result<()> {
-        let len = body.len() as u64;
-        self.frame(&Frame::Item { req, len }, Some(body)).await
+        let frame = Frame::Item {
+            req,
+            body: Body::Inline(0),
+        };
+        self.frame(frame, Some(body)).await
     }
 
     pub(crate) async fn end(&self, req: u64, error: Option<RemoteError>) {
-        let _ = self.frame(&Frame::End { req, error }, None).await;
+        let _ = self.frame(Frame::End { req, error }, None).await;
     }
 }
 
@@ -348,7 +217,7 @@ pub(crate) async fn serve_connection(
         return inbound.join(conn).await;
     }
     let inbox = Arc::new(BulkInbox::default());
-    spawn_bulk_reader(conn.clone(), inbox.clone());
+    bulk::spawn_bulk_reader(conn.clone(), inbox.clone());
     while let Ok((send, recv)) = conn.accept_bi().await {
         tokio::spawn(serve_call_stream(
             conn.clone(),
@@ -369,14 +238,9 @@ async fn serve_call_stream(
     inbox: Arc<BulkInbox>,
     max_frame: usize,
 ) {
-    let (tx, rx) = mpsc::channel(1024);
-    tokio::spawn(write_loop(send, rx));
-    let out = Outbox {
-        tx,
-        conn: conn.clone(),
-        next_bulk: Arc::new(AtomicU64::new(0)),
-    };
+    let out = Outbox::start(send, &conn);
     let mut reader = BufReader::with_capacity(64 << 10, recv);
+    let mut bodies = BodyReader::new(inbox, max_frame);
     let mut buf = AlignedVec::new();
     loop {
         match read_frame(&mut reader, max_frame, &mut buf).await {
@@ -389,40 +253,46 @@ async fn serve_call_stream(
             Ok(f) => f,
             Err(e) => return close(&conn, &format!("malformed frame: {e}")),
         };
-        let ArchivedFrame::Call {
-            req,
-            actor,
-            msg,
-            kind,
-            bulk,
-            len,
-        } = frame
-        else {
-            return close(
-                &conn,
-                "unexpected frame on a call stream (only calls flow this way)",
-            );
-        };
-        let kind = match kind {
-            ArchivedCallKind::Tell => CallKind::Tell,
-            ArchivedCallKind::Call => CallKind::Call,
-            ArchivedCallKind::Stream => CallKind::Stream,
-        };
-        let (req, actor, bulk, len) = (
-            req.to_native(),
-            actor.to_native(),
-            bulk.to_native(),
-            len.to_native(),
-        );
-        let msg = msg.as_str().to_string();
-        let payload = if bulk != 0 {
-            Payload::Bulk(inbox.wait(bulk))
-        } else {
-            match read_body(&mut reader, len, max_frame).await {
-                Ok(bytes) => Payload::Ready(bytes),
-                Err(FrameError::Io(e)) => return tracing::debug!("call stream ended: {e}"),
-                Err(e) => return close(&conn, &e.to_string()),
+        let (req, actor, msg, kind, body) = match frame {
+            ArchivedFrame::Call {
+                req,
+                actor,
+                msg,
+                kind,
+                body,
+            } => (
+                req.to_native(),
+                actor.to_native(),
+                msg.as_str().to_string(),
+                match kind {
+                    ArchivedCallKind::Tell => CallKind::Tell,
+                    ArchivedCallKind::Call => CallKind::Call,
+                    ArchivedCallKind::Stream => CallKind::Stream,
+                },
+                body.to_native(),
+            ),
+            ArchivedFrame::ShmOffer { .. } => {
+                bodies.offer(frame, &out).await;
+                continue;
             }
+            ArchivedFrame::ShmAnswer { accepted, .. } => {
+                out.link.answered(*accepted);
+                continue;
+            }
+            _ => {
+                return close(
+                    &conn,
+                    "unexpected frame on a call stream (only calls flow this way)",
+                )
+            }
+        };
+        let payload = match bodies.read(&mut reader, body).await {
+            Ok(Got::Here(bytes)) => Payload::Ready(bytes),
+            Ok(Got::Bulk(id)) => Payload::Bulk(bodies.inbox.wait(id)),
+            Err(FrameError::Io(e)) if matches!(body, Body::Inline(_)) => {
+                return tracing::debug!("call stream ended: {e}")
+            }
+            Err(e) => return close(&conn, &e.to_string()),
         };
         let reply = match kind {
             CallKind::Tell => Responder::Nobody,
@@ -476,13 +346,7 @@ impl PeerConn {
             .await
             .with_context(|| format!("connecting to cluster process {addr}"))?;
         let (send, recv) = conn.open_bi().await?;
-        let (tx, rx) = mpsc::channel(1024);
-        tokio::spawn(write_loop(send, rx));
-        let out = Outbox {
-            tx,
-            conn: conn.clone(),
-            next_bulk: Arc::new(AtomicU64::new(0)),
-        };
+        let out = Outbox::start(send, &conn);
         let peer = Arc::new(Self {
             addr,
             conn: conn.clone(),
@@ -491,7 +355,7 @@ impl PeerConn {
             next_req: AtomicU64::new(1),
         });
         let inbox = Arc::new(BulkInbox::default());
-        spawn_bulk_reader(conn.clone(), inbox.clone());
+        bulk::spawn_bulk_reader(conn.clone(), inbox.clone());
         tokio::spawn(read_replies(peer.clone(), recv, inbox, max_frame));
         Ok(peer)
     }
@@ -528,20 +392,14 @@ impl PeerConn {
                 ReplyHandle::Stream(rx)
             }
         };
-        let (bulk, len, body) = if payload.len() > BULK_THRESHOLD {
-            (self.out.bulk(payload), 0, None)
-        } else {
-            (0, payload.len() as u64, Some(payload))
-        };
         let frame = Frame::Call {
             req,
             actor,
             msg: msg.to_string(),
             kind,
-            bulk,
-            len,
+            body: Body::Inline(0),
         };
-        if let Err(e) = self.out.frame(&frame, body).await {
+        if let Err(e) = self.out.frame(frame, Some(payload)).await {
             self.pending.remove(&req);
             return Err(Error::Transport(e.to_string()));
         }
@@ -606,6 +464,7 @@ async fn read_replies(
     max_frame: usize,
 ) {
     let mut reader = BufReader::with_capacity(64 << 10, recv);
+    let mut bodies = BodyReader::new(inbox, max_frame);
     let mut buf = AlignedVec::new();
     loop {
         match read_frame(&mut reader, max_frame, &mut buf).await {
@@ -627,82 +486,80 @@ async fn read_replies(
                 break;
             }
         };
-        match frame {
-            ArchivedFrame::Reply { req, bulk, len } => {
-                let (req, bulk, len) = (req.to_native(), bulk.to_native(), len.to_native());
-                let body = if bulk == 0 {
-                    match read_body(&mut reader, len, max_frame).await {
-                        Ok(b) => Some(b),
-                        Err(e) => {
-                            close(&peer.conn, &e.to_string());
-                            break;
-                        }
-                    }
-                } else {
-                    None
-                };
-                let Some((_, Pending::Once(_, tx))) = peer.pending.remove(&req) else {
-                    continue;
-                };
-                match body {
-                    Some(bytes) => {
-                        let _ = tx.send(Ok(bytes));
-                    }
-                    None => {
-                        let rx = inbox.wait(bulk);
-                        tokio::spawn(async move {
-                            let r = rx
-                                .await
-                                .map_err(|_| Error::Transport("bulk reply stream failed".into()));
-                            let _ = tx.send(r);
-                        });
-                    }
-                }
-            }
-            ArchivedFrame::Item { req, len } => {
-                let (req, len) = (req.to_native(), len.to_native());
-                let bytes = match read_body(&mut reader, len, max_frame).await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        close(&peer.conn, &e.to_string());
-                        break;
-                    }
-                };
-                if let Some(p) = peer.pending.get(&req) {
-                    if let Pending::Stream(_, tx) = p.value() {
-                        let _ = tx.send(Ok(bytes));
-                    }
-                }
-            }
-            ArchivedFrame::End { req, error } => {
-                let error: Option<RemoteError> =
-                    match rkyv::deserialize::<Option<RemoteError>, rancor::Error>(error) {
-                        Ok(e) => e,
-                        Err(e) => {
-                            close(&peer.conn, &format!("malformed error in frame: {e}"));
-                            break;
-                        }
-                    };
-                match peer.pending.remove(&req.to_native()).map(|(_, p)| p) {
-                    Some(Pending::Once(actor, tx)) => {
-                        let _ = tx.send(Err(Error::from_remote(actor, error)));
-                    }
-                    Some(Pending::Stream(actor, tx)) => {
-                        if let Some(e) = error {
-                            let _ = tx.send(Err(Error::from_remote(actor, Some(e))));
-                        }
-                    }
-                    None => {}
-                }
-            }
-            ArchivedFrame::Call { .. } => {
-                close(&peer.conn, "unexpected call frame on a reply stream");
-                break;
-            }
+        if let Err(reason) = handle_reply(&peer, frame, &mut reader, &mut bodies).await {
+            close(&peer.conn, &reason);
+            break;
         }
     }
     let reason = peer.conn.closed().await;
     peer.fail_all(&format!("connection to {} lost: {reason}", peer.addr));
+}
+
+/// Handles one frame of a reply stream; an error closes the connection with that reason.
+async fn handle_reply<R: tokio::io::AsyncRead + Unpin>(
+    peer: &PeerConn,
+    frame: &ArchivedFrame,
+    reader: &mut R,
+    bodies: &mut BodyReader,
+) -> Result<(), String> {
+    match frame {
+        ArchivedFrame::Reply { req, body } => {
+            let got = bodies
+                .read(reader, body.to_native())
+                .await
+                .map_err(|e| e.to_string())?;
+            let Some((_, Pending::Once(_, tx))) = peer.pending.remove(&req.to_native()) else {
+                return Ok(());
+            };
+            match got {
+                Got::Here(bytes) => {
+                    let _ = tx.send(Ok(bytes));
+                }
+                Got::Bulk(id) => {
+                    let rx = bodies.inbox.wait(id);
+                    tokio::spawn(async move {
+                        let r = rx
+                            .await
+                            .map_err(|_| Error::Transport("bulk reply stream failed".into()));
+                        let _ = tx.send(r);
+                    });
+                }
+            }
+        }
+        ArchivedFrame::Item { req, body } => {
+            let got = bodies
+                .read(reader, body.to_native())
+                .await
+                .map_err(|e| e.to_string())?;
+            let Got::Here(bytes) = got else {
+                return Err("a stream item on a bulk stream".into());
+            };
+            if let Some(p) = peer.pending.get(&req.to_native()) {
+                if let Pending::Stream(_, tx) = p.value() {
+                    let _ = tx.send(Ok(bytes));
+                }
+            }
+        }
+        ArchivedFrame::End { req, error } => {
+            let error = rkyv::deserialize::<Option<RemoteError>, rancor::Error>(error)
+                .map_err(|e| format!("malformed error in frame: {e}"))?;
+            match peer.pending.remove(&req.to_native()).map(|(_, p)| p) {
+                Some(Pending::Once(actor, tx)) => {
+                    let _ = tx.send(Err(Error::from_remote(actor, error)));
+                }
+                Some(Pending::Stream(actor, tx)) => {
+                    if let Some(e) = error {
+                        let _ = tx.send(Err(Error::from_remote(actor, Some(e))));
+                    }
+                }
+                None => {}
+            }
+        }
+        ArchivedFrame::ShmOffer { .. } => bodies.offer(frame, &peer.out).await,
+        ArchivedFrame::ShmAnswer { accepted, .. } => peer.out.link.answered(*accepted),
+        ArchivedFrame::Call { .. } => return Err("unexpected call frame on a reply stream".into()),
+    }
+    Ok(())
 }
 
 /// This process's outgoing connections, one per peer, opened on first use.

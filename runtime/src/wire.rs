@@ -10,12 +10,13 @@ use rkyv::bytecheck::CheckBytes;
 use rkyv::de::Pool;
 use rkyv::rancor::{self, Strategy};
 use rkyv::ser::allocator::ArenaHandle;
+use rkyv::ser::{Positional, Writer};
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The version written in every frame header; a peer speaking another version is disconnected.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 /// Default largest frame a reader accepts (64 MiB); larger payloads must go on bulk streams.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Size of the frame header: length and version.
@@ -31,17 +32,41 @@ pub trait Wire: Sized + Send + 'static {
     fn from_wire(bytes: &[u8]) -> Result<Self, WireError>;
 }
 
+/// An rkyv writer that only counts bytes: a first pass with it sizes the buffer of the real one, so a large message
+/// is written once into a buffer of the right size (no regrowth copies, and a recycled buffer when one fits).
+#[derive(Default)]
+pub struct SizeCounter(usize);
+
+impl Positional for SizeCounter {
+    fn pos(&self) -> usize {
+        self.0
+    }
+}
+
+impl<E> Writer<E> for SizeCounter {
+    fn write(&mut self, bytes: &[u8]) -> Result<(), E> {
+        self.0 += bytes.len();
+        Ok(())
+    }
+}
+
 impl<T> Wire for T
 where
     T: Archive
         + for<'a> Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, rancor::Error>>
+        + for<'a> Serialize<HighSerializer<SizeCounter, ArenaHandle<'a>, rancor::Error>>
         + Send
         + 'static,
     T::Archived: for<'a> CheckBytes<HighValidator<'a, rancor::Error>>
         + Deserialize<T, Strategy<Pool, rancor::Error>>,
 {
     fn to_wire(&self) -> Result<AlignedVec, WireError> {
-        rkyv::to_bytes::<rancor::Error>(self).map_err(|e| WireError::Encode(e.to_string()))
+        let encode = |e: rancor::Error| WireError::Encode(e.to_string());
+        let size = rkyv::api::high::to_bytes_in::<_, rancor::Error>(self, SizeCounter(0))
+            .map_err(encode)?
+            .0;
+        rkyv::api::high::to_bytes_in::<_, rancor::Error>(self, crate::bulk::buffer(size))
+            .map_err(encode)
     }
 
     fn from_wire(bytes: &[u8]) -> Result<Self, WireError> {

@@ -1,0 +1,82 @@
+//! Large payloads between processes: the same-host shared-memory ring (guarantee 13) and the QUIC paths it falls
+//! back to.
+
+mod common;
+
+use ferl_runtime::bulk::shm_bytes_received;
+use ferl_runtime::testbed::*;
+use ferl_runtime::SpawnOptions;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_13_large_payloads_on_one_host_go_through_shared_memory() {
+    let cluster = common::cluster().await;
+    let actor = cluster
+        .spawn::<Counter>(0, SpawnOptions::new())
+        .await
+        .unwrap();
+    let before = shm_bytes_received();
+    // The first large reply offers the worker's ring; later ones travel through it.
+    for (round, len) in [(0u8, 8 << 20), (1, 8 << 20), (2, 200 << 10), (3, 64 << 10)] {
+        let data = pattern(len, round);
+        let back = actor.call(Echo(data.clone())).await.unwrap();
+        assert_eq!(back.len(), data.len(), "round {round}");
+        assert!(back == data, "round {round}: echoed bytes differ");
+    }
+    assert_eq!(actor.call(Sink(pattern(3 << 20, 9))).await.unwrap(), 3 << 20);
+    let received = shm_bytes_received() - before;
+    assert!(
+        received >= (8 << 20) + (200 << 10),
+        "the driver received only {received} bytes through the worker's ring"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_13_a_full_ring_falls_back_to_quic_in_order() {
+    // A 1 MiB ring cannot hold 24 pipelined 300 KiB calls: some wait for nothing and go inline instead.
+    unsafe { std::env::set_var("FERL_SHM_BYTES", (1 << 20).to_string()) };
+    let cluster = common::cluster().await;
+    let actor = cluster
+        .spawn::<Counter>(0, SpawnOptions::new())
+        .await
+        .unwrap();
+    actor.call(Echo(pattern(300 << 10, 0))).await.unwrap();
+    let calls: Vec<_> = (0..24u8)
+        .map(|i| {
+            let actor = actor.clone();
+            tokio::spawn(async move { (i, actor.call(Echo(pattern(300 << 10, i))).await) })
+        })
+        .collect();
+    for call in calls {
+        let (i, back) = call.await.unwrap();
+        assert!(back.unwrap() == pattern(300 << 10, i), "call {i} came back wrong");
+    }
+    // Tells of large payloads keep their order with calls (guarantee 2 holds across both paths).
+    for seq in 0..5u64 {
+        actor.tell(Sink(pattern(400 << 10, seq as u8))).await.unwrap();
+        actor.tell(Record { sender: 1, seq }).await.unwrap();
+    }
+    let seen = actor.call(Recorded).await.unwrap();
+    assert_eq!(seen, (0..5).map(|s| (1, s)).collect::<Vec<_>>());
+    assert!(shm_bytes_received() > 0, "the ring was never used");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_13_with_the_ring_off_large_payloads_stay_on_quic() {
+    unsafe { std::env::set_var("FERL_SHM_BYTES", "0") };
+    let cluster = common::cluster().await;
+    let actor = cluster
+        .spawn::<Counter>(0, SpawnOptions::new())
+        .await
+        .unwrap();
+    for len in [6 << 20, 1 << 20] {
+        let data = pattern(len, 3);
+        assert!(actor.call(Echo(data.clone())).await.unwrap() == data);
+    }
+    assert_eq!(shm_bytes_received(), 0);
+}
