@@ -76,6 +76,9 @@ pub struct TrainArgs {
     /// Peak dense bf16 TFLOP/s the MFU of --model-shape runs is taken against (H200: 989).
     #[arg(long, default_value_t = 989.0)]
     peak_tflops: f64,
+    /// With --nproc-per-node: measure ferl's side only (profiling); no PyTorch rows or ratios.
+    #[arg(long)]
+    skip_pytorch: bool,
     /// Model config.json.
     #[arg(long, default_value = "assets/models/tiny-qwen2/config.json")]
     config: PathBuf,

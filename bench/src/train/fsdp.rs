@@ -45,6 +45,12 @@ pub fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<
     let mut rows = Vec::new();
     for &w in &sizes {
         let ferl = run_ferl(a, dir, w, threads)?;
+        if a.skip_pytorch {
+            let (rate, mib) = group_figures(&ferl);
+            out.row(&format!("fsdp_w{w}_ferl_tokens_per_s"), rate, "tokens/s");
+            out.row(&format!("fsdp_w{w}_ferl_peak_rss_MiB"), mib, "MiB");
+            continue;
+        }
         let torch = run_pytorch(dir, w, threads)?;
         rows.push((w, ferl, torch));
     }
@@ -213,6 +219,15 @@ pub fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
         losses.push(loss);
         peak = peak.max(reply.peak_memory_bytes);
     }
+    let comm = state.stepper.engine.store().comm_stats();
+    eprintln!(
+        "ferl rank {rank}/{world}: {:.2} s timed, {} all-gathers ({} prefetched), {} reductions, {:.2} s waiting for gathers",
+        secs[1..].iter().sum::<f64>(),
+        comm.all_gathers,
+        comm.prefetch_hits,
+        comm.reductions,
+        comm.gather_wait.as_secs_f64()
+    );
     let record = serde_json::json!({
         "tokens": tokens, "step_s": secs, "loss": losses, "peak_rss_kib": peak as f64 / 1024.0,
     });

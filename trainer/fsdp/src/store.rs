@@ -9,6 +9,12 @@
 //!    sees the masters, and gathers read copies of the shards, never the masters themselves.
 //! 4. Which stage is prefetched depends only on the sequence of `gather` calls, which is the same on every rank, so
 //!    every rank submits the same collectives in the same order.
+//! 5. A *shared* unit — one that several stages use, i.e. the embedding unit holding a tied output matrix — is
+//!    gathered once and kept until the step's gradients are finished (FSDP2 keeps its root unit the same way), and
+//!    its gradients are summed locally in a full-size fp32 buffer and reduce-scattered once per step, in
+//!    `finish_grads`, after every per-stage reduction (so the collective order is still the same on every rank).
+//!    Per micro-batch that saves two all-gathers and two reduce-scatters of what is, in a small model with a large
+//!    vocabulary, most of the parameters.
 
 use crate::units::UnitPlan;
 use crate::worker::{CommWorker, Pending};
@@ -50,6 +56,8 @@ pub struct ShardedParams {
     master: Vec<Tensor>,
     grads: Vec<Tensor>,
     full: Vec<Option<Tensor>>,
+    shared: Vec<bool>,
+    deferred_grads: Vec<Option<Tensor>>,
     inflight: Vec<(usize, Pending)>,
     pending_reductions: VecDeque<(usize, Pending)>,
     dirty: bool,
@@ -143,6 +151,14 @@ impl ShardedParams {
         }
         let grads = master.iter().map(Tensor::zeros_like).collect();
         let full = (0..master.len()).map(|_| None).collect();
+        let mut uses = vec![0usize; master.len()];
+        for units in plan.stage_units.values() {
+            for &u in units {
+                uses[u] += 1;
+            }
+        }
+        let shared = uses.iter().map(|&n| n > 1).collect();
+        let deferred_grads = (0..master.len()).map(|_| None).collect();
         Ok(Self {
             layout,
             plan,
@@ -154,6 +170,8 @@ impl ShardedParams {
             master,
             grads,
             full,
+            shared,
+            deferred_grads,
             inflight: Vec::new(),
             pending_reductions: VecDeque::new(),
             dirty: false,
@@ -323,6 +341,15 @@ impl ShardedParams {
     /// Waits for every gradient reduction in flight and, for NO_SHARD, all-reduces the accumulated gradients; drops
     /// gathered copies and prefetches. Idempotent; `grad_sq_norm` calls it.
     pub fn finish_grads(&mut self) -> Result<()> {
+        for u in 0..self.deferred_grads.len() {
+            if let Some(full) = self.deferred_grads[u].take() {
+                self.stats.reductions += 1;
+                let p = self
+                    .worker
+                    .reduce_scatter(full.to_kind(self.opts.reduce_kind));
+                self.pending_reductions.push_back((u, p));
+            }
+        }
         while let Some((u, p)) = self.pending_reductions.pop_front() {
             self.apply_reduction(u, p)?;
         }
@@ -426,6 +453,20 @@ impl ParamStore for ShardedParams {
         self.dirty = true;
         for u in self.plan.stage_units[&stage].clone() {
             let unit = &self.plan.units[u];
+            if self.sharded() && self.shared[u] {
+                // Invariant 5: summed here, reduce-scattered once in `finish_grads`.
+                let padded = unit.padded(self.world);
+                let device = self.opts.device;
+                let acc = self.deferred_grads[u]
+                    .get_or_insert_with(|| Tensor::zeros([padded], (Kind::Float, device)));
+                let _g = tch::no_grad_guard();
+                for (k, &(ru, e)) in refs.iter().enumerate() {
+                    if ru == u && grads[k].defined() {
+                        let _ = unit.view(acc, e).g_add_(&grads[k]);
+                    }
+                }
+                continue;
+            }
             let mut parts: Vec<Option<&Tensor>> = vec![None; unit.entries.len()];
             for (k, &(ru, e)) in refs.iter().enumerate() {
                 if ru == u {
@@ -460,7 +501,7 @@ impl ParamStore for ShardedParams {
             .map(|n| self.plan.stage_units[&n].clone())
             .unwrap_or_default();
         for &u in &self.plan.stage_units[&stage] {
-            if !keep.contains(&u) {
+            if !keep.contains(&u) && !self.shared[u] {
                 self.full[u] = None;
             }
         }
@@ -496,6 +537,9 @@ impl ParamStore for ShardedParams {
             }
         }
         self.dirty = false;
+        for d in &mut self.deferred_grads {
+            *d = None;
+        }
         let _g = tch::no_grad_guard();
         for g in &mut self.grads {
             let _ = g.zero_();

@@ -1,0 +1,56 @@
+//! Store invariant 5: the unit several stages share (the embedding unit holding a tied output matrix) has its gradient
+//! reduce-scattered once per step, while every other unit is reduced once per micro-batch (the parity tests check
+//! that the values still equal the single-process trainer; this one checks the counts).
+
+mod common;
+
+use common::*;
+use ferl_fsdp::{global_step, FsdpOptions, ShardedParams, ShardingStrategy};
+use ferl_trainer::optim::AdamW;
+use std::sync::{Arc, Mutex};
+use tch::{Device, Kind};
+
+/// Reductions each rank submits in each of two steps (world size 2, micro-batch 1).
+fn reductions_per_step(tie: bool) -> Vec<Vec<u64>> {
+    let cfg = tiny_config(tie);
+    let samples = Arc::new(Samples::new(GLOBAL_BATCH * 2, cfg.vocab_size));
+    let (layout, params) = init(&cfg);
+    let params = Arc::new(Mutex::new(params));
+    run_ranks(2, move |rank, comm| {
+        let mine = copies(&params.lock().unwrap());
+        let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
+        let store = ShardedParams::new(layout.clone(), &mine, comm, opts).unwrap();
+        let optimizer = AdamW::new(adam(), store.local_masters());
+        let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
+        (0..2)
+            .map(|step| {
+                let before = s.engine.store().comm_stats().reductions;
+                global_step(&mut s, &samples.refs(rank_slice(step, rank, 2))).unwrap();
+                s.engine.store().comm_stats().reductions - before
+            })
+            .collect()
+    })
+}
+
+#[test]
+fn tied_embedding_unit_is_reduced_once_per_step_and_other_units_once_per_micro_batch() {
+    let layers = tiny_config(true).num_layers as u64;
+    let micro_batches = (GLOBAL_BATCH / 2) as u64;
+    // Tied: per micro-batch every decoder layer and the head's own unit (the final norm); the embedding unit, which
+    // the head stage shares, once per step.
+    for (rank, counts) in reductions_per_step(true).into_iter().enumerate() {
+        assert_eq!(
+            counts,
+            vec![micro_batches * (layers + 1) + 1; 2],
+            "tied, rank {rank}"
+        );
+    }
+    // Untied: no unit is shared, so embedding, layers and head are each reduced per micro-batch.
+    for (rank, counts) in reductions_per_step(false).into_iter().enumerate() {
+        assert_eq!(
+            counts,
+            vec![micro_batches * (layers + 2); 2],
+            "untied, rank {rank}"
+        );
+    }
+}
