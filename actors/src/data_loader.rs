@@ -12,6 +12,8 @@ use std::sync::Mutex;
 use anyhow::{bail, Context as _, Result};
 use ferl_config::SftConfig;
 use ferl_data::{epoch_order, global_batch, rank_shard, steps_per_epoch, SftDataset};
+use ferl_plugin_bridge::plugin_dataset;
+use ferl_plugin_host::PluginHost;
 use ferl_runtime::{Actor, Context, Handler};
 
 use crate::messages::*;
@@ -97,12 +99,49 @@ pub fn split_samples(dataset: &SftDataset, indices: &[usize], world: usize) -> V
         .collect()
 }
 
-/// Loads the training set (and the validation set when `trainer.test_freq > 0` and files are given).
+/// Loads the training set (and the validation set when `trainer.test_freq > 0` and files are given); with
+/// `data.plugin` set, through that dataset plugin of this process's plugin host
+/// ([`crate::plugins::actor_plugin_host`]: the plugins shipped to this worker, else `$FERL_PLUGIN_PATH`).
 pub fn load_datasets(cfg: &SftConfig) -> Result<(SftDataset, Option<SftDataset>)> {
+    let host = match &cfg.data.plugin {
+        Some(name) => Some(crate::plugins::actor_plugin_host()?.with_context(|| {
+            format!("data.plugin={name}: no plugin was shipped to this process and $FERL_PLUGIN_PATH is not set")
+        })?),
+        None => None,
+    };
+    load_datasets_with(cfg, host.as_deref())
+}
+
+/// [`load_datasets`] with the dataset plugin (when `data.plugin` is set) taken from `host`.
+pub fn load_datasets_with(
+    cfg: &SftConfig,
+    host: Option<&PluginHost>,
+) -> Result<(SftDataset, Option<SftDataset>)> {
     let dir = model_dir(cfg);
-    let train = SftDataset::train(&cfg.data, &dir).context("loading data.train_files")?;
-    let val = if cfg.trainer.test_freq > 0 && !cfg.data.val_files.as_slice().is_empty() {
-        Some(SftDataset::val(&cfg.data, &dir).context("loading data.val_files")?)
+    let with_val = cfg.trainer.test_freq > 0 && !cfg.data.val_files.as_slice().is_empty();
+    let d = &cfg.data;
+    if let Some(name) = &d.plugin {
+        let host = host.with_context(|| {
+            format!("data.plugin={name}: this process has no plugin host (no plugin shipped, no $FERL_PLUGIN_PATH)")
+        })?;
+        let load = |files: &[String], max: i64| {
+            plugin_dataset(host, d, files, &dir, max).with_context(|| format!("data.plugin={name}"))
+        };
+        let train = load(d.train_files.as_slice(), d.train_max_samples)
+            .context("loading data.train_files")?;
+        let val = if with_val {
+            Some(
+                load(d.val_files.as_slice(), d.val_max_samples)
+                    .context("loading data.val_files")?,
+            )
+        } else {
+            None
+        };
+        return Ok((train, val));
+    }
+    let train = SftDataset::train(d, &dir).context("loading data.train_files")?;
+    let val = if with_val {
+        Some(SftDataset::val(d, &dir).context("loading data.val_files")?)
     } else {
         None
     };

@@ -10,6 +10,8 @@
 //!   ([`data_loader::DataPlan`] is the pure part). [`Checkpointer`] finishes checkpoints ([`checkpoint`]) while
 //!   training goes on. [`Metrics`] writes the loggers.
 //! - Ranks started by torchrun or SLURM skip the actors and run the same loop in-process ([`sft::run_from_env`]).
+//! - Plugins ([`plugins`]): the driver's plugin host resolves which plugins each actor uses and ships their files
+//!   with its spawn (content-addressed, cached per node); actors load them into a host of their own.
 //!
 //! ## Where things happen
 //! - a distributed train step: [`rank::RankState::train_step`] (the trainer's `Stepper::step_with_global_targets`
@@ -20,6 +22,7 @@ pub mod checkpoint;
 pub mod data_loader;
 pub mod messages;
 pub mod metrics;
+pub mod plugins;
 pub mod rank;
 mod registry;
 pub mod rendezvous;

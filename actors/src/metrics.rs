@@ -1,13 +1,17 @@
-//! The metrics actor: the run's loggers (`console`, `jsonl` → `metrics.jsonl` under `trainer.default_local_dir`),
-//! fed by the driver once per step. The driver adds per-rank peak memory and, where the device's peak FLOP/s is
-//! known ([`peak_flops`]), `perf/mfu`.
+//! The metrics actor: the run's loggers (`console`, `jsonl` → `metrics.jsonl` under `trainer.default_local_dir`,
+//! and every logger plugin its plugin host has loaded, e.g. `tensorboard`, by name), fed by the driver once per step.
+//! The driver adds per-rank peak memory and, where the device's peak FLOP/s is known ([`peak_flops`]), `perf/mfu`.
+//! Each step's logging is the plugin host's step boundary (new plugin versions switch in there).
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Context as _, Result};
+use ferl_plugin_bridge::register_logger_plugins;
+use ferl_plugin_host::PluginHost;
 use ferl_runtime::{Actor, Context, Handler};
+use ferl_trainer::metrics::{LoggerContext, LoggerRegistry, MetricsLogger};
 
 use crate::messages::{FlushLogs, Log};
 
@@ -50,21 +54,47 @@ pub fn mfu(num_params: i64, tokens: i64, seconds: f64, devices: usize, peak: f64
 pub struct MetricsArgs {
     /// `trainer.logger` entries.
     pub loggers: Vec<String>,
-    /// Folder of `metrics.jsonl`.
+    /// The run directory (`trainer.default_local_dir`): `metrics.jsonl` and the plugins' files go there.
     pub dir: String,
+    /// `trainer.project_name` (the TensorBoard plugin's folder is `DIR/tensorboard_log/PROJECT/EXPERIMENT`).
+    pub project: String,
+    /// `trainer.experiment_name`.
+    pub experiment: String,
 }
 
 /// Writes each step's values to the configured loggers.
 pub struct Metrics {
     console: bool,
     jsonl: Mutex<Option<std::fs::File>>,
+    plugins: Mutex<PluginLoggers>,
 }
 
+/// The logger plugins in use, by `trainer.logger` name.
+type PluginLoggers = Vec<(String, Box<dyn MetricsLogger>)>;
+
 impl Metrics {
-    /// Opens the loggers; unknown names are reported and skipped (logger plugins are hosted elsewhere).
+    /// Opens the built-in loggers only (`console`, `jsonl`); any other name is an error.
     pub fn open(args: &MetricsArgs) -> Result<Self> {
+        Self::open_with_plugins(args, None)
+    }
+
+    /// Opens the loggers `args` names: `console`, `jsonl`, or a logger plugin of `host`; an unknown name is an error
+    /// listing the known ones.
+    pub fn open_with_plugins(args: &MetricsArgs, host: Option<&Arc<PluginHost>>) -> Result<Self> {
         let mut console = false;
         let mut jsonl = None;
+        let mut registry = LoggerRegistry::default();
+        let plugin_names = match host {
+            Some(h) => register_logger_plugins(&mut registry, h),
+            None => Vec::new(),
+        };
+        let ctx = LoggerContext {
+            run_dir: PathBuf::from(&args.dir),
+            project: args.project.clone(),
+            experiment: args.experiment.clone(),
+            progress: None,
+        };
+        let mut plugins = Vec::new();
         for name in &args.loggers {
             match name.as_str() {
                 "console" => console = true,
@@ -80,15 +110,25 @@ impl Metrics {
                         .with_context(|| format!("opening {}", path.display()))?;
                     jsonl = Some(file);
                 }
-                other => tracing::warn!(
-                    logger = other,
-                    "trainer.logger: `{other}` is not handled by the metrics actor"
-                ),
+                other if plugin_names.iter().any(|n| n == other) => {
+                    let mut built = registry.build(&[other.to_string()], &ctx)?;
+                    plugins.push((other.to_string(), built.remove(0)));
+                }
+                other => {
+                    let mut known = vec!["console".to_string(), "jsonl".to_string()];
+                    known.extend(plugin_names.iter().cloned());
+                    bail!(
+                        "trainer.logger: unknown logger `{other}` (known: {}; logger plugins come from \
+                         $FERL_PLUGIN_PATH)",
+                        known.join(", ")
+                    )
+                }
             }
         }
         Ok(Self {
             console,
             jsonl: Mutex::new(jsonl),
+            plugins: Mutex::new(plugins),
         })
     }
 }
@@ -97,7 +137,8 @@ impl Actor for Metrics {
     type Args = MetricsArgs;
     const NAME: &'static str = "ferl.actors.Metrics";
     async fn start(args: MetricsArgs, _: &Context) -> Result<Self> {
-        Self::open(&args)
+        let host = crate::plugins::actor_plugin_host()?;
+        Self::open_with_plugins(&args, host.as_ref())
     }
 }
 
@@ -126,7 +167,19 @@ impl Metrics {
             writeln!(file, "{}", serde_json::Value::Object(row))
                 .context("writing metrics.jsonl")?;
         }
+        // Plugin loggers report their own failures as warnings; a panicking one is disabled (the run goes on).
+        for (name, logger) in self.plugins_guard()?.iter_mut() {
+            logger
+                .log(m.step as i64, &m.values)
+                .with_context(|| format!("trainer.logger `{name}`"))?;
+        }
         Ok(())
+    }
+
+    fn plugins_guard(&self) -> Result<std::sync::MutexGuard<'_, PluginLoggers>> {
+        self.plugins
+            .lock()
+            .map_err(|_| anyhow::anyhow!("metrics plugin loggers lock poisoned"))
     }
 
     /// Flushes every logger.
@@ -138,6 +191,11 @@ impl Metrics {
             .as_mut()
         {
             file.flush().context("flushing metrics.jsonl")?;
+        }
+        for (name, logger) in self.plugins_guard()?.iter_mut() {
+            logger
+                .finish()
+                .with_context(|| format!("trainer.logger `{name}`"))?;
         }
         std::io::stdout().flush().ok();
         Ok(())

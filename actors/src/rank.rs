@@ -18,6 +18,7 @@ use ferl_config::{Dtype, SftConfig};
 use ferl_fsdp::{load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams};
 use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
+use ferl_trainer::kernels::KernelRegistry;
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::{load_model, weights};
 use ferl_trainer::optim::{AdamW, AdamWConfig, LrSchedule};
@@ -180,6 +181,7 @@ pub struct RankState {
     comm: Arc<dyn Communicator>,
     fsdp: FsdpOptions,
     pending_save: Option<std::thread::JoinHandle<Result<()>>>,
+    kernels: KernelRegistry,
 }
 
 impl RankState {
@@ -210,7 +212,15 @@ impl RankState {
             comm,
             fsdp,
             pending_save: None,
+            kernels: KernelRegistry::builtin(),
         })
+    }
+
+    /// Runs the model's ops that `kernels` replaces through it (`model.use_liger=true`: the `liger` kernels); kept
+    /// across checkpoint loads.
+    pub fn set_kernels(&mut self, kernels: KernelRegistry) {
+        self.stepper.engine.set_kernels(kernels.clone());
+        self.kernels = kernels;
     }
 
     /// This rank's index and the group size.
@@ -343,6 +353,7 @@ impl RankState {
             ..Default::default()
         };
         self.stepper.engine = Engine::new(model, loaded.store, compute_kind(&self.cfg), opts);
+        self.stepper.engine.set_kernels(self.kernels.clone());
         self.stepper.optimizer = loaded.optimizer;
         self.stepper.completed_steps = loaded.meta.global_step;
         Ok(())

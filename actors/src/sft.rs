@@ -25,9 +25,10 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::{
     self, latest, read_meta, step_dir, CheckpointMeta, Checkpointer, CheckpointerArgs,
 };
-use crate::data_loader::{load_datasets, split_samples, DataLoader, DataLoaderArgs, DataPlan};
+use crate::data_loader::{load_datasets_with, split_samples, DataLoader, DataLoaderArgs, DataPlan};
 use crate::messages::*;
 use crate::metrics::{mfu, peak_flops, Metrics, MetricsArgs};
+use crate::plugins::{actor_plugin_host, liger_kernels, resolve_custom_cls, DriverPlugins};
 use crate::rank::{micro_batches, rank_device, total_steps, RankState};
 use crate::trainer_rank::{TrainerRank, TrainerRankArgs};
 
@@ -83,6 +84,21 @@ pub fn resume_dir(cfg: &SftConfig) -> Result<Option<PathBuf>> {
     }
 }
 
+/// The metrics actor's arguments for `cfg` (no loggers unless `logs`: only rank 0 of a launcher run logs).
+fn metrics_args(cfg: &SftConfig, logs: bool) -> MetricsArgs {
+    let root = ferl_config::expand_path(&cfg.trainer.default_local_dir);
+    MetricsArgs {
+        loggers: if logs {
+            cfg.trainer.logger.as_slice().to_vec()
+        } else {
+            Vec::new()
+        },
+        dir: root.display().to_string(),
+        project: cfg.trainer.project_name.clone(),
+        experiment: cfg.trainer.experiment_name.clone(),
+    }
+}
+
 fn should(freq: i64, step: u64, total: u64) -> bool {
     freq > 0 && (step.is_multiple_of(freq as u64) || step == total)
 }
@@ -91,12 +107,16 @@ fn use_gpus(cfg: &SftConfig) -> bool {
     cfg.trainer.device != "cpu" && tch::Cuda::is_available()
 }
 
-/// Trains `cfg` with `world` ranks on `cluster`.
+/// Trains `cfg` with `world` ranks on `cluster`. Plugins come from the job's plugin host ([`DriverPlugins`]): the
+/// data loader gets the dataset plugin's file and the ranks the `liger` kernel plugin's, shipped with their spawns.
 pub async fn train_on_cluster(
     cluster: &Cluster,
     cfg: &SftConfig,
     world: usize,
 ) -> Result<RunSummary> {
+    let mut cfg = cfg.clone();
+    let plugins = DriverPlugins::open(&mut cfg).context("plugins")?;
+    let cfg = &cfg;
     let yaml = cfg.to_yaml();
     let root = ferl_config::expand_path(&cfg.trainer.default_local_dir);
     let loader = cluster
@@ -105,7 +125,7 @@ pub async fn train_on_cluster(
                 config_yaml: yaml.clone(),
                 world_size: world as u64,
             },
-            SpawnOptions::new(),
+            plugins.ship(SpawnOptions::new(), &DriverPlugins::for_data_loader(cfg))?,
         )
         .await
         .context("spawning the data loader")?;
@@ -131,6 +151,7 @@ pub async fn train_on_cluster(
             )
         })?;
     let prefix = format!("ferl/sft/{}/{}", std::process::id(), group.id);
+    let rank_opts = plugins.ship(SpawnOptions::new(), &DriverPlugins::for_trainer_rank(cfg))?;
     let ranks = WorkerGroup::<TrainerRank>::spawn(
         cluster,
         &group,
@@ -141,7 +162,7 @@ pub async fn train_on_cluster(
             total_steps: total,
             group_prefix: prefix.clone(),
         },
-        SpawnOptions::new(),
+        rank_opts,
     )
     .await
     .context("spawning the trainer ranks")?;
@@ -156,10 +177,7 @@ pub async fn train_on_cluster(
         .await
         .context("spawning the checkpointer")?;
     let metrics = cluster.spawn_local(
-        Metrics::open(&MetricsArgs {
-            loggers: cfg.trainer.logger.as_slice().to_vec(),
-            dir: root.display().to_string(),
-        })?,
+        Metrics::open_with_plugins(&metrics_args(cfg, true), Some(plugins.host()))?,
         SpawnOptions::new(),
     );
     let mut summary = RunSummary {
@@ -368,7 +386,7 @@ pub fn run(cfg: SftConfig, opts: &LaunchOptions) -> Result<RunSummary> {
 
 /// One rank of a run started by an external launcher: forms the group from the environment, trains its share of
 /// every global batch, and (rank 0) logs and commits checkpoints.
-pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
+pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
     let launch = LaunchEnv::from_env().context(
         "no --nproc-per-node given and no launcher environment (RANK/WORLD_SIZE/MASTER_ADDR or SLURM variables)",
     )?;
@@ -381,20 +399,33 @@ pub fn run_from_env(cfg: SftConfig) -> Result<RunSummary> {
     let device = rank_device(&cfg, launch.local_rank % visible);
     let comm = init_from_env(device).context("joining the group from the launcher environment")?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let (train, val) = load_datasets(&cfg)?;
+    // Every rank has the plugin folders itself ($FERL_PLUGIN_PATH); rank 0's host is the run directory's (its
+    // control channel serves `ferl plugin list|reload`), the others keep private copies.
+    let plugins = if rank == 0 {
+        Some(DriverPlugins::open(&mut cfg).context("plugins")?)
+    } else {
+        None
+    };
+    let host = match &plugins {
+        Some(p) => Some(p.host().clone()),
+        None => {
+            let h = actor_plugin_host()?;
+            if let Some(h) = &h {
+                resolve_custom_cls(h, &mut cfg)?;
+            }
+            h
+        }
+    };
+    let (train, val) = load_datasets_with(&cfg, host.as_deref())?;
     let mut plan = DataPlan::new(&cfg, train.len())?;
     let total = total_steps(&cfg, train.len()) as u64;
     let root = ferl_config::expand_path(&cfg.trainer.default_local_dir);
-    let metrics = Metrics::open(&MetricsArgs {
-        loggers: if rank == 0 {
-            cfg.trainer.logger.as_slice().to_vec()
-        } else {
-            Vec::new()
-        },
-        dir: root.display().to_string(),
-    })?;
+    let metrics = Metrics::open_with_plugins(&metrics_args(&cfg, rank == 0), host.as_ref())?;
     check_batch_split(&cfg, world)?;
     let mut state = RankState::build(cfg.clone(), comm, device, total as usize)?;
+    if cfg.model.use_liger {
+        state.set_kernels(liger_kernels(host.clone()));
+    }
     let mut summary = RunSummary {
         world_size: world,
         ..Default::default()

@@ -1,8 +1,9 @@
 //! The trainer-rank actor: one per bundle of the resource group. It builds its model replica from
 //! `model.partial_pretrain`, joins the data-parallel group through the cluster's key-value store
 //! ([`ClusterRendezvous`]), keeps its shard in a `ferl_fsdp::ShardedParams`, and trains on the micro-batches the
-//! driver sends. Compute runs on a blocking thread so
-//! the worker's connections stay responsive.
+//! driver sends. With `model.use_liger=true` its head is the `liger` kernel plugin the driver shipped with the spawn
+//! (see [`crate::plugins`]), else the built-in kernels. Compute runs on a blocking thread so the worker's connections
+//! stay responsive.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -80,8 +81,16 @@ impl Actor for TrainerRank {
                 .with_context(|| {
                     format!("trainer rank {rank}/{world}: joining the collective group")
                 })?;
-            RankState::build(cfg, comm, device, args.total_steps as usize)
-                .with_context(|| format!("trainer rank {rank}/{world}: building the model"))
+            let liger = cfg.model.use_liger;
+            let mut state = RankState::build(cfg, comm, device, args.total_steps as usize)
+                .with_context(|| format!("trainer rank {rank}/{world}: building the model"))?;
+            if liger {
+                // The `liger` plugin shipped from the driver, else the built-in kernels.
+                let host = crate::plugins::actor_plugin_host()
+                    .with_context(|| format!("trainer rank {rank}/{world}: loading plugins"))?;
+                state.set_kernels(crate::plugins::liger_kernels(host));
+            }
+            anyhow::Ok(state)
         })
         .await
         .context("trainer rank: start task")??;
