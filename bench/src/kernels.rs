@@ -7,11 +7,26 @@
 //! before the steps (inputs and weights are allocated before, so the figure is what the loss step adds). Rows:
 //! `<variant>_loss_step_peak_mem_MiB`, `<variant>_tokens_per_s`, `fused_ce_max_loss_diff`, then the ratios
 //! `fused_ce_peak_mem_ratio` and `fused_ce_tokens_per_s_ratio` (fused ÷ unfused; goals ≤ 0.3 and ≥ 1.0).
+//!
+//! Then the whole train step (the engine's forward + backward of one `--seq`-token sequence through the tiny Qwen2
+//! of `--model-config`, random weights, fp32) with the built-in ops, with RMSNorm and SwiGLU through the `liger`
+//! kernels (the layers run split at the kernels), and with all three kernels (`model.use_liger=true`); the variants
+//! take turns step by step and each reports its median: rows `train_step_<variant>_tokens_per_s` and the ratios
+//! `liger_norm_swiglu_train_step_ratio`, `liger_all_train_step_ratio` (÷ built-in; above 1 is faster).
 
 use crate::report::Report;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use ferl::trainer::batch::{Layout, MicroBatch, SampleRef};
+use ferl::trainer::engine::{Engine, EngineOptions};
+use ferl::trainer::kernels::KernelRegistry;
+use ferl::trainer::model::config::ModelConfig;
+use ferl::trainer::model::layout::ModelLayout;
+use ferl::trainer::model::weights::init_params;
+use ferl::trainer::params::{LocalParams, ParamStore};
+use ferl_plugin_bridge::liger_kernels;
 use ferl_plugin_tch::{reference, Kernels, Reduction};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
@@ -34,6 +49,12 @@ pub struct KernelsArgs {
     /// Rows per chunk of the fused kernel (0: the kernel's automatic choice).
     #[arg(long, default_value_t = 0)]
     chunk_rows: usize,
+    /// The model of the train-step rows.
+    #[arg(long, default_value = "assets/models/tiny-qwen2/config.json")]
+    model_config: PathBuf,
+    /// Timed train steps per variant (0: skip the train-step rows).
+    #[arg(long, default_value_t = 8)]
+    train_steps: usize,
     /// Internal: run one variant (`unfused` or `fused`) and print its figures.
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -184,6 +205,91 @@ pub fn run(args: KernelsArgs, out: &mut Report) -> Result<()> {
     out.row(
         "fused_ce_tokens_per_s_ratio",
         fused.tokens_per_s / unfused.tokens_per_s,
+        "x",
+    );
+    if args.train_steps > 0 {
+        train_steps(&args, out)?;
+    }
+    Ok(())
+}
+
+/// The train-step rows (see the module docs).
+fn train_steps(a: &KernelsArgs, out: &mut Report) -> Result<()> {
+    let cfg = ModelConfig::from_file(&a.model_config)
+        .with_context(|| format!("--model-config {}", a.model_config.display()))?;
+    let layout = ModelLayout::new(&cfg);
+    let params = init_params(&cfg, &layout, 0);
+    let liger = liger_kernels(None);
+    let norm_swiglu = KernelRegistry {
+        head: None,
+        ..liger.clone()
+    };
+    let variants = [
+        ("builtin", KernelRegistry::builtin()),
+        ("liger_norm_swiglu", norm_swiglu),
+        ("liger_all", liger),
+    ];
+    let mut engines: Vec<Engine<LocalParams>> = variants
+        .iter()
+        .map(|(_, k)| {
+            let copies = params.iter().map(Tensor::copy).collect();
+            let store = LocalParams::new(layout.clone(), copies, Kind::Float);
+            let mut e = Engine::new(cfg.clone(), store, Kind::Float, EngineOptions::default());
+            e.set_kernels(k.clone());
+            e
+        })
+        .collect();
+    tch::manual_seed(1);
+    let ids: Vec<i64> = Vec::try_from(&Tensor::randint(
+        cfg.vocab_size,
+        [a.seq],
+        (Kind::Int64, Device::Cpu),
+    ))?;
+    let mask: Vec<bool> = (0..a.seq).map(|i| i > 0).collect();
+    let sample = [SampleRef {
+        input_ids: &ids,
+        loss_mask: &mask,
+    }];
+    let mb = MicroBatch::new(&sample, Layout::Padded, Device::Cpu)?;
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut losses = vec![0.0; variants.len()];
+    for round in 0..=a.train_steps {
+        for (i, e) in engines.iter_mut().enumerate() {
+            e.store_mut().zero_grads();
+            let t0 = Instant::now();
+            losses[i] = e.forward_backward(&mb, mb.num_targets)?;
+            if round > 0 {
+                times[i].push(t0.elapsed().as_secs_f64()); // round 0 warms up
+            }
+        }
+    }
+    let tokens_per_s: Vec<f64> = times
+        .iter_mut()
+        .map(|t| {
+            t.sort_by(f64::total_cmp);
+            a.seq as f64 / t[t.len() / 2]
+        })
+        .collect();
+    for ((name, _), tps) in variants.iter().zip(&tokens_per_s) {
+        out.row(&format!("train_step_{name}_tokens_per_s"), *tps, "tokens/s");
+    }
+    let per_token = |l: f64| l / mb.num_targets as f64;
+    out.row(
+        "liger_all_train_step_max_loss_diff",
+        losses
+            .iter()
+            .map(|l| (per_token(*l) - per_token(losses[0])).abs())
+            .fold(0.0, f64::max),
+        "nats",
+    );
+    out.row(
+        "liger_norm_swiglu_train_step_ratio",
+        tokens_per_s[1] / tokens_per_s[0],
+        "x",
+    );
+    out.row(
+        "liger_all_train_step_ratio",
+        tokens_per_s[2] / tokens_per_s[0],
         "x",
     );
     Ok(())

@@ -97,7 +97,19 @@ fn list(a: ListArgs) -> Result<()> {
 fn reload(a: ReloadArgs) -> Result<()> {
     let control = ControlDir::new(&a.run_dir);
     let id = control.submit_reload(&a.name)?;
-    let r = control.wait_response(&id, Duration::from_secs(a.timeout_s))?;
+    let r = match control.wait_response(&id, Duration::from_secs(a.timeout_s)) {
+        Ok(r) => r,
+        Err(e) => {
+            // Take the unanswered request back: left in the folder, it would be served by the next job started in
+            // this run directory (a resumed run), reloading a plugin nobody asked that job to reload.
+            let pending = control
+                .root()
+                .join("requests")
+                .join(format!("{id}.request"));
+            let _ = std::fs::remove_file(pending);
+            return Err(e);
+        }
+    };
     if !r.ok {
         bail!("reload of `{}` refused: {}", a.name, r.message);
     }

@@ -306,3 +306,32 @@ fn use_liger_in_bf16_with_checkpointing_tracks_the_builtin_ops() {
         );
     }
 }
+
+/// `ferl sft`'s run options serve `ferl plugin reload` requests after every step even when no logger plugin is in
+/// use (the step boundary is the run's own hook, not a logger's side effect).
+#[test]
+fn run_options_serve_reload_requests_without_logger_plugins() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("plugins");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(
+        build("ferl-plugin-liger", &[]),
+        folder.join(format!("liger{}", std::env::consts::DLL_SUFFIX)),
+    )
+    .unwrap();
+    let run_dir = dir.path().join("run");
+    let mut cfg = config(Path::new("unused"), &run_dir, "[console]");
+    cfg.model.use_liger = true;
+    let (mut opts, host) = ferl_plugin_bridge::plugin_run_options(&cfg, &[folder]).unwrap();
+    assert_eq!(opts.kernels.replaced(), ["rms_norm", "swiglu", "head"]);
+    let control = ferl_plugin_host::control::ControlDir::new(&run_dir);
+    let id = control.submit_reload("liger").unwrap();
+    let hook = opts.on_step_end.as_mut().expect("a step hook");
+    hook(1);
+    let answer = control
+        .wait_response(&id, std::time::Duration::from_secs(5))
+        .unwrap();
+    assert!(answer.ok, "{answer:?}");
+    assert!(answer.message.contains("liger"), "{answer:?}");
+    assert!(host.get("liger").is_some());
+}

@@ -17,12 +17,16 @@ pub mod swiglu;
 use ferl_plugin_abi::kernel::{kernel_op, kernel_table, KernelOp, KernelVTable};
 use ferl_plugin_abi::Plugin;
 
-/// The kernel plugin's identity (`liger`).
+/// The kernel plugin's identity (`liger`). Its version is the crate's, or `FERL_LIGER_VERSION` at build time (so a
+/// test can build two versions of the same kernels and switch between them in a running job).
 pub struct Liger;
 
 impl Plugin for Liger {
     const NAME: &'static str = "liger";
-    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+    const VERSION: &'static str = match option_env!("FERL_LIGER_VERSION") {
+        Some(v) => v,
+        None => env!("CARGO_PKG_VERSION"),
+    };
     const DESCRIPTION: &'static str =
         "fused linear+cross-entropy, RMSNorm and SwiGLU over host tensor ops";
 }
