@@ -1,24 +1,32 @@
-//! `ferl-bench collectives`: the TCP backend's collectives (2 processes on loopback, fp32) beside torch.distributed's
-//! gloo backend measured the same way (same sizes, iteration counts and formula; gloo runs in `unshare -n`).
+//! `ferl-bench collectives`: the CPU backend's collectives (2 processes on one host, fp32) beside torch.distributed's
+//! gloo backend measured the same way (same sizes, iteration counts and formula; gloo runs in `unshare -n`). The ferl
+//! side runs twice: with its default transport between ranks on one host (shared memory; rows without a prefix) and
+//! forced onto loopback TCP as ranks on different hosts would talk (rows prefixed `tcp_`).
 //!
 //! Bandwidth is nccl-tests' *bus bandwidth*: `size / time × 2(n−1)/n` for all-reduce and `size / time × (n−1)/n` for
 //! all-gather and reduce-scatter, where `size` is the full buffer (the all-reduce tensor, the all-gather output, the
-//! reduce-scatter input) and n = 2 ranks. Rows: `<op>_<size>_GBps`, `<op>_1KiB_us` (latency), the same with a `gloo_`
-//! prefix, and `<row>_vs_gloo` ratios (bandwidth: ferl / gloo, higher is better; latency: ferl / gloo, lower is better).
+//! reduce-scatter input) and n = 2 ranks. Rows: `<op>_<size>_GBps`, `<op>_1KiB_us` (latency), the same with `tcp_` and
+//! `gloo_` prefixes, and `<row>_vs_gloo` ratios (bandwidth: ferl / gloo, higher is better; latency: ferl / gloo, lower
+//! is better).
 //! Each side runs `--repeat` times, alternating, and each row keeps its best figure, so load from other processes on a
 //! shared machine penalises neither side more than the other.
 
 use crate::report::Report;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferl_collective::{init_from_env, Communicator, ReduceOp, TcpStoreServer};
+use ferl_collective::{
+    Communicator, GroupOptions, LaunchEnv, ReduceOp, TcpCommunicator, TcpStoreServer, Transport,
+};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 const WORLD: usize = 2;
 const GLOO_SCRIPT: &str = include_str!("collectives/gloo_bench.py");
+/// Tells a worker which transport its pair must have negotiated (`shm` or `tcp`), so no row measures the wrong one.
+const TRANSPORT_VAR: &str = "FERL_BENCH_TRANSPORT";
 
 /// Options of the collectives suite.
 #[derive(Args, Debug)]
@@ -29,6 +37,9 @@ pub struct CollectivesArgs {
     /// Skip the gloo comparison.
     #[arg(long)]
     no_gloo: bool,
+    /// Transports of the ferl side: `shm` (the default between ranks on one host) and/or `tcp` (rows `tcp_*`).
+    #[arg(long, value_delimiter = ',', default_value = "shm,tcp")]
+    transports: Vec<String>,
     /// Measurements per side, alternating ferl and gloo; each row keeps the best (the machine may be shared).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
@@ -70,18 +81,47 @@ pub fn run(args: CollectivesArgs, out: &mut Report) -> Result<()> {
     if args.worker {
         return worker(&sizes);
     }
+    for t in &args.transports {
+        if t != "shm" && t != "tcp" {
+            bail!("--transports: unknown transport {t:?} (expected shm, tcp)");
+        }
+    }
     let (mut ferl, mut gloo) = (Vec::new(), Vec::new());
     for _ in 0..args.repeat.max(1) {
-        keep_best(&mut ferl, run_ferl(&args.sizes)?);
+        for transport in &args.transports {
+            let prefix = if transport == "tcp" { "tcp_" } else { "" };
+            let rows = run_ferl(&args.sizes, transport)?
+                .into_iter()
+                .map(|(name, value, unit)| (format!("{prefix}{name}"), value, unit))
+                .collect();
+            keep_best(&mut ferl, rows);
+        }
         if !args.no_gloo {
             keep_best(&mut gloo, run_gloo(&sizes)?);
         }
     }
-    for (name, value, unit) in &ferl {
-        out.row(name, *value, unit);
-        if let Some((_, g, _)) = gloo.iter().find(|(n, _, _)| n == name) {
-            out.row(&format!("gloo_{name}"), *g, unit);
-            out.row(&format!("{name}_vs_gloo"), value / g, "x");
+    // Each figure with its TCP twin, the gloo figure and the ratios.
+    let mut bases: Vec<&str> = Vec::new();
+    for (name, _, _) in &ferl {
+        let base = name.strip_prefix("tcp_").unwrap_or(name);
+        if !bases.contains(&base) {
+            bases.push(base);
+        }
+    }
+    for base in bases {
+        let tcp = format!("tcp_{base}");
+        let mine: Vec<&Row> = ferl
+            .iter()
+            .filter(|(n, _, _)| n == base || *n == tcp)
+            .collect();
+        for (name, value, unit) in &mine {
+            out.row(name, *value, unit);
+        }
+        if let Some((_, g, unit)) = gloo.iter().find(|(n, _, _)| n == base) {
+            out.row(&format!("gloo_{base}"), *g, unit);
+            for (name, value, _) in &mine {
+                out.row(&format!("{name}_vs_gloo"), value / g, "x");
+            }
         }
     }
     Ok(())
@@ -113,7 +153,7 @@ fn parse_rows(stdout: impl std::io::Read) -> Vec<Row> {
         .collect()
 }
 
-fn run_ferl(sizes: &[String]) -> Result<Vec<Row>> {
+fn run_ferl(sizes: &[String], transport: &str) -> Result<Vec<Row>> {
     let store = TcpStoreServer::bind("127.0.0.1:0")?;
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
@@ -125,6 +165,11 @@ fn run_ferl(sizes: &[String]) -> Result<Vec<Row>> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", store.local_addr().port().to_string())
             .env("FERL_STORE_HOSTED", "1")
+            .env(TRANSPORT_VAR, transport)
+            .env(
+                "FERL_COLLECTIVE_SHM",
+                if transport == "tcp" { "0" } else { "1" },
+            )
             .stdout(if rank == 0 {
                 Stdio::piped()
             } else {
@@ -180,9 +225,31 @@ fn run_gloo(sizes: &[(String, usize)]) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// Joins the group of the launcher environment (as `init_from_env` does) and checks the transport to the peer.
+fn join() -> Result<TcpCommunicator> {
+    let launch = LaunchEnv::from_env()?;
+    let mut options = GroupOptions::default();
+    let store = launch.rendezvous(true, &options)?;
+    options.bind_ip = Some(store.local_ip());
+    let comm = TcpCommunicator::connect(launch.rank, launch.world_size, Arc::new(store), &options)?;
+    let expected = match std::env::var(TRANSPORT_VAR).as_deref() {
+        Ok("tcp") => Transport::Tcp,
+        _ => Transport::SharedMemory,
+    };
+    let peer = (comm.rank() + 1) % comm.world_size();
+    let got = comm.transport(peer);
+    if got != Some(expected) {
+        bail!(
+            "rank {}: expected {expected:?} to rank {peer}, got {got:?}",
+            comm.rank()
+        );
+    }
+    Ok(comm)
+}
+
 /// One rank of the ferl side; rank 0 prints `ROW` lines.
 fn worker(sizes: &[(String, usize)]) -> Result<()> {
-    let comm = init_from_env(Device::Cpu)?;
+    let comm = join()?;
     let w = comm.world_size();
     for (label, bytes) in sizes {
         let n = (bytes / 4) as i64;
@@ -190,11 +257,9 @@ fn worker(sizes: &[(String, usize)]) -> Result<()> {
         let part = Tensor::ones([n / w as i64], (Kind::Float, Device::Cpu));
         let mut full = Tensor::empty([n], (Kind::Float, Device::Cpu));
         let mut shard = Tensor::empty([n / w as i64], (Kind::Float, Device::Cpu));
-        let ar = timed(comm.as_ref(), *bytes, || {
-            comm.all_reduce(&mut t, ReduceOp::Sum)
-        })?;
-        let ag = timed(comm.as_ref(), *bytes, || comm.all_gather(&mut full, &part))?;
-        let rs = timed(comm.as_ref(), *bytes, || {
+        let ar = timed(&comm, *bytes, || comm.all_reduce(&mut t, ReduceOp::Sum))?;
+        let ag = timed(&comm, *bytes, || comm.all_gather(&mut full, &part))?;
+        let rs = timed(&comm, *bytes, || {
             comm.reduce_scatter(&mut shard, &t, ReduceOp::Sum)
         })?;
         if comm.rank() == 0 {

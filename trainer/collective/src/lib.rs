@@ -1,11 +1,12 @@
 //! Collective communication for training ranks.
 //!
 //! One [`Communicator`] trait (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all, barrier) on tch tensors,
-//! with two backends: [`TcpCommunicator`] for CPU tensors (ring algorithms over persistent TCP connections, chunked and
-//! pipelined) and [`NcclCommunicator`] for CUDA tensors (NCCL loaded at run time). Ranks find each other through a
-//! [`Rendezvous`] (the cluster head's key-value store, an in-process [`MemoryRendezvous`], or the standalone
-//! [`TcpStore`] that [`init_from_env`] uses for torchrun/SLURM-style launches). [`flat`] holds the
-//! flatten-pad-shard helpers FSDP-style sharding builds on.
+//! with two backends: [`TcpCommunicator`] for CPU tensors (ring algorithms over persistent connections, chunked and
+//! pipelined: shared memory between ranks on the same host, TCP across hosts) and [`NcclCommunicator`] for CUDA
+//! tensors (NCCL loaded at run time). Ranks find each other through a [`Rendezvous`] (the cluster head's key-value
+//! store, an in-process [`MemoryRendezvous`], or the standalone [`TcpStore`] that [`init_from_env`] uses for
+//! torchrun/SLURM-style launches). [`flat`] holds the flatten-pad-shard helpers FSDP-style sharding builds on.
+//! [`GroupOptions`] lists the environment variables that tune a group (timeouts, transports, buffer sizes).
 
 mod dtype;
 mod env;
@@ -32,7 +33,7 @@ use tch::{Device, Tensor};
 /// Which transport a communicator uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// TCP between processes, for CPU tensors.
+    /// The CPU backend: TCP between hosts, shared memory between ranks on one host.
     Tcp,
     /// NCCL, for CUDA tensors.
     Nccl,

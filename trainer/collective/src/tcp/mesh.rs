@@ -195,13 +195,17 @@ fn negotiate_shared_memory(
     for other in rank + 1..cfg.world {
         let stream = streams[other].as_mut().expect("connected above");
         let segment = if cfg.shared_memory {
-            Pending::create(
-                cfg.shm_ring_bytes
-                    .next_power_of_two()
-                    .max(shm::MIN_RING_BYTES),
-            )
-            .map_err(|e| tracing::debug!("rank {rank}: no shared memory with rank {other}: {e:#}"))
-            .ok()
+            Pending::create_fitting(cfg.shm_ring_bytes)
+                .map_err(|e| {
+                    if shm::out_of_space(&e) {
+                        tracing::warn!(
+                            "rank {rank}: /dev/shm is full, rank {other} gets TCP: {e:#}"
+                        );
+                    } else {
+                        tracing::debug!("rank {rank}: no shared memory with rank {other}: {e:#}");
+                    }
+                })
+                .ok()
         } else {
             None
         };
