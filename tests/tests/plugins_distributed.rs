@@ -453,3 +453,54 @@ fn ferl_sft_nproc_per_node_2_with_custom_cls_tensorboard_and_liger_matches_one_p
         assert!(state.contains(&format!("\"name\": \"{name}\"")), "{state}");
     }
 }
+
+#[test]
+fn launcher_ranks_load_plugins_from_their_plugin_path_and_match_one_process() {
+    let fx = Fixture::new().unwrap();
+    let d = fx.dir.path().to_path_buf();
+    write_alpaca(&d.join("alpaca.json"));
+    let plugins = plugin_folder(&d);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    // Two ranks as torchrun starts them: each has the plugin folder itself; rank 0 logs.
+    let o = overrides(&fx, "launch", &["data.plugin=alpaca".into()]);
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            Command::new(ferl_binary())
+                .arg("sft")
+                .args(&o)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("FERL_PLUGIN_PATH", &plugins)
+                .env("OMP_NUM_THREADS", "1")
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        check(
+            child.wait_with_output().unwrap(),
+            &format!("launcher rank {rank}"),
+        );
+    }
+    let local = overrides(&fx, "local", &["data.plugin=alpaca".into()]);
+    ferl_sft(
+        &plugins,
+        &d.join("cache-local"),
+        &local,
+        "single-process ferl sft",
+    );
+    let want = logged_losses(&d.join("local"));
+    assert_eq!(want.len(), 3);
+    assert_losses_match("launcher ranks", &logged_losses(&d.join("launch")), &want);
+    assert_tensorboard_matches(&d.join("launch"));
+}
