@@ -193,6 +193,43 @@ fn replace_keeping_mtime(installed: &Path, new: &Path) {
     );
 }
 
+const MINUTE: Duration = Duration::from_secs(60);
+
+/// Replaces `installed` by `new` (same size and time), lets two steps pass to show the job does not notice by itself,
+/// then `ferl plugin reload NAME` and waits until `list` shows the new version current.
+fn reload(
+    job: &mut Job,
+    ferl: &Path,
+    run_dir: &Path,
+    name: &str,
+    (installed, new): (&Path, &Path),
+    (from, to): (&str, &str),
+) {
+    replace_keeping_mtime(installed, new);
+    let before = logged_steps(run_dir).len();
+    job.wait_for("two steps after the replacement", 5 * MINUTE, || {
+        logged_steps(run_dir).len() >= before + 2
+    });
+    assert_eq!(
+        current_version(&list(ferl, run_dir), name).as_deref(),
+        Some(from),
+        "{name}: nothing switches before the reload request"
+    );
+    let out = Command::new(ferl)
+        .args(["plugin", "reload", name, "--timeout-s", "300", "--run-dir"])
+        .arg(run_dir)
+        .output()
+        .unwrap();
+    let answer = check(out, &format!("ferl plugin reload {name}"));
+    assert!(
+        answer.contains(&format!("version {to} loaded")),
+        "reload {name}: {answer}"
+    );
+    job.wait_for(&format!("{name} {to} current"), 5 * MINUTE, || {
+        current_version(&list(ferl, run_dir), name).as_deref() == Some(to)
+    });
+}
+
 #[test]
 fn plugin_list_and_reload_against_a_running_sft_job() {
     let ferl = ferl_binary();
@@ -236,8 +273,7 @@ fn plugin_list_and_reload_against_a_running_sft_job() {
         .spawn()
         .unwrap();
     let mut job = Job { child, log };
-    let minute = Duration::from_secs(60);
-    job.wait_for("two steps trained", 5 * minute, || {
+    job.wait_for("two steps trained", 5 * MINUTE, || {
         logged_steps(&run_dir).len() >= 2
     });
 
@@ -269,37 +305,24 @@ fn plugin_list_and_reload_against_a_running_sft_job() {
     );
 
     // `reload`: each plugin's file rebuilt as a new version, then the job told to load it.
-    for (name, installed, new, version) in [
-        ("testkit", &installed_testkit, &testkit.1, "2.0.0"),
-        ("liger", &installed_liger, &liger.1, "0.2.0"),
-    ] {
-        replace_keeping_mtime(installed, new);
-        // Give the job a few step boundaries to (wrongly) notice the file by itself.
-        let before = logged_steps(&run_dir).len();
-        job.wait_for("two steps after the replacement", 5 * minute, || {
-            logged_steps(&run_dir).len() >= before + 2
-        });
-        assert_eq!(
-            current_version(&list(&ferl, &run_dir), name).as_deref(),
-            Some(if name == "testkit" { "1.0.0" } else { "0.1.0" }),
-            "{name}: nothing switches before the reload request"
-        );
-        let out = Command::new(&ferl)
-            .args(["plugin", "reload", name, "--timeout-s", "300", "--run-dir"])
-            .arg(&run_dir)
-            .output()
-            .unwrap();
-        let answer = check(out, &format!("ferl plugin reload {name}"));
-        assert!(
-            answer.contains(&format!("version {version} loaded")),
-            "reload {name}: {answer}"
-        );
-        job.wait_for(&format!("{name} {version} current"), 5 * minute, || {
-            current_version(&list(&ferl, &run_dir), name).as_deref() == Some(version)
-        });
-    }
+    reload(
+        &mut job,
+        &ferl,
+        &run_dir,
+        "testkit",
+        (&installed_testkit, &testkit.1),
+        ("1.0.0", "2.0.0"),
+    );
+    reload(
+        &mut job,
+        &ferl,
+        &run_dir,
+        "liger",
+        (&installed_liger, &liger.1),
+        ("0.1.0", "0.2.0"),
+    );
     let switched_at = logged_steps(&run_dir).len();
-    job.wait_for("three more steps after the switch", 5 * minute, || {
+    job.wait_for("three more steps after the switch", 5 * MINUTE, || {
         logged_steps(&run_dir).len() >= switched_at + 3
     });
     job.assert_running("after the reloads");
@@ -327,6 +350,120 @@ fn plugin_list_and_reload_against_a_running_sft_job() {
     assert_eq!(want.len(), steps.len());
     for (got, want) in steps.iter().zip(&want) {
         assert_eq!(got, want, "(step, loss, grad norm) with reloads vs without");
+    }
+}
+
+/// The same against `ferl sft --nproc-per-node 2` (an embedded cluster; the driver's plugin host owns the run
+/// directory's control channel and the logger plugins): the `testkit` logger is reloaded while the ranks train; it
+/// logs every step, version 1.0.0 up to the switch and 2.0.0 after it, and the run's losses are the single-process
+/// trainer's.
+#[test]
+fn plugin_reload_against_a_running_distributed_sft_job() {
+    let ferl = ferl_binary();
+    let fx = Fixture::new().unwrap();
+    let testkit = same_size_copies(
+        &fx.dir.path().join("builds"),
+        &build("ferl-plugin-testkit", &[("FERL_TESTKIT_VERSION", "1.0.0")]),
+        &build("ferl-plugin-testkit", &[("FERL_TESTKIT_VERSION", "2.0.0")]),
+    );
+    let folder = fx.dir.path().join("plugins");
+    std::fs::create_dir_all(&folder).unwrap();
+    let installed = folder.join(format!("testkit{}", std::env::consts::DLL_SUFFIX));
+    std::fs::copy(&testkit.0, &installed).unwrap();
+    let extra = [
+        "trainer.logger=[console,jsonl,testkit]",
+        "optim.lr_scheduler=constant",
+        "trainer.resume_mode=disable",
+    ];
+    // Enough steps for the reload to happen well inside the run, which then ends by itself.
+    let steps = 30;
+    let run_dir = fx.dir.path().join("job");
+    let log = fx.dir.path().join("job.log");
+    let child = Command::new(&ferl)
+        .env("OMP_NUM_THREADS", "1")
+        .env("RUST_LOG", "info")
+        .env("FERL_PLUGIN_PATH", &folder)
+        .args(["sft", "--nproc-per-node", "2"])
+        .args(fx.overrides(steps, "job", &extra))
+        .stdout(File::create(fx.dir.path().join("job.out")).unwrap())
+        .stderr(File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut job = Job { child, log };
+    job.wait_for("two steps trained", 5 * MINUTE, || {
+        logged_steps(&run_dir).len() >= 2
+    });
+    let rows = list(&ferl, &run_dir);
+    assert_eq!(
+        current_version(&rows, "testkit").as_deref(),
+        Some("1.0.0"),
+        "{rows:?}"
+    );
+    reload(
+        &mut job,
+        &ferl,
+        &run_dir,
+        "testkit",
+        (&installed, &testkit.1),
+        ("1.0.0", "2.0.0"),
+    );
+    let switched_by = logged_steps(&run_dir).len() as u64;
+    assert!(
+        switched_by < steps as u64,
+        "the reload happened while the job ran"
+    );
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = job.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < 10 * MINUTE,
+            "the job did not finish:
+{}",
+            job.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        status.success(),
+        "the job failed ({status}):
+{}",
+        job.log()
+    );
+
+    let text = std::fs::read_to_string(run_dir.join("testkit.log")).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let mut f = line.split(' ');
+        let (version, step) = (f.next().unwrap(), f.next().unwrap().parse::<u64>().unwrap());
+        seen.insert(step, version.to_string());
+    }
+    assert_eq!(
+        seen.len(),
+        steps,
+        "every step logged once by some version:\n{text}"
+    );
+    let first_v2 = seen.iter().find(|(_, v)| *v == "2.0.0").map(|(s, _)| *s);
+    let first_v2 = first_v2.unwrap_or_else(|| panic!("version 2.0.0 logged nothing:\n{text}"));
+    assert!(
+        first_v2 <= switched_by + 1,
+        "2.0.0 from step {first_v2}, switched by {switched_by}"
+    );
+    for (step, version) in &seen {
+        let want = if *step < first_v2 { "1.0.0" } else { "2.0.0" };
+        assert_eq!(version, want, "step {step}:\n{text}");
+    }
+
+    let reference = reference_run(&fx.overrides(steps, "reference", &extra)).unwrap();
+    let got = logged_steps(&run_dir);
+    assert_eq!(got.len(), reference.len());
+    for ((step, loss, gn), r) in got.iter().zip(&reference) {
+        assert_eq!(*step, r.step);
+        for (what, a, b) in [("loss", *loss, r.loss), ("grad norm", *gn, r.grad_norm)] {
+            let err = (a - b).abs() / b.abs();
+            assert!(err <= 1e-5, "step {step} {what}: {a} vs single process {b}");
+        }
     }
 }
 
