@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 use ferl_config::SftConfig;
+pub use ferl_plugin_bridge::dataset::resolve_custom_cls;
 use ferl_plugin_bridge::job_plugin_host;
 use ferl_plugin_bridge::setup::PLUGIN_PATH_ENV;
 use ferl_plugin_host::{PluginHost, PluginKind, PluginStore};
@@ -89,47 +90,6 @@ impl DriverPlugins {
         }
         Ok(opts)
     }
-}
-
-/// `data.custom_cls.path=FILE` (a dataset plugin library) with optional `data.custom_cls.name=NAME` (its manifest
-/// name): loads it into `host` unless a plugin of that name is loaded already, then sets `data.plugin` to it.
-pub fn resolve_custom_cls(host: &PluginHost, cfg: &mut SftConfig) -> Result<()> {
-    let Some(path) = cfg.data.custom_cls.path.clone() else {
-        return Ok(());
-    };
-    let file = ferl_config::expand_path(&path);
-    let wanted = cfg.data.custom_cls.name.clone();
-    // Already loaded from that file (it sits in a watched folder too), or under the wanted name.
-    let from_file = host
-        .list()
-        .into_iter()
-        .find(|r| r.state == "current" && Path::new(&r.file) == file)
-        .map(|r| r.name);
-    let by_name = wanted
-        .as_deref()
-        .and_then(|n| host.get(n).map(|_| n.to_string()));
-    let name = match from_file.or(by_name) {
-        Some(loaded) => loaded,
-        None => host
-            .load_file(&file, Some(PluginKind::Dataset))
-            .with_context(|| format!("data.custom_cls.path={path}"))?
-            .info()
-            .name
-            .clone(),
-    };
-    if let Some(w) = &wanted {
-        if *w != name {
-            bail!("data.custom_cls.path={path} holds dataset plugin `{name}`, not data.custom_cls.name={w}");
-        }
-    }
-    if let Some(p) = &cfg.data.plugin {
-        if *p != name {
-            bail!("data.plugin={p} and data.custom_cls (plugin `{name}`) name different datasets; set one");
-        }
-    }
-    cfg.data.plugin = Some(name);
-    cfg.data.custom_cls = Default::default();
-    Ok(())
 }
 
 /// The plugin host of an actor in this process: the plugins shipped to this worker (see the module docs), else the

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use ferl_collective::{init_from_env, LaunchEnv};
 use ferl_config::{ResumeMode, SftConfig};
+use ferl_plugin_bridge::StepBoundary;
 use ferl_runtime::{
     bundle, Cluster, HeadOptions, NodeOptions, SpawnOptions, Strategy, WorkerGroup,
 };
@@ -198,6 +199,8 @@ pub async fn train_on_cluster(
     }
     let peak = peak_flops(gpus);
     let num_params = num_params_of(cfg)?;
+    // Reload requests (`ferl plugin reload`) are served and new versions switched in after every step.
+    let mut boundary = StepBoundary::new(plugins.host().clone());
     let mut step = summary.resumed_from;
     while step < total {
         let started = Instant::now();
@@ -227,6 +230,7 @@ pub async fn train_on_cluster(
             lr: replies[0].lr,
         };
         summary.steps.push(record);
+        boundary.run(step as i64);
         let seconds = started.elapsed().as_secs_f64();
         let mut values = step_values(&record, batch.tokens, seconds, &replies);
         if let Some(peak) = peak {
@@ -436,6 +440,9 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
         plan.set_position(meta.position());
         summary.resumed_from = meta.global_step;
     }
+    let mut boundary = plugins
+        .as_ref()
+        .map(|p| StepBoundary::new(p.host().clone()));
     let mut step = summary.resumed_from;
     while step < total {
         let started = Instant::now();
@@ -459,6 +466,9 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
             lr: mine.lr,
         };
         summary.steps.push(record);
+        if let Some(b) = boundary.as_mut() {
+            b.run(step as i64);
+        }
         let mut values = step_values(
             &record,
             tokens,

@@ -421,7 +421,8 @@ fn ferl_sft_nproc_per_node_2_with_custom_cls_tensorboard_and_liger_matches_one_p
     let mut dist = vec!["--nproc-per-node".to_string(), "2".into()];
     dist.extend(overrides(&fx, "dist", &custom));
     ferl_sft(&plugins, &cache, &dist, "ferl sft --nproc-per-node 2");
-    let local = overrides(&fx, "local", &["data.plugin=alpaca".into()]);
+    // One process reads the same keys the same way.
+    let local = overrides(&fx, "local", &custom);
     ferl_sft(
         &plugins,
         &d.join("cache-local"),

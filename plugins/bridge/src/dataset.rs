@@ -1,8 +1,8 @@
 //! Dataset plugins as trainer data sources (`data.plugin=NAME`, `data.plugin_options`).
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use ferl_plugin_host::{DatasetExample, DatasetInstance, PluginHost, PluginKind};
-use ferl_trainer::config::DataConfig;
+use ferl_trainer::config::{expand_path, DataConfig, SftConfig};
 use ferl_trainer::data::{
     DataSource, Origin, Prompt, RawExample, SftDataset, SftTokenizer, SourcedExample,
 };
@@ -114,4 +114,45 @@ pub fn plugin_dataset(
         sources.push(Box::new(s));
     }
     SftDataset::from_sources(&mut sources, cfg, &tokenizer, max_samples)
+}
+
+/// `data.custom_cls.path=FILE` (a dataset plugin library) with optional `data.custom_cls.name=NAME` (its manifest
+/// name): loads it into `host` unless a plugin of that name is loaded already, then sets `data.plugin` to it.
+pub fn resolve_custom_cls(host: &PluginHost, cfg: &mut SftConfig) -> Result<()> {
+    let Some(path) = cfg.data.custom_cls.path.clone() else {
+        return Ok(());
+    };
+    let file = expand_path(&path);
+    let wanted = cfg.data.custom_cls.name.clone();
+    // Already loaded from that file (it sits in a watched folder too), or under the wanted name.
+    let from_file = host
+        .list()
+        .into_iter()
+        .find(|r| r.state == "current" && Path::new(&r.file) == file)
+        .map(|r| r.name);
+    let by_name = wanted
+        .as_deref()
+        .and_then(|n| host.get(n).map(|_| n.to_string()));
+    let name = match from_file.or(by_name) {
+        Some(loaded) => loaded,
+        None => host
+            .load_file(&file, Some(PluginKind::Dataset))
+            .with_context(|| format!("data.custom_cls.path={path}"))?
+            .info()
+            .name
+            .clone(),
+    };
+    if let Some(w) = &wanted {
+        if *w != name {
+            bail!("data.custom_cls.path={path} holds dataset plugin `{name}`, not data.custom_cls.name={w}");
+        }
+    }
+    if let Some(p) = &cfg.data.plugin {
+        if *p != name {
+            bail!("data.plugin={p} and data.custom_cls (plugin `{name}`) name different datasets; set one");
+        }
+    }
+    cfg.data.plugin = Some(name);
+    cfg.data.custom_cls = Default::default();
+    Ok(())
 }

@@ -31,10 +31,15 @@ pub fn plugin_run_options(
     Ok((opts, host))
 }
 
-/// Runs SFT as `cfg` says, with plugins (see [`plugin_run_options`]); `data.plugin=NAME` reads `data.train_files`
-/// and `data.val_files` through that dataset plugin.
+/// Runs SFT as `cfg` says, with plugins (see [`plugin_run_options`]); `data.plugin=NAME` (or
+/// `data.custom_cls.path=LIB` with `data.custom_cls.name=NAME`) reads `data.train_files` and `data.val_files` through
+/// that dataset plugin.
 pub fn run_sft(cfg: &SftConfig, folders: &[PathBuf]) -> Result<RunSummary> {
     let (opts, host) = plugin_run_options(cfg, folders)?;
+    // verl's data.custom_cls.path/name: a dataset plugin file, read as data.plugin.
+    let mut cfg = cfg.clone();
+    crate::dataset::resolve_custom_cls(&host, &mut cfg)?;
+    let cfg = &cfg;
     if cfg.data.plugin.is_none() {
         return run_plain(cfg, opts);
     }
