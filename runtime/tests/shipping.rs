@@ -62,12 +62,13 @@ async fn shipped_file_reaches_a_remote_worker_once_and_is_verified() {
 
     // A file that is not there fails the spawn, naming the file and its shipped name.
     let missing = dir.path().join("missing.bin");
-    let e = head
+    let Err(e) = head
         .cluster
         .spawn::<Counter>(3, SpawnOptions::new().ship_file("gone", &missing))
         .await
-        .err()
-        .expect("refused")
-        .to_string();
+    else {
+        panic!("a spawn shipping a missing file was accepted")
+    };
+    let e = e.to_string();
     assert!(e.contains("`gone`") && e.contains("missing.bin"), "{e}");
 }
