@@ -1,6 +1,6 @@
 //! Files shipped with a spawn: a driver names files with [`crate::SpawnOptions::ship_file`]; before the node agent
 //! starts the actor's worker it makes sure each one is in the node's content-addressed cache (fetching it from the
-//! driver's file server in [`crate::binary`] by sha256 when it is not), and tells the worker where each file is;
+//! driver's file server (`binary.rs`) by sha256 when it is not), and tells the worker where each file is;
 //! the actor finds them with [`shipped_file`] / [`shipped_files`].
 //!
 //! The cache is `$FERL_BIN_CACHE/files` (default `~/.cache/ferl/bin/files`); a file is stored as
