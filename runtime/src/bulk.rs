@@ -445,11 +445,16 @@ pub(crate) fn spawn_bulk_reader(conn: quinn::Connection, inbox: Arc<BulkInbox>) 
                         &format!("bulk payload of {len} bytes exceeds the maximum of {MAX_BULK}"),
                     );
                 }
-                let mut bytes = aligned_buffer(len as usize);
-                bytes.resize(len as usize, 0);
-                if recv.read_exact(bytes.as_mut_slice()).await.is_ok() {
-                    inbox.arrive(id, bytes);
+                // Chunks straight from quinn's receive buffers into the payload: no zeroing pass, one copy.
+                let len = len as usize;
+                let mut bytes = buffer(len);
+                while bytes.len() < len {
+                    match recv.read_chunk(len - bytes.len(), true).await {
+                        Ok(Some(chunk)) => bytes.extend_from_slice(&chunk.bytes),
+                        _ => return,
+                    }
                 }
+                inbox.arrive(id, bytes);
             });
         }
     });
