@@ -2,6 +2,9 @@
 //! Ray 2.60 on the reference machine (2 cores): 1:1 sync 1,330 calls/s, 1:1 async 5,900 calls/s, 1 MiB-arg
 //! 390 calls/s, placement group create+remove 470/s, `ray.init()` to first call 2.9 s; TCP loopback 3.8 GB/s.
 //! Workers are this binary re-run in worker mode; they host `ferl_runtime::testbed::Counter`.
+//! The 1 MiB and 100 MiB rows move their payloads through the same-host shared-memory ring (guarantee 13 in
+//! `runtime/README.md`); run with `FERL_SHM_BYTES=0` to measure them over QUIC instead. Both rows include the
+//! caller's clone of its argument and the actor's decoding of it into a fresh `Vec<u8>`.
 
 use std::time::{Duration, Instant};
 
