@@ -12,7 +12,7 @@
 //! steps (all but the first) over the slowest rank's time, its peak memory the largest rank's peak resident set
 //! (`VmHWM`, from `ferl_actors::rank::peak_memory_bytes` — the figure the trainer ranks report as
 //! `perf/max_memory_gb/rank_R`). Rows, for W in {1, N}: `fsdp_wW_{ferl,pytorch}_tokens_per_s`,
-//! `fsdp_wW_{ferl,pytorch}_peak_rss_MiB`, `fsdp_wW_first_loss_rel_diff` (the two sides train the same thing),
+//! `fsdp_wW_{ferl,pytorch}_peak_rss_MiB`, `fsdp_wW_first_loss_rel_diff_ppm` (the two sides train the same thing),
 //! then the ratios `fsdp_wW_tokens_per_s_ratio` (ferl ÷ PyTorch, goal ≥ 1.2) and `fsdp_wW_peak_rss_ratio` (goal ≤ 1).
 
 use super::common::{group_figures, prepare, py_script, python, read_samples, SideRecord};
@@ -63,9 +63,9 @@ pub fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<
         out.row(&format!("fsdp_w{w}_pytorch_peak_rss_MiB"), tm, "MiB");
         if let (Some(fl), Some(tl)) = (ferl[0].loss.first(), torch[0].loss.first()) {
             out.row(
-                &format!("fsdp_w{w}_first_loss_rel_diff"),
-                (fl - tl).abs() / tl.abs().max(1e-12),
-                "x",
+                &format!("fsdp_w{w}_first_loss_rel_diff_ppm"),
+                (fl - tl).abs() / tl.abs().max(1e-12) * 1e6,
+                "ppm",
             );
         }
     }
