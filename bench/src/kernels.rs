@@ -11,7 +11,7 @@
 //! Then the whole train step (the engine's forward + backward of one `--seq`-token sequence through the tiny Qwen2
 //! of `--model-config`, random weights, fp32) with the built-in ops, with RMSNorm and SwiGLU through the `liger`
 //! kernels (the layers run split at the kernels), and with all three kernels (`model.use_liger=true`); the variants
-//! take turns step by step and each reports its median: rows `train_step_<variant>_tokens_per_s` and the ratios
+//! take turns step by step (in a rotating order) and each reports its median: rows `train_step_<variant>_tokens_per_s` and the ratios
 //! `liger_norm_swiglu_train_step_ratio`, `liger_all_train_step_ratio` (÷ built-in; above 1 is faster).
 
 use crate::report::Report;
@@ -254,7 +254,9 @@ fn train_steps(a: &KernelsArgs, out: &mut Report) -> Result<()> {
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     let mut losses = vec![0.0; variants.len()];
     for round in 0..=a.train_steps {
-        for (i, e) in engines.iter_mut().enumerate() {
+        // Each round starts with another variant, so no variant always runs right after the same one.
+        for i in (0..engines.len()).map(|j| (j + round) % engines.len()) {
+            let e = &mut engines[i];
             e.store_mut().zero_grads();
             let t0 = Instant::now();
             losses[i] = e.forward_backward(&mb, mb.num_targets)?;
