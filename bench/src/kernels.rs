@@ -255,7 +255,8 @@ fn train_steps(a: &KernelsArgs, out: &mut Report) -> Result<()> {
     let mut losses = vec![0.0; variants.len()];
     for round in 0..=a.train_steps {
         // Each round starts with another variant, so no variant always runs right after the same one.
-        for i in (0..engines.len()).map(|j| (j + round) % engines.len()) {
+        let n = engines.len();
+        for i in (0..n).map(|j| (j + round) % n) {
             let e = &mut engines[i];
             e.store_mut().zero_grads();
             let t0 = Instant::now();
