@@ -49,7 +49,7 @@ pub fn rank_device(cfg: &SftConfig, local_device: usize) -> Device {
     if cfg.trainer.device == "cpu" {
         return Device::Cpu;
     }
-    if tch::Cuda::is_available() {
+    if ferl_trainer::sft::cuda_is_available() {
         Device::Cuda(local_device)
     } else {
         tracing::warn!(device = %cfg.trainer.device, "CUDA is not available: training on the CPU");

@@ -105,7 +105,7 @@ fn should(freq: i64, step: u64, total: u64) -> bool {
 }
 
 fn use_gpus(cfg: &SftConfig) -> bool {
-    cfg.trainer.device != "cpu" && tch::Cuda::is_available()
+    cfg.trainer.device != "cpu" && ferl_trainer::sft::cuda_is_available()
 }
 
 /// Trains `cfg` with `world` ranks on `cluster`. Plugins come from the job's plugin host ([`DriverPlugins`]): the
@@ -399,7 +399,11 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
         std::env::set_var("MASTER_PORT", (launch.master_port + 1).to_string());
     }
     // SLURM's --gpus-per-task leaves one visible device per task; torchrun leaves all of them.
-    let visible = tch::Cuda::device_count().max(1) as usize;
+    let visible = if cfg.trainer.device != "cpu" && ferl_trainer::sft::cuda_is_available() {
+        tch::Cuda::device_count().max(1) as usize
+    } else {
+        1
+    };
     let device = rank_device(&cfg, launch.local_rank % visible);
     let comm = init_from_env(device).context("joining the group from the launcher environment")?;
     let (rank, world) = (comm.rank(), comm.world_size());

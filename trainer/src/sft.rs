@@ -129,11 +129,21 @@ pub struct RunSummary {
     pub last_checkpoint: Option<PathBuf>,
 }
 
+/// Whether torch sees a CUDA device. Loads libtorch_cuda first: the linker's `--as-needed` drops it from our
+/// binaries (nothing references it by symbol), and without it torch reports no CUDA at all.
+pub fn cuda_is_available() -> bool {
+    if let Err(e) = ferl_collective::load_torch_cuda() {
+        tracing::debug!("{e:#}");
+        return false;
+    }
+    tch::Cuda::is_available()
+}
+
 /// The device `trainer.device` names.
 pub fn device_of(cfg: &SftConfig) -> Result<Device> {
     match cfg.trainer.device.as_str() {
         "cpu" => Ok(Device::Cpu),
-        "cuda" if tch::Cuda::is_available() => Ok(Device::Cuda(0)),
+        "cuda" if cuda_is_available() => Ok(Device::Cuda(0)),
         "cuda" => {
             bail!("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
         }

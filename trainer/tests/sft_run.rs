@@ -272,3 +272,41 @@ fn bf16_compute_with_fp32_masters_trains() {
     let m = ferl_trainer::model::load_model(&hf).unwrap();
     assert_eq!(m.params[0].kind(), tch::Kind::Float);
 }
+
+/// `trainer.device=cuda` trains on the GPU when torch sees one (libtorch_cuda is loaded on demand even though the
+/// linker dropped it), and otherwise is refused with a message that says what to set; never a silent CPU run.
+#[test]
+fn cuda_device_trains_on_a_gpu_or_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let cfg = config(
+        dir.path(),
+        &["trainer.device=cuda", "trainer.total_training_steps=2"],
+    );
+    if !ferl_trainer::sft::cuda_is_available() {
+        let err = ferl_trainer::sft::device_of(&cfg).unwrap_err().to_string();
+        assert!(
+            err.contains("no CUDA device is visible") && err.contains("trainer.device=cpu"),
+            "{err}"
+        );
+        eprintln!("SKIP the GPU run: torch sees no CUDA device here (checked the refusal instead)");
+        return;
+    }
+    assert_eq!(
+        ferl_trainer::sft::device_of(&cfg).unwrap(),
+        tch::Device::Cuda(0)
+    );
+    let data = dataset(8, 5);
+    let gpu = run_with_data(&cfg, &data, None, quiet()).unwrap();
+    let cpu_dir = tempfile::tempdir().unwrap();
+    tiny_model(cpu_dir.path());
+    let cpu_cfg = config(cpu_dir.path(), &["trainer.total_training_steps=2"]);
+    let cpu = run_with_data(&cpu_cfg, &data, None, quiet()).unwrap();
+    assert_eq!(losses(&gpu).len(), 2);
+    for (g, c) in losses(&gpu).iter().zip(&losses(&cpu)) {
+        assert!(
+            (g - c).abs() <= 1e-3 * c.abs(),
+            "GPU loss {g} vs CPU loss {c}"
+        );
+    }
+}
