@@ -9,6 +9,10 @@ mod train;
 
 use clap::{Parser, Subcommand};
 
+/// The same allocator as the `ferl` binary (see ferl/src/main.rs), so the figures are the product's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// ferl benchmarks.
 #[derive(Parser)]
 #[command(name = "ferl-bench", about)]
