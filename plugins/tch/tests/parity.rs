@@ -149,7 +149,8 @@ fn builtin_kernels_match_reference_within_1e_5() {
 
 #[test]
 fn cuda_kernels_match_reference_within_1e_5() {
-    if !tch::Cuda::is_available() {
+    // libtorch_cuda is loaded at run time: the linker drops it from binaries that never name its symbols.
+    if ferl_collective::load_torch_cuda().is_err() || !tch::Cuda::is_available() {
         eprintln!("skipped: no CUDA device (the same kernels run on CUDA tensors through the tch HostOps)");
         return;
     }
