@@ -28,7 +28,10 @@ async fn guarantee_13_large_payloads_on_one_host_go_through_shared_memory() {
         assert_eq!(back.len(), data.len(), "round {round}");
         assert!(back == data, "round {round}: echoed bytes differ");
     }
-    assert_eq!(actor.call(Sink(pattern(3 << 20, 9))).await.unwrap(), 3 << 20);
+    assert_eq!(
+        actor.call(Sink(pattern(3 << 20, 9))).await.unwrap(),
+        3 << 20
+    );
     let received = shm_bytes_received() - before;
     assert!(
         received >= (8 << 20) + (200 << 10),
@@ -54,11 +57,17 @@ async fn guarantee_13_a_full_ring_falls_back_to_quic_in_order() {
         .collect();
     for call in calls {
         let (i, back) = call.await.unwrap();
-        assert!(back.unwrap() == pattern(300 << 10, i), "call {i} came back wrong");
+        assert!(
+            back.unwrap() == pattern(300 << 10, i),
+            "call {i} came back wrong"
+        );
     }
     // Tells of large payloads keep their order with calls (guarantee 2 holds across both paths).
     for seq in 0..5u64 {
-        actor.tell(Sink(pattern(400 << 10, seq as u8))).await.unwrap();
+        actor
+            .tell(Sink(pattern(400 << 10, seq as u8)))
+            .await
+            .unwrap();
         actor.tell(Record { sender: 1, seq }).await.unwrap();
     }
     let seen = actor.call(Recorded).await.unwrap();
