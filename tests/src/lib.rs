@@ -22,6 +22,32 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// `target/<profile>/ferl`, brought up to date first with `cargo build -p ferl --bin ferl` (once per test process;
+/// a no-op when it is fresh, as after `scripts/test.sh`'s build), so a test never runs a stale binary.
+pub fn ferl_binary() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("the test's own path");
+            let profile_dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target/<profile>/deps/<test>")
+                .to_path_buf();
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = Command::new(cargo)
+                .args(["build", "-p", "ferl", "--bin", "ferl"])
+                .current_dir(repo_root())
+                .status()
+                .expect("run cargo build -p ferl");
+            assert!(status.success(), "building the ferl binary failed");
+            let bin = profile_dir.join("ferl");
+            assert!(bin.exists(), "no ferl binary at {}", bin.display());
+            bin
+        })
+        .clone()
+}
+
 /// Writes a 2-layer, 32-wide Qwen2 model (real 151,936-token vocabulary so the Qwen tokenizer's ids fit) with
 /// seeded random weights and the tokenizer files into `dir`.
 pub fn write_tiny_model(dir: &Path) -> Result<()> {

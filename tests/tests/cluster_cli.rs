@@ -4,57 +4,11 @@
 //! `ferl status [--json]` and `ferl stop`, with every process checked gone afterwards.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
-use ferl_tests::repo_root;
-
-/// Newest modification time of the `.rs` files under `dir`.
-fn newest_source(dir: &Path) -> SystemTime {
-    let mut newest = SystemTime::UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        let time = if path.is_dir() {
-            newest_source(&path)
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .unwrap_or(SystemTime::UNIX_EPOCH)
-        } else {
-            continue;
-        };
-        newest = newest.max(time);
-    }
-    newest
-}
-
-/// `target/<profile>/ferl`, (re)built when missing or older than the sources of `ferl` and `ferl-runtime`.
-fn ferl_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    let bin = profile_dir.join("ferl");
-    let root = repo_root();
-    let sources =
-        newest_source(&root.join("ferl/src")).max(newest_source(&root.join("runtime/src")));
-    let built = std::fs::metadata(&bin).and_then(|m| m.modified()).ok();
-    if built.is_none_or(|t| t < sources) {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "ferl", "--bin", "ferl"])
-            .current_dir(&root)
-            .status()
-            .expect("run cargo build -p ferl");
-        assert!(status.success(), "building the ferl binary failed");
-    }
-    assert!(bin.exists(), "no ferl binary at {}", bin.display());
-    bin
-}
+use ferl_tests::ferl_binary;
 
 /// Whether `pid` runs (a zombie does not).
 fn running(pid: u32) -> bool {

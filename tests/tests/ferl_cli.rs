@@ -7,29 +7,6 @@ use std::process::{Command, Output};
 
 use ferl_tests::*;
 
-/// `target/<profile>/ferl`, built first when missing (this test's own binary lives in `target/<profile>/deps`). It is
-/// not rebuilt when present: build it (`cargo build -p ferl`) after changing ferl's sources.
-fn ferl_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    let bin = profile_dir.join("ferl");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "ferl", "--bin", "ferl"])
-            .current_dir(repo_root())
-            .status()
-            .expect("run cargo build -p ferl");
-        assert!(status.success(), "building the ferl binary failed");
-    }
-    assert!(bin.exists(), "no ferl binary at {}", bin.display());
-    bin
-}
-
 fn check(out: Output, what: &str) {
     assert!(
         out.status.success(),

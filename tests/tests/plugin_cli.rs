@@ -15,27 +15,6 @@ use std::time::{Duration, Instant};
 use ferl::plugins::cargo_build::{build_plugin, workspace_root, PluginBuild};
 use ferl_tests::*;
 
-/// `target/<profile>/ferl`, built first when missing (as in `ferl_cli.rs`).
-fn ferl_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    let bin = profile_dir.join("ferl");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "ferl", "--bin", "ferl"])
-            .current_dir(repo_root())
-            .status()
-            .expect("run cargo build -p ferl");
-        assert!(status.success(), "building the ferl binary failed");
-    }
-    bin
-}
-
 /// Builds plugin `package` with build environment `env` (cached per package and environment, shared with the
 /// bridge's tests).
 fn build(package: &str, env: &[(&str, &str)]) -> PathBuf {

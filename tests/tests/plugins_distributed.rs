@@ -18,27 +18,6 @@ use ferl_tests::*;
 /// Relative tolerance of the loss comparison against the single-process run.
 const REL: f64 = 1e-4;
 
-/// `target/<profile>/ferl`, built first when missing (as in `ferl_cli.rs`).
-fn ferl_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>")
-        .to_path_buf();
-    let bin = profile_dir.join("ferl");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "ferl", "--bin", "ferl"])
-            .current_dir(repo_root())
-            .status()
-            .expect("run cargo build -p ferl");
-        assert!(status.success(), "building the ferl binary failed");
-    }
-    bin
-}
-
 /// Builds the first-party plugins the runs use into `dir` (the driver's only plugin folder).
 fn plugin_folder(dir: &Path) -> PathBuf {
     let ws = workspace_root(&repo_root()).unwrap();
