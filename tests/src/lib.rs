@@ -22,8 +22,9 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// `target/<profile>/ferl`, brought up to date first with `cargo build -p ferl --bin ferl` (once per test process;
-/// a no-op when it is fresh, as after `scripts/test.sh`'s build), so a test never runs a stale binary.
+/// `target/<profile>/ferl`, built first when missing. It is not rebuilt when present: `scripts/test.sh` builds every
+/// target before the tests run (after changing ferl by hand, `cargo build --workspace --bins`). The build is the
+/// workspace's, not `-p ferl`'s, whose different feature set would rebuild half the tree.
 pub fn ferl_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -34,14 +35,16 @@ pub fn ferl_binary() -> PathBuf {
                 .and_then(Path::parent)
                 .expect("target/<profile>/deps/<test>")
                 .to_path_buf();
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = Command::new(cargo)
-                .args(["build", "-p", "ferl", "--bin", "ferl"])
-                .current_dir(repo_root())
-                .status()
-                .expect("run cargo build -p ferl");
-            assert!(status.success(), "building the ferl binary failed");
             let bin = profile_dir.join("ferl");
+            if !bin.exists() {
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+                let status = Command::new(cargo)
+                    .args(["build", "--workspace", "--bins"])
+                    .current_dir(repo_root())
+                    .status()
+                    .expect("run cargo build --workspace --bins");
+                assert!(status.success(), "building the ferl binary failed");
+            }
             assert!(bin.exists(), "no ferl binary at {}", bin.display());
             bin
         })
