@@ -159,10 +159,10 @@ async fn answer_again(actor: &ferl_runtime::ActorRef<Counter>) -> u32 {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn guarantee_12_actors_of_a_dead_node_restart_on_another_node() {
-    let bound = Duration::from_millis(1500);
-    let head = common::head(2.0, bound).await;
+/// A head (1.5 s heartbeat bound) and two node agents, each with 2 CPUs and one `special` resource.
+async fn head_and_two_special_nodes(
+) -> (ferl_runtime::HeadHandle, common::NodeProc, common::NodeProc) {
+    let head = common::head(2.0, Duration::from_millis(1500)).await;
     let flags = [
         "--num-cpus",
         "2",
@@ -171,8 +171,48 @@ async fn guarantee_12_actors_of_a_dead_node_restart_on_another_node() {
         "--heartbeat-ms",
         "1500",
     ];
-    let mut first = common::node(&head, &flags, &[]);
+    let first = common::node(&head, &flags, &[]);
     let second = common::node(&head, &flags, &[]);
+    (head, first, second)
+}
+
+/// Calls `actor` until it answers `ActorDied` with a reason containing `reason_part` (within 60 s); returns the
+/// reason and the node the error names.
+async fn final_death(
+    actor: &ferl_runtime::ActorRef<Counter>,
+    reason_part: &str,
+) -> (String, String) {
+    let t0 = Instant::now();
+    loop {
+        match actor.call(Get).await {
+            Err(Error::ActorDied { reason, node, .. }) if reason.contains(reason_part) => {
+                return (reason, node)
+            }
+            other => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "no `{reason_part}` verdict yet: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// The entry of node `name` in a `ferl status` JSON.
+fn status_node(status: &serde_json::Value, name: &str) -> serde_json::Value {
+    status["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == name)
+        .unwrap()
+        .clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_12_actors_of_a_dead_node_restart_on_another_node() {
+    let (head, mut first, second) = head_and_two_special_nodes().await;
     let cluster = &head.cluster;
     let mut events = cluster.events();
     let actor = cluster
@@ -240,56 +280,23 @@ async fn guarantee_12_actors_of_a_dead_node_restart_on_another_node() {
     assert_eq!(named.call(Pid).await.unwrap(), new_pid);
     // Its reservation moved with it: the second node's `special` is in use, the dead node holds nothing.
     let status = cluster.status().await.unwrap();
-    let node = |name: &str| {
-        status["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|n| n["name"] == name)
-            .unwrap()
-            .clone()
-    };
-    assert_eq!(node(&second.name)["resources_used"]["special"], 1.0);
-    assert_eq!(node(&first.name)["alive"], false);
+    assert_eq!(
+        status_node(&status, &second.name)["resources_used"]["special"],
+        1.0
+    );
+    assert_eq!(status_node(&status, &first.name)["alive"], false);
     // With no node left that has `special`, the next node death is final (restarts left or not) and says why.
     let second_name = second.name.clone();
     drop(second);
-    let t0 = Instant::now();
-    loop {
-        match actor.call(Get).await {
-            Err(Error::ActorDied { reason, node, .. })
-                if reason.contains("no live node can host it") =>
-            {
-                assert!(reason.contains("special"), "{reason}");
-                assert_eq!(node, second_name);
-                break;
-            }
-            other => {
-                assert!(
-                    t0.elapsed() < Duration::from_secs(60),
-                    "still no final verdict: {other:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+    let (reason, node) = final_death(&actor, "no live node can host it").await;
+    assert!(reason.contains("special"), "{reason}");
+    assert_eq!(node, second_name);
     head.cluster.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_12_actors_of_a_lost_bundle_die_with_the_reason_and_the_group_stays_removable() {
-    let bound = Duration::from_millis(1500);
-    let head = common::head(2.0, bound).await;
-    let flags = [
-        "--num-cpus",
-        "2",
-        "--resources",
-        "special=1",
-        "--heartbeat-ms",
-        "1500",
-    ];
-    let mut doomed = common::node(&head, &flags, &[]);
-    let survivor = common::node(&head, &flags, &[]);
+    let (head, mut doomed, survivor) = head_and_two_special_nodes().await;
     let cluster = &head.cluster;
     let group = cluster
         .create_group(
@@ -310,22 +317,8 @@ async fn guarantee_12_actors_of_a_lost_bundle_die_with_the_reason_and_the_group_
     let lost = spawn(lost_b).await.unwrap();
     let kept = spawn(kept_b).await.unwrap();
     doomed.child.kill().unwrap();
-    let t0 = Instant::now();
-    let reason = loop {
-        match lost.call(Get).await {
-            Err(Error::ActorDied { reason, node, .. }) if reason.contains("bundle") => {
-                assert_eq!(node, doomed.name);
-                break reason;
-            }
-            other => {
-                assert!(
-                    t0.elapsed() < Duration::from_secs(60),
-                    "no verdict for the actor of the lost bundle: {other:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    };
+    let (reason, node) = final_death(&lost, "bundle").await;
+    assert_eq!(node, doomed.name);
     assert!(
         reason.contains(&format!("bundle {lost_b} of resource group {}", group.id))
             && reason.contains("remove the group"),
@@ -356,13 +349,9 @@ async fn guarantee_12_actors_of_a_lost_bundle_die_with_the_reason_and_the_group_
     cluster.remove_group(&group).await.unwrap();
     assert!(matches!(kept.call(Get).await, Err(Error::ActorDied { .. })));
     let status = cluster.status().await.unwrap();
-    let node = status["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["name"] == survivor.name.as_str())
-        .unwrap()
-        .clone();
-    assert_eq!(node["resources_used"]["special"], 0.0);
+    assert_eq!(
+        status_node(&status, &survivor.name)["resources_used"]["special"],
+        0.0
+    );
     head.cluster.shutdown().await;
 }
