@@ -151,7 +151,7 @@ pub fn call_entry<A: Handler<M>, M: Message>() -> (&'static str, CallFn) {
             let actor = actor
                 .downcast::<A>()
                 .map_err(|_| remote(RemoteErrorKind::Decode, "actor type mismatch".into()))?;
-            let msg = M::from_wire(&bytes).map_err(|e| {
+            let msg = M::from_wire_owned(bytes).map_err(|e| {
                 remote(
                     RemoteErrorKind::Decode,
                     format!("actor {} could not decode {}: {e}", A::NAME, M::NAME),
@@ -182,7 +182,7 @@ pub fn stream_entry<A: StreamHandler<M>, M: StreamMessage>() -> (&'static str, S
             let actor = actor
                 .downcast::<A>()
                 .map_err(|_| remote(RemoteErrorKind::Decode, "actor type mismatch".into()))?;
-            let msg = M::from_wire(&bytes).map_err(|e| {
+            let msg = M::from_wire_owned(bytes).map_err(|e| {
                 remote(
                     RemoteErrorKind::Decode,
                     format!("actor {} could not decode {}: {e}", A::NAME, M::NAME),

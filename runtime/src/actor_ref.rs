@@ -55,7 +55,7 @@ impl<T: Wire> ReplyStream<T> {
     pub async fn next(&mut self) -> Option<Result<T>> {
         let item = self.handle.next().await?;
         Some(match item {
-            Ok(bytes) => T::from_wire(&bytes).map_err(Error::from),
+            Ok(bytes) => T::from_wire_owned(bytes).map_err(Error::from),
             Err(e) => Err(self.actor.explain(e)),
         })
     }
@@ -197,7 +197,7 @@ impl<A: Actor> ActorRef<A> {
     {
         let handle = self.send(M::NAME, CallKind::Call, msg.to_wire()?).await?;
         let bytes = handle.once().await.map_err(|e| self.explain(e))?;
-        Ok(M::Reply::from_wire(&bytes)?)
+        Ok(M::Reply::from_wire_owned(bytes)?)
     }
 
     /// Sends `msg` without waiting for it to be handled (it is queued in order with this sender's other messages).

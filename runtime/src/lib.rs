@@ -69,6 +69,7 @@ pub mod process;
 pub mod protocol;
 pub mod resources;
 pub mod session;
+pub mod shared_bytes;
 pub mod supervision;
 pub mod testbed;
 pub mod tls;
@@ -91,6 +92,7 @@ pub use cluster::{
 pub use error::{Error, Result};
 pub use inventory;
 pub use protocol::{ActorAddress, Event, Resources, Strategy};
+pub use shared_bytes::SharedBytes;
 pub use wire::Wire;
 pub use worker_group::{split_even, WorkerGroup};
 

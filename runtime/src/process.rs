@@ -17,7 +17,7 @@ use crate::error::Error;
 use crate::host::{run_mailbox, Envelope, Mailbox, Offered, Payload, Responder};
 use crate::protocol::{ActorAddress, CallKind, Event, RemoteError, RemoteErrorKind, Subscribe};
 use crate::tls::Credentials;
-use crate::transport::{self, Connections, Inbound, ReplyHandle};
+use crate::transport::{self, Connections, Inbound, Lanes, ReplyHandle};
 use crate::wire::{Wire, DEFAULT_MAX_FRAME};
 
 /// Well-known actor id of the head service (in the head process).
@@ -74,14 +74,17 @@ impl Process {
             next_local: AtomicU64::new(LOCAL_ID_BASE),
         });
         let inbound: Arc<dyn Inbound> = process.clone();
+        let lanes = Lanes::start(inbound.clone(), DEFAULT_MAX_FRAME);
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
                 tokio::spawn(transport::serve_connection(
                     incoming,
                     inbound.clone(),
+                    lanes.clone(),
                     DEFAULT_MAX_FRAME,
                 ));
             }
+            lanes.stop();
         });
         Ok(process)
     }
@@ -192,7 +195,7 @@ impl Process {
             .request(addr, id, M::NAME, CallKind::Call, msg.to_wire()?)
             .await?;
         let bytes = handle.once().await?;
-        Ok(M::Reply::from_wire(&bytes)?)
+        Ok(M::Reply::from_wire_owned(bytes)?)
     }
 
     /// Calls the head service.

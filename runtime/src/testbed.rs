@@ -9,6 +9,7 @@ use anyhow::{bail, Result};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::actor::{Actor, Context, Handler, ItemSink, StreamHandler};
+use crate::shared_bytes::SharedBytes;
 
 /// A counter: adds, reports, records the order of tagged messages, and can crash or sleep on request.
 pub struct Counter {
@@ -42,6 +43,13 @@ pub struct Echo(pub Vec<u8>);
 /// Receive bytes, reply with their length (transfer benchmark).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct Sink(pub Vec<u8>);
+/// Receive a shared buffer; replies with its length and whether decoding shared the received message buffer
+/// (zero-copy) rather than copying it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct SinkShared(pub SharedBytes);
+/// Echo a shared buffer back.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct EchoShared(pub SharedBytes);
 /// Report the worker's environment variable (ranks, devices).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct GetEnv(pub String);
@@ -63,6 +71,8 @@ crate::message! {
     Sleep => u64;
     Echo => Vec<u8>;
     Sink => u64;
+    SinkShared => (u64, bool);
+    EchoShared => SharedBytes;
     GetEnv => Option<String>;
     Pid => u32;
     Fail => ();
@@ -93,7 +103,7 @@ impl Counter {
     }
 }
 
-crate::register_actor!(Counter, calls: [Add, Get, Record, Recorded, Sleep, Echo, Sink, GetEnv, Pid, Fail],
+crate::register_actor!(Counter, calls: [Add, Get, Record, Recorded, Sleep, Echo, Sink, SinkShared, EchoShared, GetEnv, Pid, Fail],
     streams: [CountTo]);
 
 impl Handler<Add> for Counter {
@@ -131,6 +141,16 @@ impl Handler<Echo> for Counter {
 impl Handler<Sink> for Counter {
     async fn handle(&self, m: Sink, _: &Context) -> Result<u64> {
         Ok(m.0.len() as u64)
+    }
+}
+impl Handler<SinkShared> for Counter {
+    async fn handle(&self, m: SinkShared, _: &Context) -> Result<(u64, bool)> {
+        Ok((m.0.len() as u64, m.0.is_shared_with_message()))
+    }
+}
+impl Handler<EchoShared> for Counter {
+    async fn handle(&self, m: EchoShared, _: &Context) -> Result<SharedBytes> {
+        Ok(m.0)
     }
 }
 impl Handler<GetEnv> for Counter {

@@ -30,6 +30,9 @@ pub trait Wire: Sized + Send + 'static {
     fn to_wire(&self) -> Result<AlignedVec, WireError>;
     /// Validates and deserialises rkyv bytes (copies them first when they are not aligned).
     fn from_wire(bytes: &[u8]) -> Result<Self, WireError>;
+    /// Like [`Wire::from_wire`], taking the received buffer: [`crate::SharedBytes`] fields point into it instead of
+    /// copying (small buffers are simply decoded).
+    fn from_wire_owned(bytes: AlignedVec) -> Result<Self, WireError>;
 }
 
 /// An rkyv writer that only counts bytes: a first pass with it sizes the buffer of the real one, so a large message
@@ -80,6 +83,15 @@ where
             aligned.extend_from_slice(bytes);
             decode(&aligned)
         }
+    }
+
+    fn from_wire_owned(bytes: AlignedVec) -> Result<Self, WireError> {
+        if bytes.len() < crate::bulk::SHM_MIN {
+            let decoded = Self::from_wire(&bytes);
+            crate::bulk::recycle(bytes);
+            return decoded;
+        }
+        crate::shared_bytes::decode_sharing(bytes, Self::from_wire)
     }
 }
 

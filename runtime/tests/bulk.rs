@@ -89,3 +89,34 @@ async fn guarantee_13_with_the_ring_off_large_payloads_stay_on_quic() {
     }
     assert_eq!(shm_bytes_received(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_14_shared_bytes_arrive_as_views_of_the_received_buffer() {
+    let cluster = common::cluster().await;
+    let actor = cluster
+        .spawn::<Counter>(0, SpawnOptions::new())
+        .await
+        .unwrap();
+    let data: ferl_runtime::SharedBytes = pattern(1 << 20, 3).into();
+    // Sent twice from one buffer: the clones share it, and each arrives as a view, not a copy.
+    for _ in 0..2 {
+        let (len, shared) = actor.call(SinkShared(data.clone())).await.unwrap();
+        assert_eq!(len, 1 << 20);
+        assert!(
+            shared,
+            "the actor's SharedBytes was copied out of the message"
+        );
+    }
+    // Small messages are decoded by copying.
+    let (len, shared) = actor
+        .call(SinkShared(pattern(1000, 1).into()))
+        .await
+        .unwrap();
+    assert_eq!((len, shared), (1000, false));
+    // Replies too: the echo comes back equal, as a view of the reply buffer.
+    let back = actor.call(EchoShared(data.clone())).await.unwrap();
+    assert!(back == data, "echoed bytes differ");
+    assert!(back.is_shared_with_message(), "the reply was copied");
+    // A Vec<u8> peer type reads the same bytes (the wire format is that of Vec<u8>).
+    assert_eq!(actor.call(Sink(data.to_vec())).await.unwrap(), 1 << 20);
+}
