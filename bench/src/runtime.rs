@@ -3,15 +3,16 @@
 //! 390 calls/s, placement group create+remove 470/s, `ray.init()` to first call 2.9 s; TCP loopback 3.8 GB/s.
 //! Workers are this binary re-run in worker mode; they host `ferl_runtime::testbed::Counter`.
 //! The 1 MiB and 100 MiB rows move their payloads through the same-host shared-memory ring (guarantee 13 in
-//! `runtime/README.md`); run with `FERL_SHM_BYTES=0` to measure them over QUIC instead. Both rows include the
-//! caller's clone of its argument and the actor's decoding of it into a fresh `Vec<u8>`.
+//! `runtime/README.md`); run with `FERL_SHM_BYTES=0` to measure them over QUIC instead. Both send a `SharedBytes`
+//! (guarantee 14), as Ray's rows send one numpy array decoded without a copy; the `_vec` rows send a `Vec<u8>`
+//! instead, cloned per call and decoded into the actor's own `Vec<u8>`.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::Args;
-use ferl::runtime::testbed::{Counter, Get, Sink};
-use ferl::runtime::{bundle, ActorRef, Cluster, SpawnOptions, Strategy};
+use ferl::runtime::testbed::{Counter, Get, Sink, SinkShared};
+use ferl::runtime::{bundle, ActorRef, Cluster, SharedBytes, SpawnOptions, Strategy};
 
 use crate::report::Report;
 
@@ -24,14 +25,41 @@ pub struct RuntimeArgs {
     /// Calls in flight for the async rows.
     #[arg(long, default_value_t = 1000)]
     in_flight: usize,
+    /// Worker threads of the driver's tokio runtime (default: tokio's, one per core).
+    #[arg(long)]
+    driver_threads: Option<usize>,
 }
 
 /// Runs the suite and prints its rows.
 pub fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.driver_threads {
+        builder.worker_threads(n.max(1));
+    }
+    let rt = builder.enable_all().build()?;
+    // The figures run in a spawned task, on the runtime's worker threads: a future given to `block_on` runs on the
+    // calling thread instead, so each reply would cross threads to reach it (`runtime/README.md`, performance).
     rt.block_on(async {
+        let (tx, mut rows) = tokio::sync::mpsc::unbounded_channel();
+        let suite = rt.spawn(suite(args, Rows(tx)));
+        while let Some((name, value, unit)) = rows.recv().await {
+            out.row(name, value, unit);
+        }
+        suite.await?
+    })
+}
+
+/// Rows sent from the suite's task to the thread that prints them: name, value, unit.
+struct Rows(tokio::sync::mpsc::UnboundedSender<(&'static str, f64, &'static str)>);
+
+impl Rows {
+    fn row(&mut self, name: &'static str, value: f64, unit: &'static str) {
+        let _ = self.0.send((name, value, unit));
+    }
+}
+
+async fn suite(args: RuntimeArgs, mut out: Rows) -> Result<()> {
+    {
         let window = Duration::from_secs_f64(args.seconds);
         let t0 = Instant::now();
         let cluster = ferl::runtime::init(Default::default()).await?;
@@ -53,16 +81,18 @@ pub fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
             async_calls(std::slice::from_ref(&actor), args.in_flight, window).await?,
             "calls/s",
         );
-        let mib = vec![7u8; 1 << 20];
-        let t = Instant::now();
-        let mut n = 0u64;
-        while t.elapsed() < window {
-            actor.call(Sink(mib.clone())).await?;
-            n += 1;
-        }
+        // Ray's row passes one numpy array again and again and decodes it without a copy: `SharedBytes` does
+        // both. The `_vec` row sends a fresh `Vec<u8>` (the caller's clone) decoded into the actor's own `Vec`.
+        let mib = SharedBytes::from(vec![7u8; 1 << 20]);
         out.row(
             "1_1_actor_calls_1MiB_arg",
-            n as f64 / t.elapsed().as_secs_f64(),
+            payload_calls(window, || actor.call(SinkShared(mib.clone()))).await?,
+            "calls/s",
+        );
+        let mib_vec = mib.to_vec();
+        out.row(
+            "1_1_actor_calls_1MiB_arg_vec",
+            payload_calls(window, || actor.call(Sink(mib_vec.clone()))).await?,
             "calls/s",
         );
 
@@ -76,16 +106,17 @@ pub fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
             "calls/s",
         );
 
-        let blob = vec![1u8; 100 << 20];
-        actor.call(Sink(blob.clone())).await?;
-        let t = Instant::now();
-        let rounds = 5;
-        for _ in 0..rounds {
-            actor.call(Sink(blob.clone())).await?;
-        }
+        let blob = SharedBytes::from(vec![1u8; 100 << 20]);
         out.row(
             "transfer_100MiB_GBps",
-            (rounds * blob.len()) as f64 / t.elapsed().as_secs_f64() / 1e9,
+            transfer(blob.len(), || actor.call(SinkShared(blob.clone()))).await?,
+            "GB/s",
+        );
+        let blob_vec = blob.to_vec();
+        drop(blob);
+        out.row(
+            "transfer_100MiB_vec_GBps",
+            transfer(blob_vec.len(), || actor.call(Sink(blob_vec.clone()))).await?,
             "GB/s",
         );
 
@@ -115,7 +146,35 @@ pub fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
         );
         cluster.shutdown().await;
         Ok(())
-    })
+    }
+}
+
+/// Calls issued one after another until the window closes, per second.
+async fn payload_calls<F, R>(window: Duration, mut call: impl FnMut() -> F) -> Result<f64>
+where
+    F: std::future::Future<Output = ferl::runtime::Result<R>>,
+{
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed() < window {
+        call().await?;
+        n += 1;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// GB/s of `len`-byte payloads sent one after another (after one warm-up call).
+async fn transfer<F, R>(len: usize, mut call: impl FnMut() -> F) -> Result<f64>
+where
+    F: std::future::Future<Output = ferl::runtime::Result<R>>,
+{
+    call().await?;
+    let rounds = 5;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        call().await?;
+    }
+    Ok((rounds * len) as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
 async fn sync_calls(actor: &ActorRef<Counter>, window: Duration) -> Result<f64> {

@@ -117,6 +117,18 @@ pub enum Frame {
         /// Why not, when refused.
         reason: String,
     },
+    /// A caller's first frame on a new connection: asks for a same-host lane (see `transport::lane`).
+    LaneAsk,
+    /// The answer to [`Frame::LaneAsk`]: the callee's abstract Unix socket and the bytes that open it for this
+    /// connection; an empty `name` offers nothing.
+    LaneOffer {
+        /// The callee's process id (checked against the socket's peer credentials).
+        pid: u32,
+        /// The abstract socket's name.
+        name: String,
+        /// Random bytes the caller sends first on the socket.
+        nonce: Vec<u8>,
+    },
 }
 
 impl Frame {

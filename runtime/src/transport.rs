@@ -16,18 +16,21 @@ use futures::future::BoxFuture;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
-use tokio::io::BufReader;
+use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::{mpsc, oneshot, OnceCell};
 
+mod lane;
 mod streams;
 
+pub use self::lane::lanes_opened;
+pub(crate) use self::lane::Lanes;
 use self::streams::{write_loop, BodyReader, Got, Outgoing, ShmLink};
 use crate::bulk::{self, BulkInbox};
 use crate::error::Error;
 use crate::host::{Envelope, Payload, Responder};
 use crate::protocol::{ArchivedCallKind, ArchivedFrame, Body, CallKind, Frame, RemoteError};
 use crate::tls::{self, Credentials};
-use crate::wire::{read_frame, FrameError};
+use crate::wire::{encode_frame, read_frame, FrameError};
 
 /// Payloads larger than this travel on their own QUIC stream (when the same-host ring is not in use).
 pub const BULK_THRESHOLD: usize = 4 << 20;
@@ -37,6 +40,11 @@ pub const BULK_THRESHOLD: usize = 4 << 20;
 const MTU_UPPER_BOUND: u16 = 6_500;
 /// Socket buffer asked for (the kernel caps it at `net.core.[rw]mem_max` unless the process may force it).
 const SOCKET_BUFFER: libc::c_int = 32 << 20;
+/// After a same-host lane ends, how long its caller waits for the QUIC connection to close with the cluster's
+/// reason (a dead worker's node reports it) before closing it itself.
+const LANE_GRACE: Duration = Duration::from_secs(2);
+/// How long a caller waits for the answer to its lane request when opening a connection.
+const LANE_ASK: Duration = Duration::from_secs(5);
 
 /// What the transport hands incoming traffic to.
 pub(crate) trait Inbound: Send + Sync + 'static {
@@ -148,8 +156,8 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// Starts the writer task of `send`.
-    fn start(send: quinn::SendStream, conn: &quinn::Connection) -> Self {
+    /// Starts the writer task of `send` (a QUIC stream, or a same-host lane).
+    fn start<W: AsyncWrite + Unpin + Send + 'static>(send: W, conn: &quinn::Connection) -> Self {
         let (tx, rx) = mpsc::channel(1024);
         let link = Arc::new(ShmLink::default());
         tokio::spawn(write_loop(send, rx, conn.clone(), link.clone()));
@@ -207,6 +215,7 @@ impl Outbox {
 pub(crate) async fn serve_connection(
     incoming: quinn::Incoming,
     inbound: Arc<dyn Inbound>,
+    lanes: Arc<Lanes>,
     max_frame: usize,
 ) {
     let conn = match incoming.await {
@@ -219,31 +228,38 @@ pub(crate) async fn serve_connection(
     let inbox = Arc::new(BulkInbox::default());
     bulk::spawn_bulk_reader(conn.clone(), inbox.clone());
     while let Ok((send, recv)) = conn.accept_bi().await {
-        tokio::spawn(serve_call_stream(
-            conn.clone(),
-            send,
-            recv,
-            inbound.clone(),
-            inbox.clone(),
-            max_frame,
-        ));
+        let (conn, inbound, inbox, lanes) =
+            (conn.clone(), inbound.clone(), inbox.clone(), lanes.clone());
+        tokio::spawn(async move {
+            let out = Outbox::start(send, &conn);
+            serve_call_stream(conn, recv, out, inbound, inbox, Some(lanes), max_frame).await
+        });
     }
 }
 
-async fn serve_call_stream(
+/// Serves one call stream (on QUIC, or a same-host lane): reads calls and hands them to `inbound`, whose replies
+/// go to `out`. Ends with the stream or the connection.
+async fn serve_call_stream<R: AsyncRead + Unpin>(
     conn: quinn::Connection,
-    send: quinn::SendStream,
-    recv: quinn::RecvStream,
+    recv: R,
+    out: Outbox,
     inbound: Arc<dyn Inbound>,
     inbox: Arc<BulkInbox>,
+    lanes: Option<Arc<Lanes>>,
     max_frame: usize,
 ) {
-    let out = Outbox::start(send, &conn);
     let mut reader = BufReader::with_capacity(64 << 10, recv);
     let mut bodies = BodyReader::new(inbox, max_frame);
     let mut buf = AlignedVec::new();
+    let closed = conn.closed();
+    tokio::pin!(closed);
     loop {
-        match read_frame(&mut reader, max_frame, &mut buf).await {
+        let read = tokio::select! {
+            biased;
+            r = read_frame(&mut reader, max_frame, &mut buf) => r,
+            _ = &mut closed => return,
+        };
+        match read {
             Ok(true) => {}
             Ok(false) => return,
             Err(FrameError::Io(e)) => return tracing::debug!("call stream ended: {e}"),
@@ -277,6 +293,18 @@ async fn serve_call_stream(
             }
             ArchivedFrame::ShmAnswer { accepted, .. } => {
                 out.link.answered(*accepted);
+                continue;
+            }
+            ArchivedFrame::LaneAsk => {
+                let answer = match &lanes {
+                    Some(lanes) => lanes.offer(&conn, &bodies.inbox),
+                    None => Frame::LaneOffer {
+                        pid: 0,
+                        name: String::new(),
+                        nonce: Vec::new(),
+                    },
+                };
+                let _ = out.frame(answer, None).await;
                 continue;
             }
             _ => {
@@ -345,18 +373,41 @@ impl PeerConn {
             .connect(addr, tls::CLUSTER_SERVER_NAME)?
             .await
             .with_context(|| format!("connecting to cluster process {addr}"))?;
-        let (send, recv) = conn.open_bi().await?;
-        let out = Outbox::start(send, &conn);
-        let peer = Arc::new(Self {
-            addr,
-            conn: conn.clone(),
-            out,
-            pending: DashMap::new(),
-            next_req: AtomicU64::new(1),
-        });
+        let (mut send, recv) = conn.open_bi().await?;
+        let mut recv = BufReader::with_capacity(64 << 10, recv);
+        let lane = match ask_for_lane(&mut send, &mut recv, max_frame).await {
+            Ok(stream) => Some(stream),
+            Err(reason) => {
+                tracing::debug!("calls to {addr} stay on QUIC: {reason}");
+                None
+            }
+        };
         let inbox = Arc::new(BulkInbox::default());
         bulk::spawn_bulk_reader(conn.clone(), inbox.clone());
-        tokio::spawn(read_replies(peer.clone(), recv, inbox, max_frame));
+        let new = |out| {
+            Arc::new(Self {
+                addr,
+                conn: conn.clone(),
+                out,
+                pending: DashMap::new(),
+                next_req: AtomicU64::new(1),
+            })
+        };
+        let peer = match lane {
+            Some(stream) => {
+                let _ = send.finish();
+                let (read, write) = stream.into_split();
+                let peer = new(Outbox::start(write, &conn));
+                let reader = BufReader::with_capacity(64 << 10, read);
+                tokio::spawn(read_replies(peer.clone(), reader, inbox, max_frame, true));
+                peer
+            }
+            None => {
+                let peer = new(Outbox::start(send, &conn));
+                tokio::spawn(read_replies(peer.clone(), recv, inbox, max_frame, false));
+                peer
+            }
+        };
         Ok(peer)
     }
 
@@ -401,7 +452,10 @@ impl PeerConn {
         };
         if let Err(e) = self.out.frame(frame, Some(payload)).await {
             self.pending.remove(&req);
-            return Err(Error::Transport(e.to_string()));
+            return Err(Error::Lost {
+                actor,
+                reason: e.to_string(),
+            });
         }
         if self.is_closed() {
             self.fail_all(&self.close_text());
@@ -457,17 +511,51 @@ impl PeerConn {
     }
 }
 
-async fn read_replies(
+/// Asks the callee for a same-host lane on a new connection's call stream and connects to it.
+async fn ask_for_lane<R: AsyncRead + Unpin>(
+    send: &mut quinn::SendStream,
+    recv: &mut R,
+    max_frame: usize,
+) -> Result<tokio::net::UnixStream, String> {
+    let mut ask = Vec::new();
+    encode_frame(&Frame::LaneAsk, &mut ask).map_err(|e| e.to_string())?;
+    send.write_all(&ask).await.map_err(|e| e.to_string())?;
+    let mut buf = AlignedVec::new();
+    match tokio::time::timeout(LANE_ASK, read_frame(recv, max_frame, &mut buf)).await {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => return Err("the callee closed the call stream".into()),
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err("no answer to the lane request".into()),
+    }
+    match rkyv::access::<ArchivedFrame, rancor::Error>(&buf) {
+        Ok(ArchivedFrame::LaneOffer { pid, name, nonce }) => {
+            lane::connect(pid.to_native(), name.as_str(), nonce.as_slice()).await
+        }
+        Ok(_) => Err("the callee answered the lane request with another frame".into()),
+        Err(e) => Err(format!("malformed lane offer: {e}")),
+    }
+}
+
+/// Reads the replies of one call stream (`lane`: a same-host lane rather than QUIC) until it ends, then fails what
+/// is still pending once the connection is closed.
+async fn read_replies<R: AsyncRead + Unpin>(
     peer: Arc<PeerConn>,
-    recv: quinn::RecvStream,
+    mut reader: R,
     inbox: Arc<BulkInbox>,
     max_frame: usize,
+    lane: bool,
 ) {
-    let mut reader = BufReader::with_capacity(64 << 10, recv);
     let mut bodies = BodyReader::new(inbox, max_frame);
     let mut buf = AlignedVec::new();
+    let closed = peer.conn.closed();
+    tokio::pin!(closed);
     loop {
-        match read_frame(&mut reader, max_frame, &mut buf).await {
+        let read = tokio::select! {
+            biased;
+            r = read_frame(&mut reader, max_frame, &mut buf) => r,
+            _ = &mut closed => break,
+        };
+        match read {
             Ok(true) => {}
             Ok(false) => break,
             Err(FrameError::Io(e)) => {
@@ -490,6 +578,13 @@ async fn read_replies(
             close(&peer.conn, &reason);
             break;
         }
+    }
+    if lane
+        && tokio::time::timeout(LANE_GRACE, peer.conn.closed())
+            .await
+            .is_err()
+    {
+        close(&peer.conn, "its same-host lane closed");
     }
     let reason = peer.conn.closed().await;
     peer.fail_all(&format!("connection to {} lost: {reason}", peer.addr));
@@ -557,7 +652,9 @@ async fn handle_reply<R: tokio::io::AsyncRead + Unpin>(
         }
         ArchivedFrame::ShmOffer { .. } => bodies.offer(frame, &peer.out).await,
         ArchivedFrame::ShmAnswer { accepted, .. } => peer.out.link.answered(*accepted),
-        ArchivedFrame::Call { .. } => return Err("unexpected call frame on a reply stream".into()),
+        ArchivedFrame::Call { .. } | ArchivedFrame::LaneAsk | ArchivedFrame::LaneOffer { .. } => {
+            return Err("unexpected call or lane frame on a reply stream".into())
+        }
     }
     Ok(())
 }

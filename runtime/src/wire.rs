@@ -16,7 +16,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The version written in every frame header; a peer speaking another version is disconnected.
-pub const WIRE_VERSION: u16 = 2;
+pub const WIRE_VERSION: u16 = 3;
 /// Default largest frame a reader accepts (64 MiB); larger payloads must go on bulk streams.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Size of the frame header: length and version.

@@ -45,7 +45,11 @@ pub fn enter_worker_mode_if_spawned() {
         .try_init();
     // Run on a thread of our own: `main` may already be inside a tokio runtime (`#[tokio::main]`).
     let worker = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        if let Some(n) = worker_threads() {
+            builder.worker_threads(n);
+        }
+        let rt = builder
             .enable_all()
             .build()
             .expect("building the worker's tokio runtime");
@@ -63,6 +67,14 @@ pub fn enter_worker_mode_if_spawned() {
         }
     };
     std::process::exit(code);
+}
+
+/// Threads of the worker's runtime: `FERL_WORKER_THREADS`, else tokio's default.
+fn worker_threads() -> Option<usize> {
+    std::env::var("FERL_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|n| *n > 0)
 }
 
 fn var(name: &str) -> Result<String> {

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use rkyv::util::AlignedVec;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use super::{Outbox, BULK_THRESHOLD};
@@ -124,8 +125,8 @@ fn set_body(frame: &mut Frame, body: Body) {
 
 /// Drains frames from `rx` into `send`, batching what is queued into one write; large inline bodies are written
 /// as they are, without copying.
-pub(super) async fn write_loop(
-    mut send: quinn::SendStream,
+pub(super) async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
+    mut send: W,
     mut rx: mpsc::Receiver<Outgoing>,
     conn: quinn::Connection,
     link: Arc<ShmLink>,
@@ -177,7 +178,7 @@ pub(super) async fn write_loop(
             Err(_) => rx.recv().await,
         };
     }
-    let _ = send.finish();
+    let _ = send.shutdown().await;
 }
 
 /// The reading side's state of one stream: the peer's ring (once offered), and the bulk inbox.

@@ -80,3 +80,28 @@ pub fn node(head: &HeadHandle, flags: &[&str], env: &[(&str, &str)]) -> NodeProc
         .to_string();
     NodeProc { child, name }
 }
+
+/// Calls, a stream, ordered tells and a large payload to one fresh actor: what every call path must carry.
+pub async fn exercise_call_paths(cluster: &Cluster) {
+    use ferl_runtime::testbed::*;
+    let actor = cluster
+        .spawn::<Counter>(0, ferl_runtime::SpawnOptions::new())
+        .await
+        .expect("spawn");
+    assert_eq!(actor.call(Add(2)).await.unwrap(), 2);
+    let mut items = actor.stream(CountTo(50)).await.unwrap();
+    let mut got = Vec::new();
+    while let Some(item) = items.next().await {
+        got.push(item.unwrap());
+    }
+    assert_eq!(got, (0..50).collect::<Vec<u64>>());
+    for seq in 0..200u64 {
+        actor.tell(Record { sender: 3, seq }).await.unwrap();
+    }
+    let seen = actor.call(Recorded).await.unwrap();
+    assert_eq!(seen, (0..200).map(|s| (3, s)).collect::<Vec<_>>());
+    let big: Vec<u8> = (0..(3usize << 20)).map(|i| (i % 253) as u8).collect();
+    assert!(actor.call(Echo(big.clone())).await.unwrap() == big);
+    let err = actor.call(Fail("on purpose".into())).await.unwrap_err();
+    assert!(err.to_string().contains("on purpose"), "{err}");
+}

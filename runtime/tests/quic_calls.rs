@@ -1,0 +1,14 @@
+//! With same-host lanes off (`FERL_LANES=0`, what a peer on another host sees), every call path stays on QUIC.
+//! Its own test binary: the variable is read by every process of the cluster.
+
+mod common;
+
+use ferl_runtime::transport::lanes_opened;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_13_with_lanes_off_calls_streams_and_order_hold_on_quic() {
+    unsafe { std::env::set_var("FERL_LANES", "0") };
+    let cluster = common::cluster().await;
+    common::exercise_call_paths(&cluster).await;
+    assert_eq!(lanes_opened(), 0, "a lane opened although FERL_LANES=0");
+}
