@@ -8,11 +8,11 @@ use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
 use rkyv::util::AlignedVec;
-use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tracing::Instrument;
 
 use crate::actor::{AnyActor, Context, Dispatch};
-use crate::protocol::{CallKind, RemoteError, RemoteErrorKind};
+use crate::protocol::{CallKind, Frame, RemoteError, RemoteErrorKind};
 use crate::transport::Outbox;
 
 /// A message's bytes: here already, or still arriving on a bulk stream.
@@ -37,6 +37,8 @@ impl Payload {
 pub(crate) enum Responder {
     /// `tell`: nobody waits.
     Nobody,
+    /// A remote `tell`: nobody waits, but the sender's connection is told to pause when the line is full.
+    Told(Outbox),
     /// An in-process `call`.
     Local(oneshot::Sender<Result<AlignedVec, RemoteError>>),
     /// An in-process `stream`: items, then the channel closes (or carries one error).
@@ -48,7 +50,7 @@ pub(crate) enum Responder {
 impl Responder {
     pub(crate) async fn finish(self, result: Result<AlignedVec, RemoteError>) {
         match self {
-            Responder::Nobody => {
+            Responder::Nobody | Responder::Told(_) => {
                 if let Err(e) = result {
                     tracing::warn!("told message failed: {}", e.message);
                 }
@@ -126,13 +128,16 @@ pub(crate) struct Envelope {
 /// A connection carries calls to every actor of this process, so its reader must never wait on one actor's full
 /// mailbox: such a message joins this actor's line instead (in arrival order; while the line is not empty every
 /// later remote message for the actor joins it too, so per-sender order holds) and one task moves the line into the
-/// channel as room frees. The line holds at most `capacity` messages; a remote call or stream that finds it full
-/// is refused at once with a "mailbox full" error, and a remote tell waits for room (it cannot be refused).
+/// channel as room frees. The line holds `capacity` messages; a remote call or stream that finds it full is refused
+/// at once with a "mailbox full" error. A remote tell cannot be refused: it is queued anyway and its sender is
+/// paused (a [`Frame::Pause`] on its connection), so that sender's later tells to this actor wait in `tell()` until
+/// the line has room again (a [`Frame::Resume`]). The line exceeds `capacity` by at most the tells already in flight
+/// when the pause reached their sender.
 pub(crate) struct Mailbox {
+    actor: u64,
     tx: mpsc::Sender<Envelope>,
     capacity: usize,
     line: Mutex<Line>,
-    room: Notify,
 }
 
 #[derive(Default)]
@@ -140,6 +145,10 @@ struct Line {
     waiting: VecDeque<Envelope>,
     /// A task is moving `waiting` into the channel (set from the first message queued until the line is empty).
     draining: bool,
+    /// Connections told to pause their tells, to resume when the line has room.
+    paused: Vec<Outbox>,
+    /// Pauses sent so far.
+    epoch: u64,
 }
 
 /// What became of a message offered to a [`Mailbox`] from a connection.
@@ -150,6 +159,8 @@ pub(crate) enum Offered {
     Closed(Envelope),
     /// Mailbox and line are full and the message is a call or stream: it comes back to be refused.
     Full(Envelope),
+    /// A tell queued beyond a full line: send this pause to its sender.
+    Pause(Outbox, Frame),
 }
 
 impl Mailbox {
@@ -163,65 +174,93 @@ impl Mailbox {
         self.tx.send(env).await.map_err(|e| e.0)
     }
 
-    /// A message from a connection: never waits on a full mailbox except for a tell whose line is full too.
-    pub(crate) async fn offer(self: &Arc<Self>, env: Envelope) -> Offered {
-        loop {
-            let room = self.room.notified();
-            {
-                let mut line = self.line.lock().expect("mailbox line lock");
-                if !line.draining {
-                    match self.tx.try_send(env) {
-                        Ok(()) => return Offered::Queued,
-                        Err(mpsc::error::TrySendError::Closed(e)) => return Offered::Closed(e),
-                        Err(mpsc::error::TrySendError::Full(e)) => {
-                            line.waiting.push_back(e);
-                            line.draining = true;
-                            tokio::spawn(self.clone().drain());
-                            return Offered::Queued;
-                        }
-                    }
-                }
-                if line.waiting.len() < self.capacity {
-                    line.waiting.push_back(env);
+    /// A message from a connection: never waits (see the type's docs).
+    pub(crate) fn offer(self: &Arc<Self>, env: Envelope) -> Offered {
+        let mut line = self.line.lock().expect("mailbox line lock");
+        if !line.draining {
+            match self.tx.try_send(env) {
+                Ok(()) => return Offered::Queued,
+                Err(mpsc::error::TrySendError::Closed(e)) => return Offered::Closed(e),
+                Err(mpsc::error::TrySendError::Full(e)) => {
+                    line.waiting.push_back(e);
+                    line.draining = true;
+                    tokio::spawn(self.clone().drain());
                     return Offered::Queued;
                 }
-                if !matches!(env.kind, CallKind::Tell) {
-                    return Offered::Full(env);
-                }
             }
-            room.await;
         }
+        if line.waiting.len() < self.capacity {
+            line.waiting.push_back(env);
+            return Offered::Queued;
+        }
+        let sender = match &env.reply {
+            Responder::Told(out) => out.clone(),
+            _ => return Offered::Full(env),
+        };
+        line.waiting.push_back(env);
+        if line.paused.iter().any(|o| o.same_stream(&sender)) {
+            return Offered::Queued;
+        }
+        line.epoch += 1;
+        line.paused.push(sender.clone());
+        let pause = Frame::Pause {
+            actor: self.actor,
+            epoch: line.epoch,
+        };
+        Offered::Pause(sender, pause)
     }
 
-    /// Moves the waiting line into the channel, in order, as room frees.
+    /// Moves the waiting line into the channel, in order, as room frees; resumes paused senders once the line
+    /// has room.
     async fn drain(self: Arc<Self>) {
         loop {
             let Ok(permit) = self.tx.reserve().await else {
                 // The actor's task is gone: refuse what still waits so no caller hangs.
                 return self.refuse_waiting().await;
             };
-            let more = {
+            let (more, resume) = {
                 let mut line = self.line.lock().expect("mailbox line lock");
                 if let Some(env) = line.waiting.pop_front() {
                     permit.send(env);
                 }
                 line.draining = !line.waiting.is_empty();
-                line.draining
+                let resume = if line.waiting.len() < self.capacity {
+                    std::mem::take(&mut line.paused)
+                } else {
+                    Vec::new()
+                };
+                (line.draining, (resume, line.epoch))
             };
-            self.room.notify_waiters();
+            self.resume(resume).await;
             if !more {
                 return;
             }
         }
     }
 
+    /// Tells paused senders that they may send again.
+    async fn resume(&self, (senders, epoch): (Vec<Outbox>, u64)) {
+        for out in senders {
+            let _ = out
+                .frame(
+                    Frame::Resume {
+                        actor: self.actor,
+                        epoch,
+                    },
+                    None,
+                )
+                .await;
+        }
+    }
+
     async fn refuse_waiting(&self) {
-        let left: Vec<Envelope> = {
+        let (left, resume): (Vec<Envelope>, _) = {
             let mut line = self.line.lock().expect("mailbox line lock");
             line.draining = false;
-            line.waiting.drain(..).collect()
+            let resume = (std::mem::take(&mut line.paused), line.epoch);
+            (line.waiting.drain(..).collect(), resume)
         };
-        self.room.notify_waiters();
+        self.resume(resume).await;
         for env in left {
             env.reply
                 .finish(Err(RemoteError {
@@ -243,6 +282,7 @@ pub(crate) fn run_mailbox(
     capacity: usize,
 ) -> Arc<Mailbox> {
     let capacity = capacity.max(1);
+    let actor_id = ctx.actor_id;
     let (tx, mut rx) = mpsc::channel::<Envelope>(capacity);
     tokio::spawn(async move {
         let limit = Arc::new(Semaphore::new(max_concurrency.max(1)));
@@ -264,10 +304,10 @@ pub(crate) fn run_mailbox(
         }
     });
     Arc::new(Mailbox {
+        actor: actor_id,
         tx,
         capacity,
         line: Mutex::new(Line::default()),
-        room: Notify::new(),
     })
 }
 

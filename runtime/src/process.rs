@@ -291,8 +291,12 @@ impl Inbound for Process {
         Box::pin(async move {
             let mailbox = self.actors.get(&actor).map(|m| m.clone());
             let (env, error) = match mailbox {
-                Some(m) => match m.offer(env).await {
+                Some(m) => match m.offer(env) {
                     Offered::Queued => return,
+                    Offered::Pause(sender, pause) => {
+                        let _ = sender.frame(pause, None).await;
+                        return;
+                    }
                     Offered::Closed(env) => (env, None),
                     Offered::Full(env) => {
                         let message = format!(

@@ -117,6 +117,21 @@ pub enum Frame {
         /// Why not, when refused.
         reason: String,
     },
+    /// The callee queued a tell beyond `actor`'s waiting line: the caller holds its further tells to that actor
+    /// until the matching [`Frame::Resume`] (guarantee 3).
+    Pause {
+        /// The actor whose line is full.
+        actor: u64,
+        /// Counts the actor's pauses, so a resume that overtakes its pause is recognised.
+        epoch: u64,
+    },
+    /// The actor's line has room again: tells held since pause `epoch` (or earlier) may go.
+    Resume {
+        /// The actor.
+        actor: u64,
+        /// The latest pause this resume ends.
+        epoch: u64,
+    },
     /// A caller's first frame on a new connection: asks for a same-host lane (see `transport::lane`).
     LaneAsk,
     /// The answer to [`Frame::LaneAsk`]: the callee's abstract Unix socket and the bytes that open it for this

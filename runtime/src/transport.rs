@@ -168,7 +168,12 @@ impl Outbox {
         }
     }
 
-    pub(super) async fn frame(&self, frame: Frame, body: Option<AlignedVec>) -> Result<()> {
+    /// Whether `other` writes to the same stream.
+    pub(crate) fn same_stream(&self, other: &Outbox) -> bool {
+        self.tx.same_channel(&other.tx)
+    }
+
+    pub(crate) async fn frame(&self, frame: Frame, body: Option<AlignedVec>) -> Result<()> {
         self.tx
             .send(Outgoing { frame, body })
             .await
@@ -323,7 +328,7 @@ async fn serve_call_stream<R: AsyncRead + Unpin>(
             Err(e) => return close(&conn, &e.to_string()),
         };
         let reply = match kind {
-            CallKind::Tell => Responder::Nobody,
+            CallKind::Tell => Responder::Told(out.clone()),
             _ => Responder::Remote {
                 req,
                 out: out.clone(),
@@ -361,6 +366,17 @@ pub(crate) struct PeerConn {
     out: Outbox,
     pending: DashMap<u64, Pending>,
     next_req: AtomicU64,
+    /// Actors whose callee paused our tells (guarantee 3).
+    paused: std::sync::Mutex<std::collections::HashMap<u64, Paused>>,
+}
+
+/// One actor's pause state on a connection: the latest pause and the latest resume seen (they may arrive in
+/// either order), and the tells waiting for the resume.
+#[derive(Default)]
+struct Paused {
+    paused_at: u64,
+    resumed_upto: u64,
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl PeerConn {
@@ -391,6 +407,7 @@ impl PeerConn {
                 out,
                 pending: DashMap::new(),
                 next_req: AtomicU64::new(1),
+                paused: Default::default(),
             })
         };
         let peer = match lane {
@@ -429,6 +446,9 @@ impl PeerConn {
         kind: CallKind,
         payload: AlignedVec,
     ) -> Result<ReplyHandle, Error> {
+        if matches!(kind, CallKind::Tell) {
+            self.wait_unpaused(actor).await;
+        }
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let handle = match kind {
             CallKind::Tell => ReplyHandle::None,
@@ -461,6 +481,45 @@ impl PeerConn {
             self.fail_all(&self.close_text());
         }
         Ok(handle)
+    }
+
+    /// Waits while the callee has paused tells to `actor` (or until the connection closes).
+    async fn wait_unpaused(&self, actor: u64) {
+        loop {
+            let wake = match self.paused.lock().expect("pause lock").get(&actor) {
+                Some(p) if p.paused_at > p.resumed_upto => p.wake.clone(),
+                _ => return,
+            };
+            let woken = wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let still = matches!(
+                self.paused.lock().expect("pause lock").get(&actor),
+                Some(p) if p.paused_at > p.resumed_upto
+            );
+            if !still {
+                return;
+            }
+            tokio::select! {
+                _ = woken => {}
+                _ = self.conn.closed() => return,
+            }
+        }
+    }
+
+    /// Records a pause or resume of tells to `actor` from the callee.
+    fn flow(&self, actor: u64, pause: Option<u64>, resume: Option<u64>) {
+        let mut paused = self.paused.lock().expect("pause lock");
+        let p = paused.entry(actor).or_default();
+        if let Some(epoch) = pause {
+            p.paused_at = p.paused_at.max(epoch);
+        }
+        if let Some(epoch) = resume {
+            p.resumed_upto = p.resumed_upto.max(epoch);
+        }
+        if p.paused_at <= p.resumed_upto {
+            p.wake.notify_waiters();
+        }
     }
 
     fn close_text(&self) -> String {
@@ -652,6 +711,12 @@ async fn handle_reply<R: tokio::io::AsyncRead + Unpin>(
         }
         ArchivedFrame::ShmOffer { .. } => bodies.offer(frame, &peer.out).await,
         ArchivedFrame::ShmAnswer { accepted, .. } => peer.out.link.answered(*accepted),
+        ArchivedFrame::Pause { actor, epoch } => {
+            peer.flow(actor.to_native(), Some(epoch.to_native()), None)
+        }
+        ArchivedFrame::Resume { actor, epoch } => {
+            peer.flow(actor.to_native(), None, Some(epoch.to_native()))
+        }
         ArchivedFrame::Call { .. } | ArchivedFrame::LaneAsk | ArchivedFrame::LaneOffer { .. } => {
             return Err("unexpected call or lane frame on a reply stream".into())
         }
