@@ -19,6 +19,13 @@ struct TwoActors {
     fast: ActorRef<Counter>,
 }
 
+impl TwoActors {
+    async fn shutdown(self) {
+        self.driver.shutdown().await;
+        self.head.cluster.shutdown().await;
+    }
+}
+
 async fn two_actors_on_one_connection() -> TwoActors {
     let head = common::head(2.0, Duration::from_secs(3)).await;
     let slow_here = head
@@ -44,12 +51,8 @@ async fn two_actors_on_one_connection() -> TwoActors {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_3_full_mailbox_holds_its_callers_not_other_actors_on_the_connection() {
-    let TwoActors {
-        head,
-        driver,
-        slow,
-        fast,
-    } = two_actors_on_one_connection().await;
+    let t = two_actors_on_one_connection().await;
+    let (slow, fast) = (t.slow.clone(), t.fast.clone());
 
     let finished = Arc::new(AtomicUsize::new(0));
     let sleep = |ms: u64| {
@@ -93,18 +96,13 @@ async fn guarantee_3_full_mailbox_holds_its_callers_not_other_actors_on_the_conn
         assert_eq!(call.await.unwrap().unwrap(), 2500);
     }
     assert_eq!(slow.call(Get).await.unwrap(), 0, "room again once drained");
-    driver.shutdown().await;
-    head.cluster.shutdown().await;
+    t.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_3_a_flood_of_tells_pauses_its_sender_not_the_connection() {
-    let TwoActors {
-        head,
-        driver,
-        slow,
-        fast,
-    } = two_actors_on_one_connection().await;
+    let t = two_actors_on_one_connection().await;
+    let (slow, fast) = (t.slow.clone(), t.fast.clone());
     let busy = {
         let slow = slow.clone();
         tokio::spawn(async move { slow.call(Sleep(2000)).await })
@@ -156,6 +154,5 @@ async fn guarantee_3_a_flood_of_tells_pauses_its_sender_not_the_connection() {
         }
     };
     assert_eq!(seen, (0..TELLS).map(|s| (5, s)).collect::<Vec<_>>());
-    driver.shutdown().await;
-    head.cluster.shutdown().await;
+    t.shutdown().await;
 }
