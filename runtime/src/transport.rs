@@ -148,6 +148,38 @@ pub(crate) fn close(conn: &quinn::Connection, reason: &str) {
     conn.close(1u32.into(), reason.as_bytes());
 }
 
+/// Why a call or reply stream stopped reading: it ended (end of stream, closed connection, an I/O error), or the
+/// peer sent a frame that closes the connection for this reason (guarantee 8).
+pub(crate) enum StreamEnd {
+    /// Nobody is to blame: why it ended.
+    Ended(String),
+    /// The reason to close the connection with.
+    Bad(String),
+}
+
+/// Reads and validates the next frame of a call or reply stream into `buf`, unless `closed` (the connection's
+/// `closed()` future) resolves first.
+pub(crate) async fn next_frame<'b, R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max_frame: usize,
+    buf: &'b mut AlignedVec,
+    closed: std::pin::Pin<&mut impl std::future::Future>,
+) -> Result<&'b ArchivedFrame, StreamEnd> {
+    let read = tokio::select! {
+        biased;
+        r = read_frame(reader, max_frame, buf) => r,
+        _ = closed => return Err(StreamEnd::Ended("the connection closed".into())),
+    };
+    match read {
+        Ok(true) => {}
+        Ok(false) => return Err(StreamEnd::Ended("end of stream".into())),
+        Err(FrameError::Io(e)) => return Err(StreamEnd::Ended(e.to_string())),
+        Err(e) => return Err(StreamEnd::Bad(e.to_string())),
+    }
+    rkyv::access::<ArchivedFrame, rancor::Error>(buf)
+        .map_err(|e| StreamEnd::Bad(format!("malformed frame: {e}")))
+}
+
 /// The sending half of one call stream: frames, stream items and replies.
 #[derive(Clone)]
 pub struct Outbox {
@@ -260,20 +292,10 @@ async fn serve_call_stream<R: AsyncRead + Unpin>(
     let closed = conn.closed();
     tokio::pin!(closed);
     loop {
-        let read = tokio::select! {
-            biased;
-            r = read_frame(&mut reader, max_frame, &mut buf) => r,
-            _ = &mut closed => return,
-        };
-        match read {
-            Ok(true) => {}
-            Ok(false) => return,
-            Err(FrameError::Io(e)) => return tracing::debug!("call stream ended: {e}"),
-            Err(e) => return close(&conn, &e.to_string()),
-        }
-        let frame = match rkyv::access::<ArchivedFrame, rancor::Error>(&buf) {
+        let frame = match next_frame(&mut reader, max_frame, &mut buf, closed.as_mut()).await {
             Ok(f) => f,
-            Err(e) => return close(&conn, &format!("malformed frame: {e}")),
+            Err(StreamEnd::Ended(why)) => return tracing::debug!("call stream ended: {why}"),
+            Err(StreamEnd::Bad(reason)) => return close(&conn, &reason),
         };
         let (req, actor, msg, kind, body) = match frame {
             ArchivedFrame::Call {

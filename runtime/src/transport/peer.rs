@@ -14,12 +14,12 @@ use tokio::sync::{mpsc, oneshot, OnceCell};
 
 use super::lane;
 use super::streams::{BodyReader, Got};
-use super::{close, Outbox, LANE_ASK, LANE_GRACE};
+use super::{close, next_frame, Outbox, StreamEnd, LANE_ASK, LANE_GRACE};
 use crate::bulk::{self, BulkInbox};
 use crate::error::Error;
 use crate::protocol::{ArchivedFrame, Body, CallKind, Frame, RemoteError};
 use crate::tls;
-use crate::wire::{encode_frame, read_frame, FrameError};
+use crate::wire::{encode_frame, read_frame};
 
 /// A caller waiting for an answer.
 enum Pending {
@@ -286,27 +286,14 @@ async fn read_replies<R: AsyncRead + Unpin>(
     let closed = peer.conn.closed();
     tokio::pin!(closed);
     loop {
-        let read = tokio::select! {
-            biased;
-            r = read_frame(&mut reader, max_frame, &mut buf) => r,
-            _ = &mut closed => break,
-        };
-        match read {
-            Ok(true) => {}
-            Ok(false) => break,
-            Err(FrameError::Io(e)) => {
-                tracing::debug!("reply stream from {} ended: {e}", peer.addr);
-                break;
-            }
-            Err(e) => {
-                close(&peer.conn, &e.to_string());
-                break;
-            }
-        }
-        let frame = match rkyv::access::<ArchivedFrame, rancor::Error>(&buf) {
+        let frame = match next_frame(&mut reader, max_frame, &mut buf, closed.as_mut()).await {
             Ok(f) => f,
-            Err(e) => {
-                close(&peer.conn, &format!("malformed frame: {e}"));
+            Err(StreamEnd::Ended(why)) => {
+                tracing::debug!("reply stream from {} ended: {why}", peer.addr);
+                break;
+            }
+            Err(StreamEnd::Bad(reason)) => {
+                close(&peer.conn, &reason);
                 break;
             }
         };
