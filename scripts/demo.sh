@@ -6,8 +6,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ./scripts/setup.sh
 source scripts/env.sh
-cargo build --release -p ferl
-ferl=target/release/ferl
+# The first-party plugins (loggers `tensorboard` and `csv`, dataset `alpaca`, kernels `liger`) are built with ferl:
+# cargo puts their libraries beside the binary, where `ferl` finds them without FERL_PLUGIN_PATH.
+cargo build --release -p ferl -p ferl-plugin-tensorboard -p ferl-plugin-csv -p ferl-plugin-alpaca -p ferl-plugin-liger
+ferl="${CARGO_TARGET_DIR:-target}/release/ferl"
 out="${FERL_DEMO_DIR:-runs/demo}"
 mkdir -p "$out"
 [ -f "$out/model/model.safetensors" ] || "$ferl" model init --config assets/models/tiny-qwen2/config.json \

@@ -115,24 +115,17 @@ pub struct DatasetInfo {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct GetDatasetInfo;
 
-/// Where the data loader is in the run: the next global batch is step `step_in_epoch` of `epoch`.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DataPosition {
-    /// Epoch, from 0.
-    pub epoch: u64,
-    /// Global batch within the epoch, from 0.
-    pub step_in_epoch: u64,
-}
-
-/// Data loader: the next global batch, split across ranks.
+/// Data loader: the global batch of these training-set indices (in order), split across ranks. The run loop
+/// decides the order ([`ferl_data::DataPlan`]); the loader only holds the samples.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
-pub struct NextBatch;
+pub struct BatchOf {
+    /// Training-set indices of the batch.
+    pub indices: Vec<u64>,
+}
 
 /// One global batch, split by data-parallel rank.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct GlobalBatch {
-    /// Where this batch sits (before advancing).
-    pub position: DataPosition,
     /// Per rank: its contiguous share of the batch.
     pub shards: Vec<Vec<Sample>>,
     /// Targets in the whole batch.
@@ -141,19 +134,11 @@ pub struct GlobalBatch {
     pub tokens: i64,
 }
 
-/// Data loader: continue from this position (resume).
-#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
-pub struct SetPosition(pub DataPosition);
-
-/// Data loader: the position of the next batch.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
-pub struct GetPosition;
-
 /// Data loader: the validation set split across ranks.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct ValShards;
 
-/// Checkpointer: the ranks finished writing `global_step_N`; write its metadata, point
+/// Checkpointer: the ranks are writing `global_step_N`; once their files exist, write its metadata, point
 /// `latest_checkpointed_iteration.txt` at it and prune old checkpoints.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct Commit {
@@ -161,12 +146,8 @@ pub struct Commit {
     pub fsdp_meta_json: String,
     /// Every rank's files; the checkpointer waits for all of them.
     pub files: Vec<String>,
-    /// The checkpoint's global step.
-    pub global_step: u64,
-    /// Data position to resume from.
-    pub position: DataPosition,
-    /// Ranks that trained up to it.
-    pub world_size: u64,
+    /// The checkpoint's `meta.json` as JSON ([`ferl_trainer::checkpoint::RunMeta`]), written last.
+    pub run_meta_json: String,
 }
 
 /// Checkpointer: wait for earlier commits; reply with the latest committed step (0 when none).
@@ -194,9 +175,7 @@ ferl_runtime::message! {
     LoadShard => ();
     Export => bool;
     GetDatasetInfo => DatasetInfo;
-    NextBatch => GlobalBatch;
-    SetPosition => ();
-    GetPosition => DataPosition;
+    BatchOf => GlobalBatch;
     ValShards => Vec<Vec<Sample>>;
     Commit => ();
     Flush => u64;

@@ -17,7 +17,7 @@ use anyhow::{bail, Context as _, Result};
 use ferl_config::SftConfig;
 pub use ferl_plugin_bridge::dataset::resolve_custom_cls;
 use ferl_plugin_bridge::job_plugin_host;
-use ferl_plugin_bridge::setup::PLUGIN_PATH_ENV;
+use ferl_plugin_bridge::setup::{default_plugin_files, load_default_plugins, plugin_path_folders};
 use ferl_plugin_host::{PluginHost, PluginKind, PluginStore};
 use ferl_runtime::SpawnOptions;
 use ferl_trainer::kernels::KernelRegistry;
@@ -39,8 +39,13 @@ impl DriverPlugins {
     /// `data.custom_cls.path` (a dataset plugin file) is loaded and becomes `data.plugin` in `cfg`, so the actors
     /// only ever see `data.plugin`.
     pub fn open(cfg: &mut SftConfig) -> Result<Self> {
+        Self::open_with(cfg, &[])
+    }
+
+    /// [`DriverPlugins::open`], also watching the plugin folders `folders`.
+    pub fn open_with(cfg: &mut SftConfig, folders: &[PathBuf]) -> Result<Self> {
         let run_dir = ferl_config::expand_path(&cfg.trainer.default_local_dir);
-        let host = job_plugin_host(&run_dir, &[])?;
+        let host = job_plugin_host(&run_dir, folders)?;
         resolve_custom_cls(&host, cfg)?;
         if let Some(name) = &cfg.data.plugin {
             host.get_kind(name, PluginKind::Dataset)
@@ -93,7 +98,9 @@ impl DriverPlugins {
 }
 
 /// The plugin host of an actor in this process: the plugins shipped to this worker (see the module docs), else the
-/// folders of this machine's `$FERL_PLUGIN_PATH`; `None` when there are neither.
+/// folders of this machine's `$FERL_PLUGIN_PATH` and then the first-party plugins found beside this executable
+/// ([`ferl_plugin_bridge::setup::default_plugin_folders`]), as a job's host loads them; `None` when there are none
+/// of these.
 pub fn actor_plugin_host() -> Result<Option<Arc<PluginHost>>> {
     let shipped: Vec<(String, PathBuf)> = ferl_runtime::shipped_files()?
         .into_iter()
@@ -119,15 +126,17 @@ pub fn actor_plugin_host() -> Result<Option<Arc<PluginHost>>> {
         }
         return Ok(Some(Arc::new(host)));
     }
-    let Some(path) = std::env::var_os(PLUGIN_PATH_ENV).filter(|p| !p.is_empty()) else {
+    let folders = plugin_path_folders();
+    if folders.is_empty() && default_plugin_files().is_empty() {
         return Ok(None);
-    };
+    }
     let host = PluginHost::new(copies_dir()?);
-    for dir in std::env::split_paths(&path).filter(|p| !p.as_os_str().is_empty()) {
+    for dir in folders {
         for e in host.watch_dir(&dir)? {
             tracing::warn!("plugin skipped: {e:#}");
         }
     }
+    load_default_plugins(&host);
     Ok(Some(Arc::new(host)))
 }
 

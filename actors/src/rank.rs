@@ -1,6 +1,6 @@
 //! One training rank's state, independent of how the rank was started: its shard of the model in a
-//! [`ShardedParams`] (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD from `model.fsdp_config`), and the [`Stepper`]. The [`crate::TrainerRank`] actor wraps it for the cluster path; [`crate::sft::run_from_env`] uses
-//! it directly for ranks started by torchrun or SLURM.
+//! [`ShardedParams`] (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD from `model.fsdp_config`), and the [`Stepper`]. The [`crate::TrainerRank`] actor wraps it for the cluster path; [`crate::spmd::SpmdExecutor`] uses
+//! it directly for one process and for ranks started by torchrun or SLURM.
 //!
 //! Invariants:
 //! 1. A distributed step computes exactly what [`Stepper::step`] computes on the whole global batch in one process:
@@ -21,48 +21,13 @@ use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::kernels::KernelRegistry;
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::{load_model, weights};
-use ferl_trainer::optim::{AdamW, AdamWConfig, LrSchedule};
-use ferl_trainer::params::{LocalParams, ParamStore};
+use ferl_trainer::optim::{AdamW, AdamWConfig};
+use ferl_trainer::params::ParamStore;
+use ferl_trainer::run::{adamw_config, compute_kind, lr_schedule};
 use ferl_trainer::step::Stepper;
 use tch::{Device, Kind};
 
 use crate::messages::{RankStep, Sample};
-
-/// The dtype stages compute in: bf16 when `model_dtype` or `mixed_precision.param_dtype` asks for it, else fp32.
-pub fn compute_kind(cfg: &SftConfig) -> Kind {
-    let fsdp = &cfg.model.fsdp_config;
-    let dtype = fsdp
-        .mixed_precision
-        .as_ref()
-        .map(|m| m.param_dtype)
-        .unwrap_or(fsdp.model_dtype);
-    match dtype {
-        Dtype::Bf16 => Kind::BFloat16,
-        Dtype::Fp16 => Kind::Half,
-        Dtype::Fp32 => Kind::Float,
-    }
-}
-
-/// The device of a rank: CUDA device `local_device` when `trainer.device` is `cuda` and CUDA is available, else the
-/// CPU (with a warning when CUDA was asked for).
-pub fn rank_device(cfg: &SftConfig, local_device: usize) -> Device {
-    if cfg.trainer.device == "cpu" {
-        return Device::Cpu;
-    }
-    if ferl_trainer::sft::cuda_is_available() {
-        Device::Cuda(local_device)
-    } else {
-        tracing::warn!(device = %cfg.trainer.device, "CUDA is not available: training on the CPU");
-        Device::Cpu
-    }
-}
-
-/// Optimizer steps of the run: `trainer.total_training_steps`, else `total_epochs` whole epochs of `train_len`.
-pub fn total_steps(cfg: &SftConfig, train_len: usize) -> usize {
-    cfg.trainer.total_training_steps.unwrap_or_else(|| {
-        cfg.trainer.total_epochs * ferl_data::steps_per_epoch(train_len, cfg.data.train_batch_size)
-    })
-}
 
 /// The model folder named by `model.partial_pretrain`.
 pub fn model_dir(cfg: &SftConfig) -> PathBuf {
@@ -73,45 +38,16 @@ pub fn model_dir(cfg: &SftConfig) -> PathBuf {
 pub fn build_stepper<P: ParamStore>(
     cfg: &SftConfig,
     model: ModelConfig,
-    store: P,
+    mut store: P,
     device: Device,
-    total_steps: usize,
+    total_steps: u64,
 ) -> Result<Stepper<P>> {
-    let o = &cfg.optim;
-    let warmup_ratio = if o.lr_warmup_steps >= 0 {
-        o.lr_warmup_steps as f64 / total_steps.max(1) as f64
-    } else {
-        o.lr_warmup_steps_ratio
-    };
-    let scheduler = match o.lr_scheduler {
-        ferl_config::LrScheduler::Cosine => "cosine",
-        ferl_config::LrScheduler::Constant => "constant",
-    };
-    let schedule = LrSchedule::from_verl(
-        scheduler,
-        o.lr,
-        warmup_ratio,
-        total_steps as i64,
-        o.min_lr_ratio,
-    )?;
-    let mut store = store;
-    let optimizer = AdamW::new(
-        AdamWConfig {
-            betas: (o.betas[0], o.betas[1]),
-            eps: 1e-8,
-            weight_decay: o.weight_decay,
-        },
-        store.master_and_grads().0,
-    );
-    let opts = EngineOptions {
-        gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
-        ..Default::default()
-    };
+    let optimizer = AdamW::new(adamw_config(cfg), store.master_and_grads().0);
     Ok(Stepper {
-        engine: Engine::new(model, store, compute_kind(cfg), opts),
+        engine: Engine::new(model, store, compute_kind(cfg)?, engine_options(cfg)),
         optimizer,
-        schedule,
-        clip_grad: o.clip_grad,
+        schedule: lr_schedule(cfg, total_steps)?,
+        clip_grad: cfg.optim.clip_grad,
         micro_batch_size: cfg.data.micro_batch_size_per_gpu,
         layout: if cfg.use_remove_padding {
             Layout::Packed
@@ -123,20 +59,11 @@ pub fn build_stepper<P: ParamStore>(
     })
 }
 
-/// Loads `model.partial_pretrain` as fp32 masters on `device` in a [`LocalParams`] (the single-process store).
-pub fn load_local_params(cfg: &SftConfig, device: Device) -> Result<(ModelConfig, LocalParams)> {
-    let dir = model_dir(cfg);
-    let loaded =
-        load_model(&dir).with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
-    let params = loaded
-        .params
-        .into_iter()
-        .map(|t| t.to_device(device))
-        .collect();
-    Ok((
-        loaded.config,
-        LocalParams::new(loaded.layout, params, compute_kind(cfg)),
-    ))
+fn engine_options(cfg: &SftConfig) -> EngineOptions {
+    EngineOptions {
+        gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
+        ..Default::default()
+    }
 }
 
 /// Borrowed views of wire samples, in order.
@@ -190,14 +117,8 @@ impl RankState {
         cfg: SftConfig,
         comm: Arc<dyn Communicator>,
         device: Device,
-        total_steps: usize,
+        total_steps: u64,
     ) -> Result<Self> {
-        if cfg.model.lora_rank > 0 {
-            bail!(
-                "model.lora_rank={}: LoRA is not supported by the distributed trainer",
-                cfg.model.lora_rank
-            );
-        }
         let dir = model_dir(&cfg);
         let loaded = load_model(&dir)
             .with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
@@ -348,11 +269,8 @@ impl RankState {
         )
         .with_context(|| format!("loading checkpoint {}", dir.display()))?;
         let model = self.stepper.engine.config().clone();
-        let opts = EngineOptions {
-            gradient_checkpointing: self.cfg.model.enable_gradient_checkpointing,
-            ..Default::default()
-        };
-        self.stepper.engine = Engine::new(model, loaded.store, compute_kind(&self.cfg), opts);
+        let kind = compute_kind(&self.cfg)?;
+        self.stepper.engine = Engine::new(model, loaded.store, kind, engine_options(&self.cfg));
         self.stepper.engine.set_kernels(self.kernels.clone());
         self.stepper.optimizer = loaded.optimizer;
         self.stepper.completed_steps = loaded.meta.global_step;

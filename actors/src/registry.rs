@@ -8,7 +8,7 @@ use crate::metrics::Metrics;
 use crate::trainer_rank::TrainerRank;
 
 ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, Validate, SaveShard, FinishSave, LoadShard, Export]);
-ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, NextBatch, SetPosition, GetPosition, ValShards]);
+ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, BatchOf, ValShards]);
 ferl_runtime::register_actor!(Checkpointer, calls: [Commit, Flush]);
 ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);
 

@@ -15,7 +15,7 @@ use ferl_config::SftConfig;
 use ferl_runtime::{Actor, Context, Handler};
 
 use crate::messages::*;
-use crate::rank::{rank_device, RankState};
+use crate::rank::RankState;
 use crate::rendezvous::ClusterRendezvous;
 
 /// Constructor arguments of [`TrainerRank`].
@@ -76,13 +76,13 @@ impl Actor for TrainerRank {
                 bind_ip: Some(bind_ip),
                 ..Default::default()
             };
-            let device = rank_device(&cfg, 0);
+            let device = ferl_trainer::run::device_of(&cfg, 0)?;
             let comm = ferl_collective::connect(device, rank, world, rendezvous, &options)
                 .with_context(|| {
                     format!("trainer rank {rank}/{world}: joining the collective group")
                 })?;
             let liger = cfg.model.use_liger;
-            let mut state = RankState::build(cfg, comm, device, args.total_steps as usize)
+            let mut state = RankState::build(cfg, comm, device, args.total_steps)
                 .with_context(|| format!("trainer rank {rank}/{world}: building the model"))?;
             if liger {
                 // The `liger` plugin shipped from the driver, else the built-in kernels.

@@ -2,17 +2,20 @@
 //! config overrides of a short run, the single-process reference run, and the driver binary's path.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
-use ferl_actors::data_loader::{load_datasets, DataPlan};
-use ferl_actors::rank::{build_stepper, load_local_params, rank_device, total_steps};
-use ferl_actors::sft::StepRecord;
+use ferl_actors::data_loader::load_datasets;
+use ferl_actors::rank::{build_stepper, model_dir};
+use ferl_actors::sft::{read_summary, RunSummary, StepRecord};
 use ferl_config::SftConfig;
+use ferl_data::DataPlan;
 use ferl_trainer::batch::SampleRef;
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::model::weights;
+use ferl_trainer::params::LocalParams;
+use ferl_trainer::run::{compute_kind, device_of, RunPlan};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
@@ -140,18 +143,26 @@ impl Fixture {
     }
 }
 
-/// The single-process trainer on the same config: the trainer's own `Stepper::step` on each whole global batch.
+/// The golden reference of every launch path: the trainer's own `Stepper::step` over the unsharded
+/// [`LocalParams`] store on each whole global batch, outside the run loop.
 pub fn reference_run(overrides: &[String]) -> Result<Vec<StepRecord>> {
     let cfg = SftConfig::load(None, overrides)?;
-    let device = rank_device(&cfg, 0);
+    let device = device_of(&cfg, 0)?;
     let (train, _) = load_datasets(&cfg)?;
-    let mut plan = DataPlan::new(&cfg, train.len())?;
-    let total = total_steps(&cfg, train.len());
-    let (model, store) = load_local_params(&cfg, device)?;
-    let mut stepper = build_stepper(&cfg, model, store, device, total)?;
+    let d = &cfg.data;
+    let mut plan = DataPlan::new(train.len(), d.train_batch_size, cfg.trainer.seed, d.shuffle)?;
+    let total = RunPlan::new(&cfg, train.len())?.total_steps;
+    let loaded = ferl_trainer::model::load_model(&model_dir(&cfg))?;
+    let params = loaded
+        .params
+        .into_iter()
+        .map(|t| t.to_device(device))
+        .collect();
+    let store = LocalParams::new(loaded.layout, params, compute_kind(&cfg)?);
+    let mut stepper = build_stepper(&cfg, loaded.config, store, device, total)?;
     let mut out = Vec::new();
-    for step in 1..=total as u64 {
-        let (_, indices) = plan.next_batch();
+    for step in 1..=total {
+        let indices = plan.next_batch();
         let refs: Vec<SampleRef<'_>> = indices
             .iter()
             .map(|&i| {
@@ -171,6 +182,85 @@ pub fn reference_run(overrides: &[String]) -> Result<Vec<StepRecord>> {
         });
     }
     Ok(out)
+}
+
+/// A launch path of `ferl sft`, as the driver binary runs it.
+#[derive(Clone, Copy, Debug)]
+pub enum LaunchPath {
+    /// World 1 in the driver's process (`ferl sft` without `--nproc-per-node`).
+    OneProcess,
+    /// `--nproc-per-node N`: actor ranks on an embedded cluster.
+    Actors(usize),
+    /// N processes with torchrun's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+    Launcher(usize),
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Runs the driver binary `exe` on `path` with `overrides`; the summary (rank 0's on the launcher path), or the
+/// error the run printed (from its `Error:` line on).
+pub fn run_path(
+    exe: &str,
+    dir: &Path,
+    path: LaunchPath,
+    overrides: &[String],
+    tag: &str,
+) -> std::result::Result<RunSummary, String> {
+    let summary = |r: usize| dir.join(format!("summary-{tag}-{r}.json"));
+    let mut children = Vec::new();
+    match path {
+        LaunchPath::OneProcess | LaunchPath::Actors(_) => {
+            let mut cmd = driver_command(exe);
+            match path {
+                LaunchPath::Actors(n) => cmd.args(["--nproc-per-node", &n.to_string()]),
+                _ => cmd.arg("--one-process"),
+            };
+            cmd.arg("--summary").arg(summary(0)).args(overrides);
+            children.push(cmd);
+        }
+        LaunchPath::Launcher(n) => {
+            let port = free_port().to_string();
+            for r in 0..n {
+                let mut cmd = driver_command(exe);
+                cmd.env("RANK", r.to_string())
+                    .env("WORLD_SIZE", n.to_string())
+                    .env("LOCAL_RANK", r.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", &port);
+                cmd.arg("--summary").arg(summary(r)).args(overrides);
+                children.push(cmd);
+            }
+        }
+    }
+    let running: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            c.stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start the driver")
+        })
+        .collect();
+    let outputs: Vec<_> = running
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait"))
+        .collect();
+    if let Some(out) = outputs.iter().find(|o| !o.status.success()) {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let from = err.find("Error:").unwrap_or(0);
+        let to = err
+            .find("\n\nStack backtrace:")
+            .unwrap_or(err.len())
+            .max(from);
+        return Err(err[from..to].trim().to_string());
+    }
+    read_summary(&summary(0)).map_err(|e| format!("{e:#}"))
 }
 
 /// A command running the driver binary `exe` (tests pass `env!("CARGO_BIN_EXE_ferl-sft-driver")`).

@@ -237,6 +237,10 @@ impl<P: ParamStore> Engine<P> {
         let p = self.store.gather(Stage::Head)?;
         let (norm_w, out_w) = (&p.tensors[0], &p.tensors[1]);
         if mb.num_targets == 0 {
+            // No targets (e.g. the prompt filled `max_length`): the gradient is zero, but it is still accumulated so
+            // that a sharded store runs the same collectives on every rank.
+            let zeros = [norm_w.zeros_like(), out_w.zeros_like()];
+            self.store.accumulate_grads(Stage::Head, &zeros)?;
             self.store.release(Stage::Head);
             return Ok((0.0, h.zeros_like()));
         }

@@ -1,5 +1,5 @@
 //! ferl's SFT engine on tch (libtorch). Where a train step happens: [`engine::Engine::forward_backward`], driven by
-//! [`sft::SftTrainer`].
+//! [`step::Stepper`]; where a run happens: [`run::run`], the one loop of every launch path.
 //!
 //! - [`model`]: Qwen2/Llama from a Hugging Face folder (config, stage layout, layer functions, safetensors, init).
 //! - [`params`]: the [`params::ParamStore`] trait — the hook where sharding (FSDP) plugs in — and the local store.
@@ -9,9 +9,10 @@
 //! - [`kernels`]: the op-override hook ([`kernels::KernelRegistry`]): RMSNorm, SwiGLU and the head replaced by
 //!   kernels (`model.use_liger=true`), the built-in ops otherwise.
 //! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
-//! - [`checkpoint`]: `global_step_N/` folders (Hugging Face model, optimizer, trainer state), resume, pruning.
+//! - [`checkpoint`]: the one `global_step_N/` layout (sharded state, `meta.json`, `huggingface/`), resume, pruning.
 //! - [`metrics`]: the [`metrics::MetricsLogger`] trait and the registry of logger kinds (`console`, `jsonl`).
-//! - [`sft`]: the whole run (config keys honoured, data, epochs, validation, checkpoints, resume, loggers).
+//! - [`run`]: the run loop over a step executor (one process, actor ranks, launcher ranks), its config gate, plan
+//!   and metric names.
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
 
 pub use ferl_config as config;
@@ -26,5 +27,5 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod params;
-pub mod sft;
+pub mod run;
 pub mod step;

@@ -75,6 +75,11 @@ impl LoggerRegistry {
         self.kinds.insert(name.to_string(), factory);
     }
 
+    /// Adds every kind of `other` (replacing kinds of the same name).
+    pub fn merge(&mut self, other: LoggerRegistry) {
+        self.kinds.extend(other.kinds);
+    }
+
     /// Names of the registered kinds.
     pub fn names(&self) -> Vec<String> {
         self.kinds.keys().cloned().collect()

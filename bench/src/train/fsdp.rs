@@ -190,7 +190,7 @@ pub fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
     let cfg = rank_config(a, dir)?;
     let comm = init_from_env(Device::Cpu).context("joining the ferl group")?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let mut state = RankState::build(cfg, comm, Device::Cpu, a.steps)?;
+    let mut state = RankState::build(cfg, comm, Device::Cpu, a.steps as u64)?;
     let (mut tokens, mut secs, mut losses, mut peak) = (Vec::new(), Vec::new(), Vec::new(), 0u64);
     for step in 0..a.steps {
         let indices: Vec<usize> = (step * a.batch..(step + 1) * a.batch).collect();

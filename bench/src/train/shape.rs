@@ -21,7 +21,6 @@
 use super::TrainArgs;
 use crate::report::Report;
 use anyhow::{bail, Context, Result};
-use ferl::actors::metrics::mfu;
 use ferl::trainer::batch::{Layout, SampleRef};
 use ferl::trainer::engine::{Engine, EngineOptions};
 use ferl::trainer::model::config::ModelConfig;
@@ -29,6 +28,7 @@ use ferl::trainer::model::layout::ModelLayout;
 use ferl::trainer::model::weights::init_params;
 use ferl::trainer::optim::{AdamW, AdamWConfig, LrSchedule};
 use ferl::trainer::params::{LocalParams, ParamStore};
+use ferl::trainer::run::mfu;
 use ferl::trainer::step::Stepper;
 use ferl_collective::{GroupOptions, MemoryRendezvous};
 use ferl_fsdp::{FsdpOptions, ShardedParams, ShardingStrategy};

@@ -22,7 +22,7 @@ pub struct SftArgs {
     pub dist: super::sft_dist::DistArgs,
 }
 
-/// Loads the config and trains in this process.
+/// Loads the config and trains as the flags say (one process, a cluster, or a launcher rank).
 pub fn run(args: SftArgs) -> Result<()> {
     let cfg = SftConfig::load(args.config.as_deref(), &args.overrides)?;
     match args.cfg.as_deref() {
@@ -33,26 +33,5 @@ pub fn run(args: SftArgs) -> Result<()> {
         Some(other) => bail!("--cfg {other}: only `--cfg job` is supported"),
         None => {}
     }
-    if args.dist.requested() {
-        return super::sft_dist::run(cfg, &args.dist);
-    }
-    // Plugins: the run directory's host, folders from $FERL_PLUGIN_PATH, logger/dataset/kernel plugins by name.
-    let summary = ferl_plugin_bridge::run_sft(&cfg, &[])?;
-    let first = summary.train_losses.first().map(|(_, l)| *l);
-    let last = summary.train_losses.last().map(|(_, l)| *l);
-    if let (Some(a), Some(b)) = (first, last) {
-        println!(
-            "trained to step {}: train/loss {a:.4} -> {b:.4}",
-            summary.global_step
-        );
-    } else {
-        println!("nothing to train: already at step {}", summary.global_step);
-    }
-    if let Some((step, v)) = summary.val_losses.last() {
-        println!("val/loss {v:.4} at step {step}");
-    }
-    if let Some(c) = &summary.last_checkpoint {
-        println!("checkpoint: {}", c.display());
-    }
-    Ok(())
+    super::sft_dist::run(cfg, &args.dist)
 }

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use clap::Args;
-use ferl_actors::sft::{run as run_distributed, LaunchOptions};
+use ferl_actors::sft::{run as run_sft, Launch, RunSummary};
 use ferl_trainer::config::SftConfig;
 
 /// The distribution flags of `ferl sft`.
@@ -33,32 +33,44 @@ pub fn launched_externally() -> bool {
 }
 
 impl DistArgs {
-    /// Whether `ferl sft` should train distributed rather than in this process alone.
-    pub fn requested(&self) -> bool {
-        self.nproc_per_node.is_some() || self.nnodes > 1 || launched_externally()
+    /// The launch these flags (and the environment) ask for.
+    pub fn launch(&self) -> Launch {
+        match self.nproc_per_node {
+            Some(n) => Launch::Cluster {
+                nproc_per_node: n,
+                nnodes: self.nnodes,
+                address: self.address.clone(),
+            },
+            None if launched_externally() => Launch::Launcher,
+            None if self.nnodes > 1 => Launch::Cluster {
+                nproc_per_node: 1,
+                nnodes: self.nnodes,
+                address: self.address.clone(),
+            },
+            None => Launch::OneProcess,
+        }
     }
 }
 
-/// Trains `cfg` distributed and prints what happened.
+/// Trains `cfg` as the flags say and prints what happened.
 pub fn run(cfg: SftConfig, args: &DistArgs) -> Result<()> {
-    let opts = LaunchOptions {
-        nproc_per_node: args.nproc_per_node.unwrap_or(0),
-        nnodes: args.nnodes,
-        address: args.address.clone(),
-    };
-    let summary = run_distributed(cfg, &opts)?;
+    let summary = run_sft(cfg, &args.launch())?;
+    print_summary(&summary);
+    Ok(())
+}
+
+fn print_summary(summary: &RunSummary) {
     match (summary.steps.first(), summary.steps.last()) {
         (Some(a), Some(b)) => println!(
-            "trained steps {}..{} on {} ranks: train/loss {:.4} -> {:.4}",
+            "trained steps {}..{} on {} rank(s): train/loss {:.4} -> {:.4}",
             a.step, b.step, summary.world_size, a.loss, b.loss
         ),
-        _ => println!("nothing to train: already at step {}", summary.resumed_from),
+        _ => println!("nothing to train: already at step {}", summary.global_step),
     }
     if let Some((step, v)) = summary.val_losses.last() {
         println!("val/loss {v:.4} at step {step}");
     }
-    if summary.last_checkpoint > 0 {
-        println!("checkpoint: global_step_{}", summary.last_checkpoint);
+    if let Some(c) = &summary.last_checkpoint {
+        println!("checkpoint: {}", c.display());
     }
-    Ok(())
 }

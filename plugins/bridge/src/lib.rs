@@ -5,18 +5,15 @@
 //!   (reload requests are served and new versions switched in there);
 //! - [`dataset`]: `data.plugin=NAME` reads examples from a dataset plugin as a [`ferl_trainer::data::DataSource`];
 //! - [`kernels`]: `model.use_liger=true` runs the trainer's RMSNorm, SwiGLU and head through the `liger` kernel plugin
-//!   ([`kernels::liger_kernels`], given to the run as `RunOptions::kernels`);
-//! - [`run`]: `ferl sft` with all of the above in one call ([`run_sft`]);
+//!   ([`kernels::liger_kernels`], set on each rank's engine);
 //! - [`setup`]: one [`ferl_plugin_host::PluginHost`] per job, in its run directory, watching the plugin folders.
 
 pub mod dataset;
 pub mod kernels;
 pub mod logger;
-pub mod run;
 pub mod setup;
 
 pub use dataset::{plugin_dataset, PluginDataSource};
 pub use kernels::{liger_kernels, LigerKernels};
 pub use logger::{register_logger_plugins, PluginMetricsLogger, StepBoundary};
-pub use run::{plugin_run_options, run_sft};
 pub use setup::job_plugin_host;

@@ -120,7 +120,7 @@ fn liger_ops_in_the_model_match_builtin_within_1e_5_fp32() {
 
 #[test]
 fn liger_ops_in_the_model_match_builtin_on_cuda() {
-    if !ferl_trainer::sft::cuda_is_available() {
+    if !ferl_trainer::run::cuda_is_available() {
         println!("SKIP: no CUDA device; the in-model kernel check ran on CPU (the kernels run on whatever device the tensors are on)");
         return;
     }

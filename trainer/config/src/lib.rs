@@ -10,24 +10,32 @@
 //! 1. Start from the defaults (verl's, except where a field's doc says otherwise).
 //! 2. Apply the YAML file's keys, then each override in order (`key=value`, `+key=value`, `++key=value`, `~key`;
 //!    see [`overrides`]). Old spellings are accepted ([`tree::ALIASES`]: `optim.warmup_steps_ratio`,
-//!    `trainer.save_interval`, ...). A Hydra `defaults:` list at the top of a file is ignored.
+//!    `trainer.save_interval`, `model.use_remove_padding`, ...). A Hydra `defaults:` list at the top of a file is
+//!    ignored.
 //! 3. Resolve `${path.to.key}`, `${oc.env:VAR}` and `${oc.env:VAR,default}` ([`interpolate`]).
-//! 4. Convert to the typed structs and check ranges ([`SftConfig::validate`]).
+//! 4. Map spellings that set other keys onto them ([`spellings`]: `model.fsdp_config.sharding_strategy`,
+//!    `model.fsdp_config.mixed_precision: true`); a conflict with a key the user set is an error naming both.
+//! 5. Convert to the typed structs and check ranges ([`SftConfig::validate`]). `optim.optimizer` is normalised to
+//!    its `torch.optim` spelling ([`canonical_optimizer`]).
 //!
 //! # Invariants (tests name them)
-//! 1. An unknown key is an error naming the full dotted key and the nearest valid one (`unknown_keys_*`).
+//! 1. An unknown key is an error naming the full dotted key and the nearest valid one, by meaning first
+//!    ([`hints::SYNONYMS`]), then by spelling (`unknown_keys_*`).
 //! 2. A bad value is an error naming the full dotted key (`bad_values_*`).
 //! 3. `to_yaml()` of a loaded config loads back to the same config (`to_yaml_round_trips`).
 //! 4. Nothing the engine cannot honour is silently ignored: the engine lists what it honours in a [`Supported`] and
 //!    calls [`SftConfig::validate_supported`], which refuses every other key the user changed (`unsupported_*`).
 
+pub mod hints;
 pub mod interpolate;
 pub mod overrides;
 mod sections;
+pub mod spellings;
 mod string_list;
 pub mod supported;
 pub mod tree;
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -91,56 +99,14 @@ impl SftConfig {
     }
 
     fn build(file: Option<(&str, &str)>, overrides: &[String]) -> Result<Self> {
-        let defaults = defaults_tree();
-        let schema = schema(&defaults);
-        let mut tree = defaults.clone();
+        let mut loader = Loader::new();
         if let Some((text, name)) = file {
-            let parsed: Value =
-                serde_yaml::from_str(text).with_context(|| format!("parsing config {name}"))?;
-            let mut sets = Vec::new();
-            match parsed {
-                Value::Null => {}
-                Value::Mapping(mut map) => {
-                    map.remove("defaults");
-                    tree::assignments("", &Value::Mapping(map), &mut sets);
-                }
-                _ => bail!(
-                    "config {name}: expected a mapping of sections (data, model, optim, trainer)"
-                ),
-            }
-            for (key, value) in sets {
-                apply(&mut tree, &schema, &key, value)
-                    .with_context(|| format!("in config {name}"))?;
-            }
+            loader.file(text, name)?;
         }
         for arg in overrides {
-            match Override::parse(arg)? {
-                Override::Set { key, value } => {
-                    let mut sets = Vec::new();
-                    tree::assignments(&key, &value, &mut sets);
-                    for (k, v) in sets {
-                        apply(&mut tree, &schema, &k, v)
-                            .with_context(|| format!("in override `{arg}`"))?;
-                    }
-                }
-                Override::Reset { key } => {
-                    let key = tree::canonical_key(&key);
-                    schema
-                        .check_key(&key)
-                        .with_context(|| format!("in override `{arg}`"))?;
-                    match tree::get(&defaults, &key) {
-                        Some(v) => tree::set(&mut tree, &key, v.clone())?,
-                        None => {
-                            tree::remove(&mut tree, &key);
-                        }
-                    }
-                }
-            }
+            loader.override_arg(arg)?;
         }
-        interpolate::resolve_all(&mut tree)?;
-        let cfg = from_tree(&tree)?;
-        cfg.validate()?;
-        Ok(cfg)
+        loader.finish()
     }
 
     /// The defaults with interpolations resolved (what `load(None, &[])` returns).
@@ -266,22 +232,110 @@ fn defaults_tree() -> Value {
 
 fn schema(defaults: &Value) -> tree::Schema {
     let mixed = serde_yaml::to_value(MixedPrecision::default()).expect("serialises");
-    tree::Schema::new(defaults, &[("model.fsdp_config.mixed_precision", mixed)])
+    tree::Schema::new(
+        defaults,
+        &[
+            (spellings::MIXED_PRECISION, mixed),
+            (spellings::SHARDING_STRATEGY, Value::Null),
+        ],
+    )
 }
 
-/// Applies one assignment (from a file or an override) after checking its key.
-fn apply(tree: &mut Value, schema: &tree::Schema, key: &str, value: Value) -> Result<()> {
-    let key = tree::canonical_key(key);
-    schema.check_key(&key)?;
-    // `section:` with nothing under it in YAML is null: it leaves the section's defaults alone.
-    let is_section = matches!(schema.default_at(&key), Some(Value::Mapping(m)) if !m.is_empty());
-    if value.is_null() && is_section && !tree::is_under_open_key(&key) {
-        let optional = matches!(tree::get(&defaults_tree(), &key), Some(Value::Null));
-        if !optional {
-            return Ok(());
+/// The tree of defaults with the file's and the overrides' assignments applied, and the canonical keys the user
+/// set (which [`spellings::resolve`] needs to tell a conflicting key from a default).
+struct Loader {
+    defaults: Value,
+    schema: tree::Schema,
+    tree: Value,
+    explicit: BTreeSet<String>,
+}
+
+impl Loader {
+    fn new() -> Self {
+        let defaults = defaults_tree();
+        Self {
+            schema: schema(&defaults),
+            tree: defaults.clone(),
+            defaults,
+            explicit: BTreeSet::new(),
         }
     }
-    tree::set(tree, &key, value)
+
+    /// Applies a YAML file's keys (a Hydra `defaults:` list is ignored).
+    fn file(&mut self, text: &str, name: &str) -> Result<()> {
+        let parsed: Value =
+            serde_yaml::from_str(text).with_context(|| format!("parsing config {name}"))?;
+        let mut sets = Vec::new();
+        match parsed {
+            Value::Null => {}
+            Value::Mapping(mut map) => {
+                map.remove("defaults");
+                tree::assignments("", &Value::Mapping(map), &mut sets);
+            }
+            _ => {
+                bail!("config {name}: expected a mapping of sections (data, model, optim, trainer)")
+            }
+        }
+        for (key, value) in sets {
+            self.assign(&key, value)
+                .with_context(|| format!("in config {name}"))?;
+        }
+        Ok(())
+    }
+
+    /// Applies one command-line override.
+    fn override_arg(&mut self, arg: &str) -> Result<()> {
+        let result = match Override::parse(arg)? {
+            Override::Set { key, value } => {
+                let mut sets = Vec::new();
+                tree::assignments(&key, &value, &mut sets);
+                sets.into_iter().try_for_each(|(k, v)| self.assign(&k, v))
+            }
+            Override::Reset { key } => self.reset(&key),
+        };
+        result.with_context(|| format!("in override `{arg}`"))
+    }
+
+    /// Applies one assignment after checking its key.
+    fn assign(&mut self, key: &str, value: Value) -> Result<()> {
+        let key = tree::canonical_key(key);
+        self.schema.check_key(&key)?;
+        // `section:` with nothing under it in YAML is null: it leaves the section's defaults alone.
+        let is_section =
+            matches!(self.schema.default_at(&key), Some(Value::Mapping(m)) if !m.is_empty());
+        if value.is_null() && is_section && !tree::is_under_open_key(&key) {
+            let optional = matches!(tree::get(&self.defaults, &key), Some(Value::Null));
+            if !optional {
+                return Ok(());
+            }
+        }
+        tree::set(&mut self.tree, &key, spellings::on_assign(&key, value))?;
+        self.explicit.insert(key);
+        Ok(())
+    }
+
+    /// `~key`: back to the default (or absent), and no longer set by the user.
+    fn reset(&mut self, key: &str) -> Result<()> {
+        let key = tree::canonical_key(key);
+        self.schema.check_key(&key)?;
+        match tree::get(&self.defaults, &key) {
+            Some(v) => tree::set(&mut self.tree, &key, v.clone())?,
+            None => {
+                tree::remove(&mut self.tree, &key);
+            }
+        }
+        self.explicit.retain(|k| !tree::is_at_or_below(k, &key));
+        Ok(())
+    }
+
+    /// Interpolation, spellings, typing and range checks.
+    fn finish(mut self) -> Result<SftConfig> {
+        interpolate::resolve_all(&mut self.tree)?;
+        spellings::resolve(&mut self.tree, &self.explicit)?;
+        let cfg = from_tree(&self.tree)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
 }
 
 /// Types a resolved tree. Going through YAML text lets a plain scalar fill a string key (`experiment_name=123`).

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::string_list::StringList;
 
@@ -52,6 +52,9 @@ pub struct DataConfig {
     pub custom_cls: CustomClsConfig,
     /// verl: copy files through shared memory. No effect in ferl.
     pub use_shm: bool,
+    /// verl: worker processes of the training `DataLoader`. No effect in ferl: the data is tokenized before training
+    /// starts, so there is nothing left for loader workers to do. verl: 8.
+    pub num_workers: usize,
     /// Extra variables given to the chat template (e.g. `enable_thinking: false`).
     pub apply_chat_template_kwargs: OpenMap,
     /// Shuffle the training set each epoch (seeded by `trainer.seed`); false keeps file order.
@@ -84,6 +87,7 @@ impl Default for DataConfig {
             chat_template: None,
             custom_cls: CustomClsConfig::default(),
             use_shm: false,
+            num_workers: 8,
             apply_chat_template_kwargs: OpenMap::new(),
             shuffle: true,
             plugin: None,
@@ -195,7 +199,8 @@ pub enum Strategy {
     Fsdp2,
 }
 
-/// `model.fsdp_config.*`.
+/// `model.fsdp_config.*`. The input-only key `model.fsdp_config.sharding_strategy` (torch FSDP1's names) is turned
+/// into `reshard_after_forward`/`fsdp_size` while loading; see [`crate::spellings`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FsdpConfig {
@@ -207,11 +212,14 @@ pub struct FsdpConfig {
     pub cpu_offload: bool,
     /// With `cpu_offload`, also offload parameters (not only gradients/optimizer state).
     pub offload_params: bool,
-    /// Compute in a lower precision than the held weights; null computes in `model_dtype`.
+    /// Compute in a lower precision than the held weights; null computes in `model_dtype`. The boolean form is
+    /// accepted: `true` is [`MixedPrecision::bf16`], `false` is null (see [`crate::spellings`]).
     pub mixed_precision: Option<MixedPrecision>,
-    /// Re-shard parameters after forward (FSDP2's `reshard_after_forward`).
+    /// Re-shard parameters after forward (FSDP2's `reshard_after_forward`). `sharding_strategy: SHARD_GRAD_OP` sets
+    /// it to false (see [`crate::spellings`]).
     pub reshard_after_forward: bool,
-    /// Size of one sharding group; -1 shards over all ranks (verl's `fsdp_size`).
+    /// Size of one sharding group; -1 shards over all ranks (verl's `fsdp_size`). `sharding_strategy: NO_SHARD`
+    /// sets it to 1; `HYBRID_SHARD` needs it set above 1 (see [`crate::spellings`]).
     pub fsdp_size: i64,
     /// Prefetch the next layer's all-gather during forward.
     pub forward_prefetch: bool,
@@ -252,13 +260,20 @@ pub struct MixedPrecision {
     pub buffer_dtype: Dtype,
 }
 
-impl Default for MixedPrecision {
-    fn default() -> Self {
+impl MixedPrecision {
+    /// bf16 compute with fp32 gradient reduction and fp32 buffers: what `mixed_precision: true` means.
+    pub fn bf16() -> Self {
         Self {
             param_dtype: Dtype::Bf16,
             reduce_dtype: Dtype::Fp32,
             buffer_dtype: Dtype::Fp32,
         }
+    }
+}
+
+impl Default for MixedPrecision {
+    fn default() -> Self {
+        Self::bf16()
     }
 }
 
@@ -280,7 +295,9 @@ pub enum Dtype {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimConfig {
-    /// Optimizer class name (verl: `AdamW`).
+    /// Optimizer class name (verl: `AdamW`). A `torch.optim` name ([`TORCH_OPTIMIZERS`]) is matched in any case and
+    /// stored in its canonical spelling (`adamw`, `ADAMW` -> `AdamW`); another name is kept as written.
+    #[serde(deserialize_with = "optimizer_name")]
     pub optimizer: String,
     /// Module the optimizer comes from in verl (`torch.optim`).
     pub optimizer_impl: String,
@@ -323,6 +340,37 @@ impl Default for OptimConfig {
             override_optimizer_config: None,
         }
     }
+}
+
+/// The optimizer classes of `torch.optim`, in their canonical spelling (what `optim.optimizer` holds after loading).
+pub const TORCH_OPTIMIZERS: &[&str] = &[
+    "Adadelta",
+    "Adafactor",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "ASGD",
+    "LBFGS",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
+    "SparseAdam",
+];
+
+/// The canonical spelling of optimizer `name`: the [`TORCH_OPTIMIZERS`] entry equal to it ignoring ASCII case, or
+/// `name` as written when there is none.
+pub fn canonical_optimizer(name: &str) -> String {
+    TORCH_OPTIMIZERS
+        .iter()
+        .find(|known| known.eq_ignore_ascii_case(name.trim()))
+        .map_or_else(|| name.to_string(), |known| known.to_string())
+}
+
+fn optimizer_name<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    String::deserialize(d).map(|name| canonical_optimizer(&name))
 }
 
 /// `optim.lr_scheduler`.

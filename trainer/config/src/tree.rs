@@ -5,12 +5,20 @@
 use anyhow::{bail, Result};
 use serde_yaml::{Mapping, Value};
 
-/// Old or alternative spellings accepted for verl's keys: `(alias, canonical)`. An alias may also be a prefix.
+/// Old or alternative spellings accepted for verl's keys: `(alias, canonical)`. An alias may also be a prefix: it is
+/// matched on whole segments (`trainer.save_interval.x` is rewritten, `trainer.save_intervals` is not).
+/// `model.use_remove_padding` and `model.ulysses_sequence_parallel_size` (where newer verl scripts put them) mean
+/// verl's top-level keys.
 pub const ALIASES: &[(&str, &str)] = &[
     ("optim.warmup_steps_ratio", "optim.lr_warmup_steps_ratio"),
     ("trainer.save_interval", "trainer.save_freq"),
     ("optim.lr_scheduler_type", "optim.lr_scheduler"),
     ("optim.warmup_style", "optim.lr_scheduler"),
+    ("model.use_remove_padding", "use_remove_padding"),
+    (
+        "model.ulysses_sequence_parallel_size",
+        "ulysses_sequence_parallel_size",
+    ),
 ];
 
 /// Keys whose value is a free-form mapping: any key below them is accepted and passed on as-is.
@@ -33,11 +41,17 @@ pub fn canonical_key(key: &str) -> String {
     key.to_string()
 }
 
+/// Whether dotted `key` is `ancestor` or lies below it (on whole segments).
+pub fn is_at_or_below(key: &str, ancestor: &str) -> bool {
+    key == ancestor
+        || key
+            .strip_prefix(ancestor)
+            .is_some_and(|r| r.starts_with('.'))
+}
+
 /// Whether `key` is an open key or lies below one.
 pub fn is_under_open_key(key: &str) -> bool {
-    OPEN_KEYS
-        .iter()
-        .any(|open| key == *open || key.strip_prefix(open).is_some_and(|r| r.starts_with('.')))
+    OPEN_KEYS.iter().any(|open| is_at_or_below(key, open))
 }
 
 /// The value at dotted `key`, if present.
@@ -201,20 +215,10 @@ impl Schema {
         Ok(())
     }
 
-    /// The valid key closest to `key`: by edit distance over the whole dotted key, or over the last segment when
-    /// the section was left out (`lr` -> `optim.lr`).
+    /// The valid key (or alias) `key` most likely means: a known synonym first, else the closest spelling,
+    /// preferring the same section (see [`crate::hints`]).
     pub fn nearest(&self, key: &str) -> &str {
-        let score = |cand: &str| {
-            let whole = strsim::levenshtein(key, cand);
-            let last = cand.rsplit('.').next().unwrap_or(cand);
-            let tail = strsim::levenshtein(key, last) + 1;
-            whole.min(tail)
-        };
-        self.all_keys
-            .iter()
-            .min_by_key(|c| score(c))
-            .map(String::as_str)
-            .unwrap_or("")
+        crate::hints::nearest(&self.all_keys, key)
     }
 
     /// The schema's value at `key` (its default, or the filled-in optional section).
@@ -259,6 +263,19 @@ mod tests {
             "trainer.save_intervals"
         );
         assert_eq!(canonical_key("optim.lr"), "optim.lr");
+        assert_eq!(
+            canonical_key("model.use_remove_padding"),
+            "use_remove_padding"
+        );
+        assert_eq!(
+            canonical_key("model.ulysses_sequence_parallel_size"),
+            "ulysses_sequence_parallel_size"
+        );
+        assert_eq!(
+            canonical_key("model.use_remove_padding_x"),
+            "model.use_remove_padding_x"
+        );
+        assert_eq!(canonical_key("use_remove_padding"), "use_remove_padding");
     }
 
     #[test]

@@ -39,6 +39,7 @@
 pub mod batch;
 pub mod dataset;
 pub mod gsm8k;
+pub mod plan;
 pub mod read;
 pub mod sample;
 pub mod source;
@@ -51,6 +52,7 @@ pub use batch::{
 };
 pub use dataset::SftDataset;
 pub use ferl_config::expand_path;
+pub use plan::{DataPlan, DataPosition};
 pub use sample::{SampleBuilder, TokenizedSample};
 pub use source::{DataSource, Origin, Prompt, RawExample, SourcedExample};
 pub use tokenizer::SftTokenizer;

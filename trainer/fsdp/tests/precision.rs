@@ -53,7 +53,7 @@ fn cpu_offload_on_a_cpu_run_changes_nothing() {
 
 #[test]
 fn cuda_with_offload_matches_the_local_trainer_or_skips_without_a_gpu() {
-    if !ferl_trainer::sft::cuda_is_available() {
+    if !ferl_trainer::run::cuda_is_available() {
         eprintln!("skipped: no CUDA device (the CUDA path of ShardedParams needs a GPU)");
         return;
     }

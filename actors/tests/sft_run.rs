@@ -1,11 +1,11 @@
-//! The whole single-process run (`sft::run_with_data`): resume gives the same losses as an uninterrupted run (mid-epoch
+//! The whole one-process run (world 1 of the one run loop, `sft::run_in_process_with_data`): resume gives the same losses as an uninterrupted run (mid-epoch
 //! and exactly at an epoch boundary, verl #7401), checkpoints and the tracker file, pruning, metrics.jsonl, the
 //! Hugging Face export, and refusal of keys the engine cannot honour.
 
+use ferl_actors::sft::{run_in_process_with_data, InProcessOptions, RunSummary};
 use ferl_config::SftConfig;
 use ferl_data::{SftDataset, TokenizedSample};
 use ferl_trainer::checkpoint;
-use ferl_trainer::sft::{run_with_data, RunOptions, RunSummary};
 use std::path::Path;
 
 fn tiny_model(dir: &Path) {
@@ -57,22 +57,29 @@ fn config(dir: &Path, extra: &[&str]) -> SftConfig {
     SftConfig::load(None, &o).unwrap()
 }
 
-fn quiet() -> RunOptions {
-    RunOptions {
-        progress: false,
-        ..RunOptions::default()
-    }
+fn quiet() -> InProcessOptions {
+    InProcessOptions::default()
 }
 
 fn losses(s: &RunSummary) -> Vec<f64> {
-    s.train_losses.iter().map(|(_, l)| *l).collect()
+    s.losses()
 }
 
-fn resume_matches_uninterrupted(stop_after: i64) {
+fn run_with_data(
+    cfg: &SftConfig,
+    train: &(usize, u64),
+    val: Option<&(usize, u64)>,
+    opts: InProcessOptions,
+) -> anyhow::Result<RunSummary> {
+    let val = val.map(|&(n, seed)| dataset(n, seed));
+    run_in_process_with_data(cfg.clone(), dataset(train.0, train.1), val, opts)
+}
+
+fn resume_matches_uninterrupted(stop_after: u64) {
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
     tiny_model(dir.path());
-    let (train, val) = (dataset(16, 1), dataset(6, 2)); // 4 steps per epoch, 8 in all
+    let (train, val) = ((16, 1), (6, 2)); // 4 steps per epoch, 8 in all
     let full_dir = dir.path().join("full");
     std::fs::create_dir_all(&full_dir).unwrap();
     std::fs::rename(dir.path().join("model"), full_dir.join("model")).unwrap();
@@ -91,7 +98,7 @@ fn resume_matches_uninterrupted(stop_after: i64) {
         ),
         &train,
         Some(&val),
-        RunOptions {
+        InProcessOptions {
             stop_after_steps: Some(stop_after),
             ..quiet()
         },
@@ -115,7 +122,7 @@ fn resume_matches_uninterrupted(stop_after: i64) {
     )
     .unwrap();
     assert_eq!(
-        second.train_losses.first().unwrap().0,
+        second.steps.first().unwrap().step,
         stop_after + 1,
         "the resumed run starts after the checkpoint"
     );
@@ -161,20 +168,26 @@ fn checkpoints_metrics_pruning_and_export() {
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
     tiny_model(dir.path());
-    let (train, val) = (dataset(16, 5), dataset(4, 6));
+    let (train, val) = ((16, 5), (4, 6));
     let cfg = config(
         dir.path(),
         &[
             "trainer.save_freq=2",
             "trainer.max_ckpt_to_keep=2",
             "trainer.test_freq=3",
+            "trainer.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         ],
     );
     let root = dir.path().join("ckpt");
-    // A checkpoint of an "earlier run" that pruning must also remove.
+    // A complete checkpoint of an "earlier run" (in another run directory's history) that pruning must also
+    // remove; resume is off so the run starts fresh.
     std::fs::create_dir_all(root.join("global_step_1")).unwrap();
+    let meta = r#"{"global_step":1,"epoch":0,"step_in_epoch":1,"world_size":1}"#;
+    std::fs::write(root.join("global_step_1/meta.json"), meta).unwrap();
+    let mut cfg = cfg;
+    cfg.trainer.resume_mode = ferl_config::ResumeMode::Disable;
     let s = run_with_data(&cfg, &train, Some(&val), quiet()).unwrap();
-    assert_eq!(checkpoint::list_steps(&root).unwrap(), vec![6, 8]);
+    assert_eq!(checkpoint::complete_steps(&root).unwrap(), vec![6, 8]);
     assert_eq!(
         std::fs::read_to_string(root.join(checkpoint::LATEST_FILE))
             .unwrap()
@@ -235,9 +248,7 @@ fn keys_the_engine_cannot_honour_are_refused() {
         dir.path(),
         &["model.lora_rank=8", "ulysses_sequence_parallel_size=2"],
     );
-    let err = run_with_data(&cfg, &dataset(8, 1), None, quiet())
-        .err()
-        .unwrap();
+    let err = run_with_data(&cfg, &(8, 1), None, quiet()).err().unwrap();
     let msg = format!("{err:#}");
     assert!(
         msg.contains("model.lora_rank") && msg.contains("ulysses_sequence_parallel_size"),
@@ -258,7 +269,7 @@ fn bf16_compute_with_fp32_masters_trains() {
             "use_remove_padding=true",
         ],
     );
-    let s = run_with_data(&cfg, &dataset(16, 9), None, quiet()).unwrap();
+    let s = run_with_data(&cfg, &(16, 9), None, quiet()).unwrap();
     let l = losses(&s);
     assert_eq!(l.len(), 12);
     assert!(l.iter().all(|x| x.is_finite()), "{l:?}");
@@ -268,9 +279,15 @@ fn bf16_compute_with_fp32_masters_trains() {
     );
     assert!(tail < head, "bf16 loss does not fall: {l:?}");
     // The checkpoint holds the fp32 masters.
-    let hf = dir.path().join("ckpt/global_step_12/huggingface");
-    let m = ferl_trainer::model::load_model(&hf).unwrap();
-    assert_eq!(m.params[0].kind(), tch::Kind::Float);
+    let shard = dir
+        .path()
+        .join("ckpt/global_step_12/model_world_size_1_rank_0.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(st
+        .tensors()
+        .iter()
+        .all(|(_, t)| t.dtype() == safetensors::Dtype::F32));
 }
 
 /// `trainer.device=cuda` trains on the GPU when torch sees one (libtorch_cuda is loaded on demand even though the
@@ -283,8 +300,10 @@ fn cuda_device_trains_on_a_gpu_or_is_refused_with_the_reason() {
         dir.path(),
         &["trainer.device=cuda", "trainer.total_training_steps=2"],
     );
-    if !ferl_trainer::sft::cuda_is_available() {
-        let err = ferl_trainer::sft::device_of(&cfg).unwrap_err().to_string();
+    if !ferl_trainer::run::cuda_is_available() {
+        let err = ferl_trainer::run::device_of(&cfg, 0)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("no CUDA device is visible") && err.contains("trainer.device=cpu"),
             "{err}"
@@ -293,10 +312,10 @@ fn cuda_device_trains_on_a_gpu_or_is_refused_with_the_reason() {
         return;
     }
     assert_eq!(
-        ferl_trainer::sft::device_of(&cfg).unwrap(),
+        ferl_trainer::run::device_of(&cfg, 0).unwrap(),
         tch::Device::Cuda(0)
     );
-    let data = dataset(8, 5);
+    let data = (8, 5);
     let gpu = run_with_data(&cfg, &data, None, quiet()).unwrap();
     let cpu_dir = tempfile::tempdir().unwrap();
     tiny_model(cpu_dir.path());

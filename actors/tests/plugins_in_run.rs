@@ -1,17 +1,37 @@
-//! The plugins inside real trainer runs (`ferl_trainer::sft::run_with_data`): a logger plugin replaced in the middle
-//! of training switches at the next step without changing the losses, a dataset plugin feeds the tokenizer, and
-//! `model.use_liger=true` (RMSNorm, SwiGLU and the head through the `liger` kernels) matches the built-in ops.
+//! The plugins inside real one-process runs (world 1 of the one run loop): a logger plugin replaced in the middle
+//! of training switches at the next step without changing the losses, a dataset plugin feeds the tokenizer,
+//! `model.use_liger=true` (RMSNorm, SwiGLU and the head through the `liger` kernels) matches the built-in ops, and
+//! the plugins' step boundary serves reload requests.
 
+#[path = "../../plugins/bridge/tests/common/mod.rs"]
 mod common;
 
-use common::{build, dataset, tiny_model};
-use ferl_plugin_bridge::{job_plugin_host, liger_kernels, plugin_dataset, register_logger_plugins};
+use common::{build, tiny_model};
+use ferl_actors::sft::{run_in_process_with_data, InProcessOptions, RunSummary};
+use ferl_data::SftDataset;
+use ferl_plugin_bridge::{job_plugin_host, plugin_dataset, StepBoundary};
 use ferl_plugin_host::cargo_build::workspace_root;
 use ferl_trainer::config::SftConfig;
 use ferl_trainer::metrics::{LoggerRegistry, MetricsLogger};
-use ferl_trainer::sft::{run_with_data, RunOptions};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+
+fn quiet() -> InProcessOptions {
+    InProcessOptions::default()
+}
+
+fn run_with_data(
+    cfg: &SftConfig,
+    train: &dyn Fn() -> SftDataset,
+    val: Option<SftDataset>,
+    opts: InProcessOptions,
+) -> anyhow::Result<RunSummary> {
+    run_in_process_with_data(cfg.clone(), train(), val, opts)
+}
+
+fn dataset() -> SftDataset {
+    common::dataset(16)
+}
 
 fn config(model: &Path, run_dir: &Path, loggers: &str) -> SftConfig {
     let o: Vec<String> = vec![
@@ -54,11 +74,7 @@ fn hot_reload_mid_training_switches_at_next_step_and_keeps_losses() {
     );
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let train = dataset(16); // 4 steps per epoch, 8 steps
-    let quiet = || RunOptions {
-        progress: false,
-        ..RunOptions::default()
-    };
+    let train = dataset; // 16 samples: 4 steps per epoch, 8 steps
 
     let plain = run_with_data(
         &config(&model, &dir.path().join("plain"), "[jsonl]"),
@@ -73,9 +89,7 @@ fn hot_reload_mid_training_switches_at_next_step_and_keeps_losses() {
     let installed = folder.join(format!("testkit{}", std::env::consts::DLL_SUFFIX));
     std::fs::copy(&v1, &installed).unwrap();
     let run_dir = dir.path().join("hot");
-    let host = job_plugin_host(&run_dir, &[folder]).unwrap();
     let mut loggers = LoggerRegistry::default();
-    assert_eq!(register_logger_plugins(&mut loggers, &host), ["testkit"]);
     let (from, to) = (v2.clone(), installed.clone());
     loggers.register(
         "swapper",
@@ -87,7 +101,11 @@ fn hot_reload_mid_training_switches_at_next_step_and_keeps_losses() {
             }))
         }),
     );
-    let opts = RunOptions { loggers, ..quiet() };
+    let opts = InProcessOptions {
+        loggers: Some(loggers),
+        plugin_folders: vec![folder],
+        ..quiet()
+    };
     let hot = run_with_data(
         &config(&model, &run_dir, "[testkit,swapper]"),
         &train,
@@ -97,7 +115,8 @@ fn hot_reload_mid_training_switches_at_next_step_and_keeps_losses() {
     .unwrap();
 
     assert_eq!(
-        hot.train_losses, plain.train_losses,
+        hot.losses(),
+        plain.losses(),
         "a logger reload does not touch training"
     );
     let text = std::fs::read_to_string(run_dir.join("testkit.log")).unwrap();
@@ -113,14 +132,14 @@ fn hot_reload_mid_training_switches_at_next_step_and_keeps_losses() {
         seen.contains(&1) && seen.contains(&8),
         "every step logged:\n{text}"
     );
-    // v1 is gone: one version loaded, one private copy left.
-    assert_eq!(host.loaded_versions("testkit"), 1);
-    assert_eq!(host.get("testkit").unwrap().info().version, "2.0.0");
+    // The run's host unloaded every version when the run ended and removed their private copies.
+    let copies = run_dir.join("plugins/copies");
+    let left = std::fs::read_dir(&copies).map_or(0, |d| d.count());
     assert_eq!(
-        std::fs::read_dir(run_dir.join("plugins/copies"))
-            .unwrap()
-            .count(),
-        1
+        left,
+        0,
+        "private plugin copies left in {}",
+        copies.display()
     );
 }
 
@@ -185,7 +204,7 @@ impl MetricsLogger for Recorder {
 }
 
 /// Run options with a `record` logger feeding the returned curve.
-fn recording() -> (RunOptions, Curve) {
+fn recording() -> (InProcessOptions, Curve) {
     let curve = Curve::default();
     let mut loggers = LoggerRegistry::default();
     let c = curve.clone();
@@ -193,10 +212,9 @@ fn recording() -> (RunOptions, Curve) {
         "record",
         Box::new(move |_| Ok(Box::new(Recorder(c.clone())) as Box<dyn MetricsLogger>)),
     );
-    let opts = RunOptions {
-        progress: false,
-        loggers,
-        ..RunOptions::default()
+    let opts = InProcessOptions {
+        loggers: Some(loggers),
+        ..quiet()
     };
     (opts, curve)
 }
@@ -222,23 +240,7 @@ fn use_liger_matches_the_builtin_ops_within_1e_4_per_step() {
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let train = dataset(16);
-
-    // use_liger=true without kernels is refused with a message saying what is missing.
-    let mut cfg = config(&model, &dir.path().join("none"), "[jsonl]");
-    cfg.model.use_liger = true;
-    let quiet = RunOptions {
-        progress: false,
-        ..RunOptions::default()
-    };
-    let e = format!(
-        "{:#}",
-        run_with_data(&cfg, &train, None, quiet).unwrap_err()
-    );
-    assert!(
-        e.contains("model.use_liger=true needs the liger kernel"),
-        "{e}"
-    );
+    let train = dataset;
 
     // The liger plugin loaded from its file through the job's host.
     let folder = dir.path().join("plugins");
@@ -248,8 +250,6 @@ fn use_liger_matches_the_builtin_ops_within_1e_4_per_step() {
         folder.join(format!("liger{}", std::env::consts::DLL_SUFFIX)),
     )
     .unwrap();
-    let host = job_plugin_host(&dir.path().join("liger"), &[folder]).unwrap();
-    assert!(host.get("liger").is_some());
     for checkpointing in [false, true] {
         let ckpt = format!("model.enable_gradient_checkpointing={checkpointing}");
         let run = |name: &str, liger: bool| {
@@ -257,10 +257,7 @@ fn use_liger_matches_the_builtin_ops_within_1e_4_per_step() {
             cfg.model.enable_gradient_checkpointing = checkpointing;
             cfg.model.use_liger = liger;
             let (mut opts, curve) = recording();
-            if liger {
-                opts.kernels = liger_kernels(Some(host.clone()));
-                assert_eq!(opts.kernels.replaced(), ["rms_norm", "swiglu", "head"]);
-            }
+            opts.plugin_folders = vec![folder.clone()];
             run_with_data(&cfg, &train, None, opts).unwrap();
             curve
         };
@@ -270,23 +267,21 @@ fn use_liger_matches_the_builtin_ops_within_1e_4_per_step() {
     }
 }
 
-/// The same in bf16 compute (fp32 masters): the kernels get fp32 inputs and the run stays within bf16's precision
-/// of the built-in ops (losses within 2%, grad norms within 5%), with gradient checkpointing.
+/// The same in bf16 compute (fp32 masters), with the built-in copy of the kernels when no `liger` plugin file is
+/// loaded: the kernels get fp32 inputs and the run stays within bf16's precision of the built-in ops (losses within
+/// 2%, grad norms within 5%), with gradient checkpointing.
 #[test]
 fn use_liger_in_bf16_with_checkpointing_tracks_the_builtin_ops() {
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let train = dataset(16);
+    let train = dataset;
     let run = |name: &str, liger: bool| {
         let mut cfg = config(&model, &dir.path().join(name), "[record]");
         cfg.model.enable_gradient_checkpointing = true;
         cfg.model.use_liger = liger;
         cfg.model.fsdp_config.model_dtype = ferl_trainer::config::Dtype::Bf16;
-        let (mut opts, curve) = recording();
-        if liger {
-            opts.kernels = liger_kernels(None);
-        }
+        let (opts, curve) = recording();
         run_with_data(&cfg, &train, None, opts).unwrap();
         let c = curve.lock().unwrap().clone();
         c
@@ -307,10 +302,10 @@ fn use_liger_in_bf16_with_checkpointing_tracks_the_builtin_ops() {
     }
 }
 
-/// `ferl sft`'s run options serve `ferl plugin reload` requests after every step even when no logger plugin is in
-/// use (the step boundary is the run's own hook, not a logger's side effect).
+/// The plugins' step boundary (run by the loop after every step) serves `ferl plugin reload` requests even when
+/// no logger plugin is in use (the step boundary is the run's own hook, not a logger's side effect).
 #[test]
-fn run_options_serve_reload_requests_without_logger_plugins() {
+fn step_boundary_serves_reload_requests_without_logger_plugins() {
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("plugins");
     std::fs::create_dir_all(&folder).unwrap();
@@ -320,14 +315,11 @@ fn run_options_serve_reload_requests_without_logger_plugins() {
     )
     .unwrap();
     let run_dir = dir.path().join("run");
-    let mut cfg = config(Path::new("unused"), &run_dir, "[console]");
-    cfg.model.use_liger = true;
-    let (mut opts, host) = ferl_plugin_bridge::plugin_run_options(&cfg, &[folder]).unwrap();
-    assert_eq!(opts.kernels.replaced(), ["rms_norm", "swiglu", "head"]);
+    let host = job_plugin_host(&run_dir, &[folder]).unwrap();
+    let mut boundary = StepBoundary::new(host.clone());
     let control = ferl_plugin_host::control::ControlDir::new(&run_dir);
     let id = control.submit_reload("liger").unwrap();
-    let hook = opts.on_step_end.as_mut().expect("a step hook");
-    hook(1);
+    boundary.run(1);
     let answer = control
         .wait_response(&id, std::time::Duration::from_secs(5))
         .unwrap();

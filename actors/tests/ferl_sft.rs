@@ -1,7 +1,7 @@
-//! `run_sft` — what `ferl sft` runs — with every plugin kind at once: `data.plugin=alpaca`,
+//! A one-process run (what `ferl sft` runs without `--nproc-per-node`) with every plugin kind at once: `data.plugin=alpaca`,
 //! `trainer.logger=[console,tensorboard,csv]` and `model.use_liger=true`, on a small Qwen2 with the real tokenizer.
 
-use ferl_plugin_bridge::run_sft;
+use ferl_actors::sft::{run_in_process, InProcessOptions};
 use ferl_plugin_host::cargo_build::{build_plugin, workspace_root, PluginBuild};
 use ferl_trainer::config::SftConfig;
 use std::path::{Path, PathBuf};
@@ -67,15 +67,16 @@ fn sft_with_dataset_logger_and_kernel_plugins() {
         "model.use_liger=true".into(),
     ];
     let cfg = SftConfig::load(None, &overrides).unwrap();
-    let summary = run_sft(&cfg, &[folder]).unwrap();
+    let opts = InProcessOptions {
+        plugin_folders: vec![folder],
+        ..Default::default()
+    };
+    let summary = run_in_process(cfg, opts).unwrap();
     assert_eq!(summary.global_step, 2);
+    let losses = summary.losses();
     assert!(
-        summary
-            .train_losses
-            .iter()
-            .all(|(_, l)| l.is_finite() && *l > 0.0),
-        "{:?}",
-        summary.train_losses
+        losses.iter().all(|l| l.is_finite() && *l > 0.0),
+        "{losses:?}"
     );
     let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
     assert!(

@@ -1,0 +1,150 @@
+//! The cluster executor: the run loop on the driver (verl's single controller) over actors — one [`TrainerRank`]
+//! per bundle of a resource group, a [`DataLoader`] holding the tokenized data, a [`Checkpointer`] finishing
+//! checkpoints while training goes on. Tensors never travel through messages, only token ids, paths and numbers.
+//!
+//! The loop runs on a blocking thread; each executor call blocks on the actors' replies through the runtime handle.
+
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use ferl_runtime::{ActorRef, WorkerGroup};
+use ferl_trainer::checkpoint::{RunMeta, HF_DIR};
+use ferl_trainer::run::{StepExecutor, StepOutcome};
+use tokio::runtime::Handle;
+
+use crate::checkpoint::Checkpointer;
+use crate::data_loader::DataLoader;
+use crate::messages::*;
+use crate::rank::micro_batches;
+use crate::trainer_rank::TrainerRank;
+
+/// The actors a cluster run trains with.
+pub struct ClusterExecutor {
+    /// The runtime the actors' calls run on.
+    pub handle: Handle,
+    /// One trainer rank per bundle, in rank order.
+    pub ranks: WorkerGroup<TrainerRank>,
+    /// The data loader.
+    pub loader: ActorRef<DataLoader>,
+    /// The checkpointer.
+    pub checkpointer: ActorRef<Checkpointer>,
+    /// `data.micro_batch_size_per_gpu` (validation rounds).
+    pub micro_batch_size: usize,
+    /// Whether the loader holds a validation set.
+    pub has_val: bool,
+}
+
+impl ClusterExecutor {
+    /// Sends rank `r` message `r` at once (the ranks meet in collectives) and gathers the replies in rank order.
+    fn each<M>(&self, what: &str, messages: Vec<M>) -> Result<Vec<M::Reply>>
+    where
+        M: ferl_runtime::Message,
+        TrainerRank: ferl_runtime::Handler<M>,
+    {
+        let calls = self
+            .ranks
+            .members()
+            .iter()
+            .zip(messages)
+            .map(|(r, m)| r.call(m));
+        let replies = self.handle.block_on(futures::future::join_all(calls));
+        replies
+            .into_iter()
+            .enumerate()
+            .map(|(rank, r)| r.with_context(|| format!("{what}: trainer rank {rank}")))
+            .collect()
+    }
+
+    fn all<M>(&self, what: &str, message: M) -> Result<Vec<M::Reply>>
+    where
+        M: ferl_runtime::Message + Clone,
+        TrainerRank: ferl_runtime::Handler<M>,
+    {
+        let n = self.ranks.members().len();
+        self.each(what, vec![message; n])
+    }
+}
+
+impl StepExecutor for ClusterExecutor {
+    fn world_size(&self) -> usize {
+        self.ranks.members().len()
+    }
+
+    fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
+        let indices = batch.iter().map(|&i| i as u64).collect();
+        let b = self
+            .handle
+            .block_on(self.loader.call(BatchOf { indices }))
+            .context("data loader: batch")?;
+        let targets = b.global_targets;
+        let messages = b
+            .shards
+            .into_iter()
+            .map(|samples| TrainStep {
+                samples,
+                global_targets: targets,
+            })
+            .collect();
+        let replies = self.each("training", messages)?;
+        Ok(StepOutcome {
+            loss: replies.iter().map(|r| r.loss_share).sum(),
+            grad_norm: replies[0].grad_norm,
+            lr: replies[0].lr,
+            skipped: replies[0].skipped,
+            tokens: b.tokens,
+            peak_memory_bytes: replies.iter().map(|r| r.peak_memory_bytes).collect(),
+        })
+    }
+
+    fn validate(&mut self) -> Result<Option<f64>> {
+        if !self.has_val {
+            return Ok(None);
+        }
+        let shards = self.handle.block_on(self.loader.call(ValShards))?;
+        let rounds = shards
+            .iter()
+            .map(|s| micro_batches(s.len(), self.micro_batch_size))
+            .max()
+            .unwrap_or(0) as u64;
+        let messages = shards
+            .into_iter()
+            .map(|samples| Validate { samples, rounds })
+            .collect();
+        let parts = self.each("validation", messages)?;
+        let (sum, count) = parts
+            .iter()
+            .fold((0.0, 0), |(s, c), (ps, pc)| (s + ps, c + pc));
+        Ok(Some(sum / count.max(1) as f64))
+    }
+
+    fn save(&mut self, dir: &Path, meta: &RunMeta, hf_model: bool) -> Result<()> {
+        let dir_text = dir.display().to_string();
+        let saving = self.all("checkpoint save", SaveShard { dir: dir_text })?;
+        if hf_model {
+            let hf = dir.join(HF_DIR).display().to_string();
+            self.all("checkpoint huggingface/ export", Export { dir: hf })?;
+        }
+        let commit = Commit {
+            fsdp_meta_json: saving[0].meta_json.clone(),
+            files: saving
+                .iter()
+                .flat_map(|s| s.files.iter().cloned())
+                .collect(),
+            run_meta_json: serde_json::to_string(meta)?,
+        };
+        self.handle.block_on(self.checkpointer.tell(commit))?;
+        Ok(())
+    }
+
+    fn load(&mut self, dir: &Path) -> Result<()> {
+        let dir = dir.display().to_string();
+        self.all("loading the checkpoint", LoadShard { dir })?;
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.all("finishing checkpoint writes", FinishSave)?;
+        self.handle.block_on(self.checkpointer.call(Flush))?;
+        Ok(())
+    }
+}

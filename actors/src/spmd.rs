@@ -1,0 +1,147 @@
+//! The SPMD executor: every rank runs the one run loop itself over the same data plan — world 1 in one process
+//! (`ferl sft` without `--nproc-per-node`), or each rank of an external launcher (torchrun's `RANK`/`WORLD_SIZE`/
+//! `MASTER_ADDR`/`MASTER_PORT`, SLURM's variables). Rank 0 logs, serves plugin reloads and commits checkpoints.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context as _, Result};
+use ferl_collective::{Communicator, GroupOptions, MemoryRendezvous};
+use ferl_config::expand_path;
+use ferl_data::{rank_shard, SftDataset};
+use ferl_trainer::checkpoint::{commit, RunMeta, HF_DIR};
+use ferl_trainer::metrics::LoggerRegistry;
+use ferl_trainer::run::{self, StepExecutor, StepOutcome};
+use tch::Device;
+
+use crate::messages::Sample;
+use crate::rank::{micro_batches, RankState};
+
+/// A rank that runs the loop itself: its [`RankState`] and the whole (tokenized) dataset.
+pub struct SpmdExecutor {
+    state: RankState,
+    train: SftDataset,
+    val: Option<SftDataset>,
+    root: PathBuf,
+    keep: Option<usize>,
+}
+
+impl SpmdExecutor {
+    /// An executor over `state` training on `train` (and validating on `val`) as `state`'s config says.
+    pub fn new(state: RankState, train: SftDataset, val: Option<SftDataset>) -> Self {
+        let root = expand_path(&state.cfg.trainer.default_local_dir);
+        let keep = state.cfg.trainer.max_ckpt_to_keep;
+        Self {
+            state,
+            train,
+            val,
+            root,
+            keep,
+        }
+    }
+
+    fn rank(&self) -> usize {
+        self.state.rank_and_world().0
+    }
+}
+
+/// This rank's contiguous share of `indices` of `dataset`, as wire samples.
+fn my_samples(dataset: &SftDataset, indices: &[usize], rank: usize, world: usize) -> Vec<Sample> {
+    rank_shard(indices, rank, world)
+        .iter()
+        .map(|&i| Sample::from(dataset.get(i)))
+        .collect()
+}
+
+impl StepExecutor for SpmdExecutor {
+    fn world_size(&self) -> usize {
+        self.state.rank_and_world().1
+    }
+
+    fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
+        let (rank, world) = self.state.rank_and_world();
+        let samples: Vec<&ferl_data::TokenizedSample> =
+            batch.iter().map(|&i| self.train.get(i)).collect();
+        let global_targets = samples.iter().map(|s| s.num_targets() as i64).sum();
+        let tokens = samples.iter().map(|s| s.input_ids.len() as i64).sum();
+        let mine = my_samples(&self.train, batch, rank, world);
+        let out = self
+            .state
+            .train_step(&mine, global_targets)
+            .with_context(|| format!("rank {rank}"))?;
+        // One all-reduce carries the loss shares and every rank's peak memory.
+        let mut shares = vec![0.0; 1 + world];
+        shares[0] = out.loss_share;
+        shares[1 + rank] = out.peak_memory_bytes as f64;
+        let sums = self.state.sum_over_ranks(&shares)?;
+        Ok(StepOutcome {
+            loss: sums[0],
+            grad_norm: out.grad_norm,
+            lr: out.lr,
+            skipped: out.skipped,
+            tokens,
+            peak_memory_bytes: sums[1..].iter().map(|&b| b as u64).collect(),
+        })
+    }
+
+    fn validate(&mut self) -> Result<Option<f64>> {
+        let Some(val) = &self.val else {
+            return Ok(None);
+        };
+        let (rank, world) = self.state.rank_and_world();
+        let all: Vec<usize> = (0..val.len()).collect();
+        let mine = my_samples(val, &all, rank, world);
+        let micro = self.state.cfg.data.micro_batch_size_per_gpu;
+        let rounds = micro_batches(val.len().div_ceil(world), micro);
+        let (sum, count) = self.state.validate(&mine, rounds)?;
+        let sums = self.state.sum_over_ranks(&[sum, count as f64])?;
+        Ok(Some(sums[0] / sums[1].max(1.0)))
+    }
+
+    fn save(&mut self, dir: &Path, meta: &RunMeta, hf_model: bool) -> Result<()> {
+        self.state.save_now(dir)?;
+        if hf_model {
+            self.state.export(&dir.join(HF_DIR))?;
+        }
+        if self.rank() == 0 {
+            commit(&self.root, meta, self.keep)?;
+        }
+        Ok(())
+    }
+
+    fn load(&mut self, dir: &Path) -> Result<()> {
+        self.state.load(dir)
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.state.finish_save()?;
+        self.state.sum_over_ranks(&[0.0]).context("final barrier")?;
+        Ok(())
+    }
+}
+
+/// A group of one rank (this process), on `device`.
+pub fn world_of_one(device: Device) -> Result<Arc<dyn Communicator>> {
+    let options = GroupOptions {
+        prefix: "ferl/one-process".into(),
+        ..Default::default()
+    };
+    ferl_collective::connect(device, 0, 1, Arc::new(MemoryRendezvous::new()), &options)
+        .context("forming the one-process group")
+}
+
+/// Options of a run in this process (world 1) beyond the config.
+#[derive(Default)]
+pub struct InProcessOptions {
+    /// Stop after this many steps of this run (an interruption, in tests).
+    pub stop_after_steps: Option<u64>,
+    /// Draw the progress bar.
+    pub progress: bool,
+    /// Extra logger kinds `trainer.logger` may name, besides the built-in ones and loaded plugins.
+    pub loggers: Option<LoggerRegistry>,
+    /// Plugin folders watched besides the default ones and `$FERL_PLUGIN_PATH`.
+    pub plugin_folders: Vec<PathBuf>,
+}
+
+/// Re-exported for the entry points.
+pub use run::RunSummary;

@@ -1,0 +1,226 @@
+//! The one config gate: every launch path (one process, `--nproc-per-node`, a cluster, torchrun/SLURM ranks) calls
+//! [`check`] with the whole config before anything is loaded or spawned. A key is honoured the same way on every
+//! path or refused on every path with the same message; nothing is accepted and ignored.
+//!
+//! Keys ferl has no use for are accepted only where that is honest and documented on the key: `data.use_shm`,
+//! `model.use_shm` (load paths), `data.balance_dp_token` (ferl's loss is always the exact global token-mean),
+//! `data.num_workers` (data is tokenized before training), `model.strategy` (`fsdp` and `fsdp2` are the same engine),
+//! `model.fsdp_config.forward_prefetch` (the next layer's gather always overlaps compute).
+
+use anyhow::{bail, Result};
+use ferl_config::{Dtype, SftConfig, Supported};
+use tch::{Device, Kind};
+
+/// The launch a config is checked against.
+#[derive(Clone, Debug)]
+pub struct LaunchShape {
+    /// Data-parallel ranks of the run.
+    pub world_size: usize,
+    /// Whether this process decides the device itself (one process, an embedded cluster, a launcher rank); false
+    /// for a remote cluster, whose ranks check their own device.
+    pub local_device: bool,
+    /// Logger kinds `trainer.logger` may name (built in and loaded plugins).
+    pub loggers: Vec<String>,
+}
+
+/// The parts `trainer.checkpoint.save_contents`/`load_contents` may list; `model`, `optimizer` and `extra` are
+/// always needed to resume, `hf_model` adds a `huggingface/` folder.
+const CONTENTS: [&str; 4] = ["model", "optimizer", "extra", "hf_model"];
+
+/// The keys every executor honours (values restricted where only some are).
+pub fn supported_keys(loggers: &[String]) -> Supported {
+    let mut names: Vec<&str> = loggers.iter().map(String::as_str).collect();
+    names.sort_unstable();
+    names.dedup();
+    Supported::new()
+        .keys(&[
+            "data.train_batch_size",
+            "data.micro_batch_size",
+            "data.micro_batch_size_per_gpu",
+            "data.train_files",
+            "data.val_files",
+            "data.train_max_samples",
+            "data.val_max_samples",
+            "data.prompt_key",
+            "data.response_key",
+            "data.prompt_dict_keys",
+            "data.response_dict_keys",
+            "data.multiturn.*",
+            "data.max_length",
+            "data.truncation",
+            "data.balance_dp_token",
+            "data.chat_template",
+            "data.use_shm",
+            "data.num_workers",
+            "data.apply_chat_template_kwargs",
+            "data.apply_chat_template_kwargs.*",
+            "data.shuffle",
+            "data.plugin",
+            "data.plugin_options",
+            "data.plugin_options.*",
+            "data.custom_cls.*",
+            "model.partial_pretrain",
+            "model.use_shm",
+            "model.enable_gradient_checkpointing",
+            "model.strategy",
+            "model.fsdp_config.model_dtype",
+            "model.fsdp_config.mixed_precision",
+            "model.fsdp_config.mixed_precision.*",
+            "model.fsdp_config.reshard_after_forward",
+            "model.fsdp_config.forward_prefetch",
+            "model.fsdp_config.cpu_offload",
+            "model.fsdp_config.offload_params",
+            "model.fsdp_config.sharding_strategy",
+            "optim.lr",
+            "optim.lr_warmup_steps_ratio",
+            "optim.lr_warmup_steps",
+            "optim.weight_decay",
+            "optim.betas",
+            "optim.clip_grad",
+            "optim.min_lr_ratio",
+            "optim.num_cycles",
+            "optim.lr_scheduler",
+            "trainer.default_local_dir",
+            "trainer.project_name",
+            "trainer.experiment_name",
+            "trainer.total_epochs",
+            "trainer.total_training_steps",
+            "trainer.seed",
+            "trainer.save_freq",
+            "trainer.test_freq",
+            "trainer.max_ckpt_to_keep",
+            "trainer.resume_mode",
+            "trainer.resume_from_path",
+            "trainer.nnodes",
+            "trainer.n_gpus_per_node",
+            "use_remove_padding",
+        ])
+        .values("optim.optimizer", &["AdamW"])
+        .values("optim.optimizer_impl", &["torch.optim"])
+        .values("model.lora_rank", &["0"])
+        .values("model.use_liger", &["false", "true"])
+        .values("model.fsdp_config.fsdp_size", &["-1", "1"])
+        .values("model.fsdp_config.wrap_policy.min_num_params", &["0"])
+        .values("trainer.device", &["cpu", "cuda"])
+        .values("trainer.logger", &names)
+        .values("trainer.checkpoint.save_contents", &CONTENTS)
+        .values("trainer.checkpoint.load_contents", &CONTENTS)
+        .values("ulysses_sequence_parallel_size", &["1"])
+}
+
+/// Checks `cfg` for `launch`: supported keys and values, precision, device, batch split, checkpoint contents and
+/// the launch shape. One message per path-independent problem.
+pub fn check(cfg: &SftConfig, launch: &LaunchShape) -> Result<()> {
+    cfg.validate_supported(&supported_keys(&launch.loggers))?;
+    compute_kind(cfg)?;
+    check_contents(cfg)?;
+    check_batch_split(cfg, launch.world_size)?;
+    check_shape(cfg, launch.world_size)?;
+    if launch.local_device {
+        device_of(cfg, 0)?;
+    }
+    Ok(())
+}
+
+/// The dtype stages compute in: `mixed_precision.param_dtype` if set, else `model_dtype`. fp16 is refused on
+/// every path (it needs dynamic loss scaling, which ferl does not do).
+pub fn compute_kind(cfg: &SftConfig) -> Result<Kind> {
+    let fc = &cfg.model.fsdp_config;
+    let d = fc
+        .mixed_precision
+        .as_ref()
+        .map(|m| m.param_dtype)
+        .unwrap_or(fc.model_dtype);
+    match d {
+        Dtype::Fp32 => Ok(Kind::Float),
+        Dtype::Bf16 => Ok(Kind::BFloat16),
+        Dtype::Fp16 => bail!(
+            "model.fsdp_config.model_dtype / mixed_precision.param_dtype: fp16 is not supported (it needs loss \
+             scaling; use bf16 or fp32)"
+        ),
+    }
+}
+
+/// Whether torch sees a CUDA device. Loads libtorch_cuda first: the linker's `--as-needed` drops it from our
+/// binaries (nothing references it by symbol), and without it torch reports no CUDA at all.
+pub fn cuda_is_available() -> bool {
+    if let Err(e) = ferl_collective::load_torch_cuda() {
+        tracing::debug!("{e:#}");
+        return false;
+    }
+    tch::Cuda::is_available()
+}
+
+/// The device `trainer.device` names for the rank using local device `local_index`. `cuda` without a visible GPU
+/// is an error on every path (never a silent CPU fallback).
+pub fn device_of(cfg: &SftConfig, local_index: usize) -> Result<Device> {
+    match cfg.trainer.device.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" if cuda_is_available() => Ok(Device::Cuda(local_index)),
+        "cuda" => {
+            bail!("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
+        }
+        other => bail!("trainer.device: `{other}` is not supported (cpu, cuda)"),
+    }
+}
+
+fn check_contents(cfg: &SftConfig) -> Result<()> {
+    let c = &cfg.trainer.checkpoint;
+    for (key, list) in [
+        ("save_contents", &c.save_contents),
+        ("load_contents", &c.load_contents),
+    ] {
+        let missing: Vec<&str> = CONTENTS[..3]
+            .iter()
+            .copied()
+            .filter(|p| !list.as_slice().iter().any(|x| x == p))
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "trainer.checkpoint.{key} lacks {}: ferl checkpoints always hold model, optimizer and extra \
+                 (a resume needs all three); only hf_model may be added",
+                missing.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Every rank must run the same number of micro-batches per step, so the global batch splits evenly over the ranks
+/// (verl requires the same), and micro-batches are whole.
+fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
+    let (batch, micro) = (cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu);
+    if world == 0 || !batch.is_multiple_of(world) {
+        bail!(
+            "data.train_batch_size={batch} does not split evenly over {world} ranks (make it a multiple of {world})"
+        );
+    }
+    if micro == 0 {
+        bail!("data.micro_batch_size_per_gpu must be at least 1");
+    }
+    Ok(())
+}
+
+/// verl sizes a run by `trainer.nnodes` × `trainer.n_gpus_per_node`; ferl takes the size from the launch, so when
+/// either key is set it must agree with it.
+fn check_shape(cfg: &SftConfig, world: usize) -> Result<()> {
+    let set = cfg
+        .changed_keys()
+        .iter()
+        .any(|(k, _)| k == "trainer.nnodes" || k == "trainer.n_gpus_per_node");
+    let (nodes, per_node) = (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node);
+    if set && nodes * per_node != world {
+        bail!(
+            "trainer.nnodes={nodes} × trainer.n_gpus_per_node={per_node} = {} ranks, but this launch has {world} \
+             (ferl takes the size from --nnodes/--nproc-per-node or the launcher; drop the keys or make them agree)",
+            nodes * per_node
+        );
+    }
+    Ok(())
+}
+
+/// Whether `trainer.save_contents` asks for the `huggingface/` folder.
+pub fn saves_hf_model(cfg: &SftConfig) -> bool {
+    let list = &cfg.trainer.checkpoint.save_contents;
+    list.as_slice().iter().any(|x| x == "hf_model")
+}
