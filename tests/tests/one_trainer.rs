@@ -102,6 +102,7 @@ const KEYS: &[(&str, &str, bool)] = &[
     ("trainer.checkpoint.save_contents", "[model]", false),
     ("trainer.device", "cpu", true),
     ("trainer.nnodes", "3", false),
+    ("trainer.n_gpus_per_node", "3", false),
     ("ulysses_sequence_parallel_size", "2", false),
     ("use_remove_padding", "true", true),
 ];

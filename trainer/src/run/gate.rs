@@ -211,8 +211,9 @@ fn check_shape(cfg: &SftConfig, world: usize) -> Result<()> {
     let (nodes, per_node) = (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node);
     if set && nodes * per_node != world {
         bail!(
-            "trainer.nnodes={nodes} × trainer.n_gpus_per_node={per_node} = {} ranks, but this launch has {world} \
-             (ferl takes the size from --nnodes/--nproc-per-node or the launcher; drop the keys or make them agree)",
+            "trainer.nnodes={nodes} × trainer.n_gpus_per_node={per_node} = {} ranks does not match the launch \
+             (ferl takes the size from --nnodes × --nproc-per-node or the launcher's WORLD_SIZE; drop the keys \
+             or make them agree)",
             nodes * per_node
         );
     }
