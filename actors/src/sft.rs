@@ -309,6 +309,9 @@ async fn train_checked(
     plugins: DriverPlugins,
     registry: LoggerRegistry,
 ) -> Result<RunSummary> {
+    if cfg.trainer.device == "cuda" {
+        ensure_cluster_has_gpus(cluster).await?;
+    }
     let yaml = cfg.to_yaml();
     let loader_opts = plugins.ship(SpawnOptions::new(), &DriverPlugins::for_data_loader(&cfg))?;
     let loader_args = DataLoaderArgs {
@@ -382,6 +385,26 @@ async fn train_checked(
     cluster.kill(&loader).await.ok();
     cluster.kill(&checkpointer).await.ok();
     summary
+}
+
+/// `trainer.device=cuda` on a cluster whose live nodes declare no GPU is refused as on every other path (instead of a
+/// placement that can never be met).
+async fn ensure_cluster_has_gpus(cluster: &Cluster) -> Result<()> {
+    let status = cluster
+        .status()
+        .await
+        .context("reading the cluster's nodes")?;
+    let gpus: f64 = status["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|n| n["alive"].as_bool() != Some(false))
+        .filter_map(|n| n["resources_total"]["GPU"].as_f64())
+        .sum();
+    if gpus < 1.0 {
+        return Err(ferl_trainer::run::gate::no_cuda_device());
+    }
+    Ok(())
 }
 
 fn num_params_of(cfg: &SftConfig) -> Result<i64> {

@@ -355,3 +355,26 @@ fn any_path_resumes_any_other_paths_checkpoint() {
         );
     }
 }
+
+/// `trainer.device=cuda` on a cluster none of whose nodes has a GPU (the `--address` path, where the driver's own
+/// machine does not decide) is refused with the same words as on every other path, before anything is spawned.
+#[test]
+fn a_cluster_without_gpus_refuses_cuda_like_every_other_path() {
+    if cuda_is_available() {
+        println!("SKIP: this machine has a GPU, so its cluster does too");
+        return;
+    }
+    let fx = Fixture::new().unwrap();
+    let cfg = SftConfig::load(None, &fx.overrides(2, "cuda", &["trainer.device=cuda"])).unwrap();
+    let one = ferl_trainer::run::device_of(&cfg, 0)
+        .unwrap_err()
+        .to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let err = rt.block_on(async {
+        let cluster = ferl::runtime::init(Default::default()).await.unwrap();
+        let r = ferl_actors::sft::train_on_cluster(&cluster, &cfg, 2).await;
+        cluster.shutdown().await;
+        r.unwrap_err()
+    });
+    assert_eq!(format!("{err:#}"), one);
+}

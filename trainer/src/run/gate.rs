@@ -157,11 +157,14 @@ pub fn device_of(cfg: &SftConfig, local_index: usize) -> Result<Device> {
     match cfg.trainer.device.as_str() {
         "cpu" => Ok(Device::Cpu),
         "cuda" if cuda_is_available() => Ok(Device::Cuda(local_index)),
-        "cuda" => {
-            bail!("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
-        }
+        "cuda" => Err(no_cuda_device()),
         other => bail!("trainer.device: `{other}` is not supported (cpu, cuda)"),
     }
+}
+
+/// The refusal of `trainer.device=cuda` where no GPU is visible (the same words on every path).
+pub fn no_cuda_device() -> anyhow::Error {
+    anyhow::anyhow!("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
 }
 
 fn check_contents(cfg: &SftConfig) -> Result<()> {
