@@ -329,3 +329,44 @@ fn cuda_device_trains_on_a_gpu_or_is_refused_with_the_reason() {
         );
     }
 }
+
+/// A corrupted newest checkpoint is skipped by `resume_mode=auto` (with a warning): the run resumes from the one
+/// before it and trains the same losses as an uninterrupted run.
+#[test]
+fn auto_resume_skips_a_corrupted_checkpoint_and_keeps_the_losses() {
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    tiny_model(dir.path());
+    let full = run_with_data(&config(dir.path(), &[]), &(16, 1), None, quiet()).unwrap();
+    let split = format!(
+        "trainer.default_local_dir={}",
+        dir.path().join("split").display()
+    );
+    let cfg = config(dir.path(), &["trainer.save_freq=1", &split]);
+    let stop = InProcessOptions {
+        stop_after_steps: Some(3),
+        ..quiet()
+    };
+    run_with_data(&cfg, &(16, 1), None, stop).unwrap();
+    let shard = dir
+        .path()
+        .join("split/global_step_3/optim_world_size_1_rank_0.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&shard, bytes).unwrap();
+    let resumed = run_with_data(&cfg, &(16, 1), None, quiet()).unwrap();
+    assert_eq!(
+        resumed.resumed_from, 2,
+        "the corrupted step-3 checkpoint is skipped"
+    );
+    let want = &losses(&full)[2..];
+    for (i, (a, b)) in losses(&resumed).iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "step {}: {a} vs {b}",
+            i + 3
+        );
+    }
+    assert_eq!(losses(&resumed).len(), want.len());
+}

@@ -179,6 +179,7 @@ pub fn run(
                 epoch: data.position().epoch,
                 step_in_epoch: data.position().step_in_epoch,
                 world_size: exec.world_size() as u64,
+                files: Default::default(),
             };
             let dir = step_dir(&root, step);
             exec.save(&dir, &meta, gate::saves_hf_model(cfg))?;

@@ -16,12 +16,19 @@
 //! 2. Pruning keeps the newest `trainer.max_ckpt_to_keep` complete checkpoints and never deletes the latest.
 //! 3. A checkpoint of ferl's earlier single-process layout (`trainer_state.json` + `huggingface/`) is refused with
 //!    an error that says how to continue from it.
+//! 4. `meta.json` records the size and CRC-32 of every other file ([`digest`]); a load verifies them and refuses a
+//!    corrupted or truncated checkpoint naming the file. `resume_mode=auto` then falls back to the newest older
+//!    checkpoint that verifies, with a warning.
+
+pub mod digest;
 
 use crate::model::weights;
 use anyhow::{bail, Context, Result};
+use digest::{digest_dir, verify_dir, FileDigest};
 use ferl_config::{expand_path, ResumeMode, SftConfig};
 use ferl_data::DataPosition;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use tch::Kind;
 
@@ -43,6 +50,9 @@ pub struct RunMeta {
     pub step_in_epoch: u64,
     /// Ranks that wrote it.
     pub world_size: u64,
+    /// Size and CRC-32 of every other file of the folder, by relative path (filled in by [`commit`]).
+    #[serde(default)]
+    pub files: BTreeMap<String, FileDigest>,
 }
 
 impl RunMeta {
@@ -68,10 +78,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }
 
-/// Marks `global_step_N` complete: writes its `meta.json`, then the latest pointer, then prunes (keeping `keep`).
+/// Marks `global_step_N` complete: records the digests of its files in its `meta.json`, writes that, then the
+/// latest pointer, then prunes (keeping `keep`).
 pub fn commit(root: &Path, meta: &RunMeta, keep: Option<usize>) -> Result<()> {
     let dir = step_dir(root, meta.global_step);
-    write_atomic(&dir.join(META_FILE), &serde_json::to_vec_pretty(meta)?)?;
+    let meta = RunMeta {
+        files: digest_dir(&dir, META_FILE)?,
+        ..meta.clone()
+    };
+    write_atomic(&dir.join(META_FILE), &serde_json::to_vec_pretty(&meta)?)?;
     write_atomic(
         &root.join(LATEST_FILE),
         meta.global_step.to_string().as_bytes(),
@@ -125,6 +140,13 @@ pub fn read_meta(dir: &Path) -> Result<RunMeta> {
     serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", file.display()))
 }
 
+/// Reads `dir/meta.json` and verifies every file it records (invariant 4).
+pub fn verify(dir: &Path) -> Result<RunMeta> {
+    let meta = read_meta(dir)?;
+    verify_dir(dir, &meta.files)?;
+    Ok(meta)
+}
+
 /// Invariant 3: the earlier single-process layout cannot resume; its model can start a new run.
 fn refuse_legacy(dir: &Path) -> Result<()> {
     if dir.join("trainer_state.json").is_file() && !dir.join(META_FILE).is_file() {
@@ -139,46 +161,76 @@ fn refuse_legacy(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint named by `latest_checkpointed_iteration.txt` under `root`, if any.
-pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
+/// The step `latest_checkpointed_iteration.txt` under `root` names, if there is one.
+pub fn latest_step(root: &Path) -> Result<Option<u64>> {
     let file = root.join(LATEST_FILE);
     let Ok(text) = std::fs::read_to_string(&file) else {
         return Ok(None);
     };
-    let step: u64 = text
+    let step = text
         .trim()
         .parse()
         .with_context(|| format!("{}: `{}` is not a step number", file.display(), text.trim()))?;
+    Ok(Some(step))
+}
+
+/// The checkpoint named by `latest_checkpointed_iteration.txt` under `root`, if any.
+pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
+    let Some(step) = latest_step(root)? else {
+        return Ok(None);
+    };
     let dir = step_dir(root, step);
     if !dir.is_dir() {
         bail!(
             "{} names {}, which does not exist",
-            file.display(),
+            root.join(LATEST_FILE).display(),
             dir.display()
         );
     }
     Ok(Some(dir))
 }
 
-/// The checkpoint a run starts from, per `trainer.resume_mode` (and `resume_from_path`).
+/// The checkpoint a run starts from, per `trainer.resume_mode` (and `resume_from_path`), verified (invariant 4).
 pub fn resume_dir(cfg: &SftConfig) -> Result<Option<PathBuf>> {
     let root = expand_path(&cfg.trainer.default_local_dir);
-    let dir = match cfg.trainer.resume_mode {
-        ResumeMode::Disable => return Ok(None),
-        ResumeMode::Auto => latest(&root)?,
+    match cfg.trainer.resume_mode {
+        ResumeMode::Disable => Ok(None),
+        ResumeMode::Auto => newest_good(&root),
         ResumeMode::ResumePath => {
             let p = cfg
                 .trainer
                 .resume_from_path
                 .as_deref()
                 .context("trainer.resume_mode=resume_path needs trainer.resume_from_path")?;
-            Some(expand_path(p))
+            let dir = expand_path(p);
+            verify(&dir).with_context(|| format!("resuming from {}", dir.display()))?;
+            Ok(Some(dir))
         }
-    };
-    if let Some(d) = &dir {
-        read_meta(d).with_context(|| format!("resuming from {}", d.display()))?;
     }
-    Ok(dir)
+}
+
+/// The newest complete checkpoint under `root` that verifies, starting at the one the latest pointer names; each
+/// one skipped is reported with why.
+fn newest_good(root: &Path) -> Result<Option<PathBuf>> {
+    let Some(newest) = latest_step(root)? else {
+        return Ok(None);
+    };
+    refuse_legacy(&step_dir(root, newest))?;
+    for step in complete_steps(root)?
+        .into_iter()
+        .rev()
+        .filter(|&s| s <= newest)
+    {
+        let dir = step_dir(root, step);
+        match verify(&dir) {
+            Ok(_) => return Ok(Some(dir)),
+            Err(e) => tracing::warn!("skipping checkpoint {}: {e:#}", dir.display()),
+        }
+    }
+    bail!(
+        "no checkpoint under {} verifies (resume_mode=auto); set trainer.resume_mode=disable to start over",
+        root.display()
+    )
 }
 
 /// Waits until every path in `files` exists, polling, for at most `timeout`; the error names the missing files.
@@ -236,6 +288,7 @@ mod tests {
             epoch: 0,
             step_in_epoch: step,
             world_size: 2,
+            files: BTreeMap::new(),
         }
     }
 
@@ -263,6 +316,89 @@ mod tests {
         write_atomic(&root.path().join(LATEST_FILE), b"7").unwrap();
         let err = super::latest(root.path()).unwrap_err().to_string();
         assert!(err.contains("global_step_7"), "{err}");
+    }
+
+    /// A root with complete checkpoints at `steps`, each with a shard and a `huggingface/` file.
+    fn saved(steps: &[u64]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for &step in steps {
+            let dir = step_dir(root.path(), step);
+            std::fs::create_dir_all(dir.join(HF_DIR)).unwrap();
+            std::fs::write(
+                dir.join("model_world_size_1_rank_0.safetensors"),
+                vec![step as u8; 1000],
+            )
+            .unwrap();
+            std::fs::write(dir.join(HF_DIR).join("config.json"), "{}").unwrap();
+            commit(root.path(), &meta(step), None).unwrap();
+        }
+        root
+    }
+
+    fn auto(root: &Path) -> SftConfig {
+        let o = [format!("trainer.default_local_dir={}", root.display())];
+        SftConfig::load(None, &o).unwrap()
+    }
+
+    #[test]
+    fn invariant_4_corrupted_or_truncated_files_are_refused_naming_them() {
+        let root = saved(&[2]);
+        let dir = step_dir(root.path(), 2);
+        let m = verify(&dir).unwrap();
+        assert_eq!(m.files.len(), 2, "{:?}", m.files);
+        let shard = dir.join("model_world_size_1_rank_0.safetensors");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        bytes[500] ^= 1;
+        std::fs::write(&shard, &bytes).unwrap();
+        let err = format!("{:#}", verify(&dir).unwrap_err());
+        assert!(
+            err.contains("corrupted") && err.contains("model_world_size_1_rank_0"),
+            "{err}"
+        );
+        std::fs::write(&shard, &bytes[..10]).unwrap();
+        let err = format!("{:#}", verify(&dir).unwrap_err());
+        assert!(
+            err.contains("truncated") && err.contains("model_world_size_1_rank_0"),
+            "{err}"
+        );
+        std::fs::remove_file(dir.join(HF_DIR).join("config.json")).unwrap();
+        let err = format!("{:#}", verify(&dir).unwrap_err());
+        assert!(
+            err.contains("huggingface/config.json") && err.contains("missing"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn invariant_4_auto_resume_falls_back_to_the_newest_good_checkpoint() {
+        let root = saved(&[2, 4, 6]);
+        assert_eq!(
+            resume_dir(&auto(root.path())).unwrap(),
+            Some(step_dir(root.path(), 6))
+        );
+        let shard = step_dir(root.path(), 6).join("model_world_size_1_rank_0.safetensors");
+        std::fs::write(&shard, b"garbage").unwrap();
+        assert_eq!(
+            resume_dir(&auto(root.path())).unwrap(),
+            Some(step_dir(root.path(), 4))
+        );
+        let mut cfg = auto(root.path());
+        cfg.trainer.resume_mode = ResumeMode::ResumePath;
+        cfg.trainer.resume_from_path = Some(step_dir(root.path(), 6).display().to_string());
+        let err = format!("{:#}", resume_dir(&cfg).unwrap_err());
+        assert!(
+            err.contains("global_step_6") && err.contains("truncated"),
+            "{err}"
+        );
+        for step in [2, 4] {
+            let shard = step_dir(root.path(), step).join("model_world_size_1_rank_0.safetensors");
+            std::fs::write(&shard, b"x").unwrap();
+        }
+        let err = format!("{:#}", resume_dir(&auto(root.path())).unwrap_err());
+        assert!(
+            err.contains("no checkpoint") && err.contains("resume_mode=disable"),
+            "{err}"
+        );
     }
 
     #[test]
