@@ -24,6 +24,9 @@ pub struct SpmdExecutor {
     val: Option<SftDataset>,
     root: PathBuf,
     keep: Option<usize>,
+    /// Rank 0's commit of the newest checkpoint (digests, `meta.json`, latest pointer), running off the step path
+    /// so that the other ranks never wait in a collective while it reads the files back.
+    committing: Option<std::thread::JoinHandle<Result<()>>>,
 }
 
 impl SpmdExecutor {
@@ -37,6 +40,16 @@ impl SpmdExecutor {
             val,
             root,
             keep,
+            committing: None,
+        }
+    }
+
+    fn finish_commit(&mut self) -> Result<()> {
+        match self.committing.take() {
+            Some(h) => h
+                .join()
+                .map_err(|_| anyhow::anyhow!("checkpoint commit thread panicked"))?,
+            None => Ok(()),
         }
     }
 
@@ -103,8 +116,11 @@ impl StepExecutor for SpmdExecutor {
         if hf_model {
             self.state.export(&dir.join(HF_DIR))?;
         }
+        self.finish_commit()?;
         if self.rank() == 0 {
-            commit(&self.root, meta, self.keep)?;
+            let (root, meta, keep) = (self.root.clone(), meta.clone(), self.keep);
+            let commit = move || commit(&root, &meta, keep);
+            self.committing = Some(std::thread::spawn(commit));
         }
         Ok(())
     }
@@ -115,6 +131,7 @@ impl StepExecutor for SpmdExecutor {
 
     fn finish(&mut self) -> Result<()> {
         self.state.finish_save()?;
+        self.finish_commit()?;
         self.state.sum_over_ranks(&[0.0]).context("final barrier")?;
         Ok(())
     }
