@@ -39,6 +39,21 @@ pub struct ShippedFile {
     pub server: String,
 }
 
+/// Checks that `digest`, received from a peer, is a sha256 in hex (64 lowercase hex digits) before it names a file.
+pub fn check_sha256_hex(digest: &str) -> Result<()> {
+    let ok = digest.len() == 64
+        && digest
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if !ok {
+        bail!(
+            "`{}` is not a sha256 digest (64 lowercase hex digits)",
+            digest.escape_debug()
+        );
+    }
+    Ok(())
+}
+
 /// Where the file with hash `sha256` and driver-side name `file_name` lives in the cache folder `dir`.
 pub fn cache_path(dir: &Path, sha256: &str, file_name: &str) -> PathBuf {
     let ext = Path::new(file_name)
@@ -68,6 +83,7 @@ pub(crate) async fn materialise(
     let dir = files_dir(bin_cache);
     let mut listed = BTreeMap::new();
     for f in files {
+        check_sha256_hex(&f.sha256).with_context(|| format!("shipped file `{}`", f.name))?;
         let path = cache_path(&dir, &f.sha256, &f.file_name);
         if !path.is_file() {
             let _guard = FETCH.lock().await;
@@ -164,6 +180,17 @@ mod tests {
     fn cache_keeps_the_extension_and_names_by_hash() {
         let d = Path::new("/c");
         assert_eq!(cache_path(d, "ab", "libx.so"), PathBuf::from("/c/ab.so"));
+        let good = "0123456789abcdef".repeat(4);
+        assert!(check_sha256_hex(&good).is_ok());
+        for bad in [
+            "../../etc/passwd",
+            "ab",
+            &good.to_uppercase(),
+            &format!("{}/x", &good[..62]),
+        ] {
+            let err = check_sha256_hex(bad).unwrap_err().to_string();
+            assert!(err.contains("not a sha256"), "{bad}: {err}");
+        }
         assert_eq!(cache_path(d, "ab", "data"), PathBuf::from("/c/ab"));
     }
 

@@ -168,6 +168,8 @@ impl NodeAgent {
             .process
             .call_at(server, BINARY_ACTOR, &BinaryDigest)
             .await?;
+        crate::blobs::check_sha256_hex(&digest)
+            .with_context(|| format!("the binary digest the driver at {server} sent"))?;
         let cached = self.0.bin_cache.join(&digest);
         if cached.exists() {
             return Ok(cached);

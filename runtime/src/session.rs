@@ -23,6 +23,35 @@ pub fn root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/tmp/ferl"))
 }
 
+/// Creates the session root `root` private to this user (mode 0700), or checks that an existing one belongs to this
+/// user (and makes it private); a root owned by another user is refused, since its owner could read tokens or plant
+/// files there.
+pub fn ensure_private_root(root: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(root)
+        .with_context(|| format!("creating {}", root.display()))?;
+    let meta =
+        std::fs::symlink_metadata(root).with_context(|| format!("reading {}", root.display()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me {
+        anyhow::bail!(
+            "the session folder {} is not a directory of yours (owner uid {}, you are uid {me}); set {ROOT_ENV} to a \
+             folder you own",
+            root.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("making {} private", root.display()))?;
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `path` with mode 0600 (created or truncated).
 pub fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = std::fs::OpenOptions::new()
@@ -47,7 +76,7 @@ impl Session {
     /// Makes a fresh session folder (`kind` is `head` or `node`); a head also becomes `session_latest`.
     pub fn create(kind: &str) -> Result<Self> {
         let root = root();
-        std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+        ensure_private_root(&root)?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
@@ -181,4 +210,34 @@ fn is_start_command(pid: i32) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|c| c.split(|b| *b == 0).any(|arg| arg == b"start"))
         .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    #[test]
+    fn the_session_root_is_private_and_another_users_root_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fresh = tmp.path().join("a/ferl");
+        ensure_private_root(&fresh).unwrap();
+        assert_eq!(std::fs::metadata(&fresh).unwrap().mode() & 0o777, 0o700);
+        let loose = tmp.path().join("loose");
+        std::fs::create_dir(&loose).unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o777)).unwrap();
+        ensure_private_root(&loose).unwrap();
+        assert_eq!(std::fs::metadata(&loose).unwrap().mode() & 0o777, 0o700);
+        let theirs = tmp.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        if std::os::unix::fs::chown(&theirs, Some(65534), None).is_err() {
+            println!("SKIP the foreign-owner case: this user cannot chown");
+            return;
+        }
+        let err = ensure_private_root(&theirs).unwrap_err().to_string();
+        assert!(
+            err.contains("not a directory of yours") && err.contains(ROOT_ENV),
+            "{err}"
+        );
+    }
 }

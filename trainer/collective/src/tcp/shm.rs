@@ -294,12 +294,23 @@ pub(crate) fn accept(offer: &Offer, liveness_fd: RawFd, timeout: Duration) -> Re
             offer.path.display()
         );
     }
+    // Never through a link, and only a regular file of this user: a segment planted by someone else is refused.
     let file = OpenOptions::new()
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&offer.path)
         .with_context(|| format!("opening {}", offer.path.display()))?;
-    let size = file.metadata()?.len() as usize;
+    let meta = file.metadata()?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.file_type().is_file() || std::os::unix::fs::MetadataExt::uid(&meta) != me {
+        bail!(
+            "{} is not a regular file of this user (uid {me}); refused",
+            offer.path.display()
+        );
+    }
+    let size = meta.len() as usize;
     if size < DATA_OFFSET {
         bail!("{} is too small to be a segment", offer.path.display());
     }

@@ -171,3 +171,32 @@ fn a_full_dev_shm_is_told_apart_from_other_failures() {
     let denied = anyhow::Error::new(Error::from_raw_os_error(libc::EACCES)).context("opening");
     assert!(!out_of_space(&denied));
 }
+
+#[test]
+fn offers_through_a_link_or_of_another_users_file_are_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let fd = a.as_raw_fd();
+    let pending = Pending::create(MIN_RING_BYTES).unwrap();
+    let real = pending.offer();
+    // A link with a segment name pointing at a real segment: never followed.
+    let link = Path::new(SHM_DIR).join(format!("{FILE_PREFIX}link-{}", std::process::id()));
+    std::os::unix::fs::symlink(&real.path, &link).unwrap();
+    let via_link = Offer {
+        path: link.clone(),
+        nonce: real.nonce,
+    };
+    let err = accept(&via_link, fd, Duration::from_secs(1)).err().unwrap();
+    std::fs::remove_file(&link).unwrap();
+    assert!(format!("{err:#}").contains("opening"), "{err:#}");
+    // The real segment handed to another user: refused even with the right nonce.
+    if std::os::unix::fs::chown(&real.path, Some(65534), None).is_err() {
+        println!("SKIP the foreign-owner case: this user cannot chown");
+        return;
+    }
+    let err = accept(&real, fd, Duration::from_secs(1)).err().unwrap();
+    assert!(
+        err.to_string().contains("not a regular file of this user"),
+        "{err}"
+    );
+}
