@@ -3,7 +3,6 @@
 //! `tensorboard`, by name. The run loop logs through [`build_loggers`]; the [`Metrics`] actor offers the same loggers
 //! to driver scripts that want them behind an actor.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context as _, Result};
@@ -95,9 +94,4 @@ impl Handler<FlushLogs> for Metrics {
         }
         Ok(())
     }
-}
-
-/// Where `metrics.jsonl` of `cfg` is.
-pub fn jsonl_path(cfg: &SftConfig) -> PathBuf {
-    expand_path(&cfg.trainer.default_local_dir).join("metrics.jsonl")
 }

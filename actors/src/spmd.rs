@@ -11,7 +11,7 @@ use ferl_config::expand_path;
 use ferl_data::{rank_shard, SftDataset};
 use ferl_trainer::checkpoint::{commit, RunMeta, HF_DIR};
 use ferl_trainer::metrics::LoggerRegistry;
-use ferl_trainer::run::{self, StepExecutor, StepOutcome};
+use ferl_trainer::run::{StepExecutor, StepOutcome};
 use tch::Device;
 
 use crate::messages::Sample;
@@ -159,6 +159,3 @@ pub struct InProcessOptions {
     /// Plugin folders watched besides the default ones and `$FERL_PLUGIN_PATH`.
     pub plugin_folders: Vec<PathBuf>,
 }
-
-/// Re-exported for the entry points.
-pub use run::RunSummary;
