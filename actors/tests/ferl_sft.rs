@@ -2,21 +2,12 @@
 //! `trainer.logger=[console,tensorboard,csv]` and `model.use_liger=true`, on a small Qwen2 with the real tokenizer.
 
 use ferl_actors::sft::{run_in_process, InProcessOptions};
-use ferl_plugin_host::cargo_build::{build_plugin, workspace_root, PluginBuild};
+#[path = "../../plugins/bridge/tests/common/mod.rs"]
+mod common;
+
+use ferl_plugin_host::cargo_build::workspace_root;
 use ferl_trainer::config::SftConfig;
 use std::path::{Path, PathBuf};
-
-fn build(package: &str) -> PathBuf {
-    let ws = workspace_root(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
-    let target = std::env::temp_dir()
-        .join("ferl-plugin-builds")
-        .join(package);
-    let spec = PluginBuild {
-        package: package.into(),
-        ..Default::default()
-    };
-    build_plugin(&ws, &target, &spec).unwrap_or_else(|e| panic!("{e:#}"))
-}
 
 #[test]
 fn sft_with_dataset_logger_and_kernel_plugins() {
@@ -31,7 +22,7 @@ fn sft_with_dataset_logger_and_kernel_plugins() {
         "ferl-plugin-csv",
         "ferl-plugin-liger",
     ] {
-        let built = build(p);
+        let built = common::build(p, &[]);
         std::fs::copy(&built, folder.join(built.file_name().unwrap())).unwrap();
     }
     // A small Qwen2 with the real vocabulary, so the real tokenizer's ids fit.

@@ -6,20 +6,12 @@ use ferl_actors::sft::{run_in_process_with_data, InProcessOptions, RunSummary};
 use ferl_config::SftConfig;
 use ferl_data::{SftDataset, TokenizedSample};
 use ferl_trainer::checkpoint;
-use std::path::Path;
 
-fn tiny_model(dir: &Path) {
-    let cfg = serde_json::json!({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 97, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true,
-        "hidden_act": "silu", "initializer_range": 0.02, "torch_dtype": "float32", "eos_token_id": 1
-    });
-    std::fs::create_dir_all(dir).unwrap();
-    let file = dir.join("source_config.json");
-    std::fs::write(&file, cfg.to_string()).unwrap();
-    ferl_trainer::model::init_model(&file, None, &dir.join("model"), 3).unwrap();
-}
+#[path = "../../plugins/bridge/tests/common/mod.rs"]
+mod common;
+
+use common::tiny_model;
+use std::path::Path;
 
 fn dataset(n: usize, seed: u64) -> SftDataset {
     let mut x = seed;
