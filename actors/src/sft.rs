@@ -69,23 +69,9 @@ pub fn run(cfg: SftConfig, launch: &Launch) -> Result<RunSummary> {
     }
 }
 
-/// The coordinator's plugins and logger kinds: the job's plugin host (which resolves `data.custom_cls`) and a
-/// registry with its logger plugins and any `extra` kinds.
-fn coordinator_plugins(
-    cfg: &mut SftConfig,
-    extra: Option<LoggerRegistry>,
-    folders: &[std::path::PathBuf],
-) -> Result<(DriverPlugins, LoggerRegistry)> {
-    let plugins = DriverPlugins::open_with(cfg, folders).context("plugins")?;
-    let mut registry = logger_registry(Some(plugins.host()));
-    if let Some(extra) = extra {
-        registry.merge(extra);
-    }
-    Ok((plugins, registry))
-}
-
-/// The coordinator's plugins ([`coordinator_plugins`]), then the config gate for `world` ranks. A refused config
-/// leaves nothing behind: a run folder the plugin host created for it is removed again.
+/// The coordinator's plugins (the job's plugin host, which resolves `data.custom_cls`, watching `folders` too) and
+/// logger kinds (built in, its logger plugins, and any `extra`), then the config gate for `world` ranks. A refused
+/// config leaves nothing behind: a run folder the plugin host created for it is removed again.
 fn checked_coordinator(
     cfg: &mut SftConfig,
     extra: Option<LoggerRegistry>,
@@ -95,8 +81,16 @@ fn checked_coordinator(
 ) -> Result<(DriverPlugins, LoggerRegistry)> {
     let run_dir = ferl_config::expand_path(&cfg.trainer.default_local_dir);
     let existed = run_dir.exists();
-    let checked = coordinator_plugins(cfg, extra, folders)
-        .and_then(|(p, r)| gate(cfg, world, local_device, r.names()).map(|()| (p, r)));
+    let checked = DriverPlugins::open_with(cfg, folders)
+        .context("plugins")
+        .and_then(|plugins| {
+            let mut registry = logger_registry(Some(plugins.host()));
+            if let Some(extra) = extra {
+                registry.merge(extra);
+            }
+            gate(cfg, world, local_device, registry.names())?;
+            Ok((plugins, registry))
+        });
     if checked.is_err() && !existed {
         std::fs::remove_dir_all(&run_dir).ok();
     }
