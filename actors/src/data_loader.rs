@@ -11,7 +11,7 @@ use ferl_plugin_host::PluginHost;
 use ferl_runtime::{Actor, Context, Handler};
 
 use crate::messages::*;
-use crate::rank::model_dir;
+use crate::rank::resolve_model_dir;
 
 /// Splits `indices` of `dataset` contiguously over `world` ranks, as wire samples.
 pub fn split_samples(dataset: &SftDataset, indices: &[usize], world: usize) -> Vec<Vec<Sample>> {
@@ -43,7 +43,7 @@ pub fn load_datasets_with(
     cfg: &SftConfig,
     host: Option<&PluginHost>,
 ) -> Result<(SftDataset, Option<SftDataset>)> {
-    let dir = model_dir(cfg);
+    let dir = resolve_model_dir(cfg)?;
     let with_val = !cfg.data.val_files.as_slice().is_empty();
     let d = &cfg.data;
     if let Some(name) = &d.plugin {

@@ -29,9 +29,19 @@ use tch::{Device, Kind};
 
 use crate::messages::{RankStep, Sample};
 
-/// The model folder named by `model.partial_pretrain`.
+/// The model folder `model.partial_pretrain` names: a local folder as given, else a Hugging Face Hub id
+/// (`ORG/NAME[@REVISION]`) resolved through this machine's Hugging Face cache and downloaded there when absent
+/// ([`ferl_trainer::model::hub::resolve_model`]). Every process that reads the model folder resolves it this way, so
+/// each node uses its own cache.
+pub fn resolve_model_dir(cfg: &SftConfig) -> Result<PathBuf> {
+    ferl_trainer::model::hub::resolve_model(&cfg.model.partial_pretrain)
+        .with_context(|| format!("model.partial_pretrain={}", cfg.model.partial_pretrain))
+}
+
+/// [`resolve_model_dir`] for callers that only want a path: when it cannot be resolved, the local path as written
+/// (reading it then fails with that path; use [`resolve_model_dir`] for the full error).
 pub fn model_dir(cfg: &SftConfig) -> PathBuf {
-    ferl_config::expand_path(&cfg.model.partial_pretrain)
+    resolve_model_dir(cfg).unwrap_or_else(|_| ferl_config::expand_path(&cfg.model.partial_pretrain))
 }
 
 /// A [`Stepper`] over `store` with the config's optimizer, schedule, clipping and micro-batching.
@@ -119,7 +129,7 @@ impl RankState {
         device: Device,
         total_steps: u64,
     ) -> Result<Self> {
-        let dir = model_dir(&cfg);
+        let dir = resolve_model_dir(&cfg)?;
         let loaded = load_model(&dir)
             .with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
         let num_params = loaded.layout.num_params();
@@ -289,7 +299,7 @@ impl RankState {
         } else {
             Kind::Float
         };
-        let src = model_dir(&self.cfg);
+        let src = resolve_model_dir(&self.cfg)?;
         let store = self.stepper.engine.store();
         weights::save_hf_folder(
             out,

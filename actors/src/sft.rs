@@ -180,14 +180,18 @@ fn rank_state(
 }
 
 /// The config gate of every path: `world` ranks; `local_device` when this process decides the device; `loggers`
-/// the logger kinds `trainer.logger` may name.
+/// the logger kinds `trainer.logger` may name. Then the model folder is resolved (a Hub id found in this machine's
+/// cache or downloaded), so a missing model is refused with the places looked at before anything is spawned.
 fn gate(cfg: &SftConfig, world: usize, local_device: bool, loggers: Vec<String>) -> Result<()> {
     let shape = LaunchShape {
         world_size: world,
         local_device,
         loggers,
     };
-    check(cfg, &shape)
+    check(cfg, &shape)?;
+    // A model named by Hub id is found or downloaded now, so a missing one fails before anything is spawned.
+    crate::rank::resolve_model_dir(cfg)?;
+    Ok(())
 }
 
 /// One rank of a run started by an external launcher: checks the config, forms the group from the environment,
@@ -402,7 +406,7 @@ async fn ensure_cluster_has_gpus(cluster: &Cluster) -> Result<()> {
 }
 
 fn num_params_of(cfg: &SftConfig) -> Result<i64> {
-    let dir = crate::rank::model_dir(cfg);
+    let dir = crate::rank::resolve_model_dir(cfg)?;
     let model = ferl_trainer::model::config::ModelConfig::from_file(&dir.join("config.json"))?;
     Ok(ferl_trainer::model::layout::ModelLayout::new(&model).num_params())
 }
