@@ -2,13 +2,18 @@
 
 Subcommands (all deterministic, threads set by --threads):
   make    --out DIR --vocab V --hidden H --layers L --heads N --kv-heads K --tie 0|1 --seed S --samples M
-          writes a tiny Qwen2 or Llama (--arch; transformers, randomly initialised then perturbed so norms and biases are not trivial)
-          to DIR/model and random SFT samples (input_ids, loss_mask) to DIR/data.json
+          writes a tiny Qwen2, Qwen3 or Llama (--arch; transformers, randomly initialised then perturbed so norms and
+          biases are not trivial) to DIR/model and random SFT samples (input_ids, loss_mask) to DIR/data.json.
+          Optional: --head-dim D, --init-range R, --rope JSON (rope_scaling, e.g. {"rope_type": "llama3", ...}),
+          --legacy-rope 1 (rewrite config.json as `rope_scaling` with `type` + top-level `rope_theta`, the pre-5
+          form), --max-shard-size S (sharded safetensors), --min-len/--max-len (sample lengths)
   train   --model DIR --data FILE --settings FILE --out FILE
           trains with a plain PyTorch loop (same batches, micro-batching, token-mean loss over the global batch,
           AdamW, verl's schedule, clipping) and writes per-step loss / grad_norm / lr as JSON
   logits  --model DIR --data FILE --count K --out FILE   fp32 logits of the first K samples (one at a time), written
           back to back as raw little-endian float32 ([tokens, vocab] each)
+  case    --out DIR --settings FILE [make options]   make, then DIR/logits.bin (logits of the first --count samples)
+          and DIR/reference.json (train with the settings), in one process
 """
 import argparse
 import json
@@ -22,10 +27,12 @@ import torch.nn.functional as F
 
 
 def make(a):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
     torch.manual_seed(a.seed)
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if a.arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[a.arch]
+    config_cls, model_cls = getattr(tf, name + "Config"), getattr(tf, name + "ForCausalLM")
+    rope = {"rope_scaling": json.loads(a.rope)} if a.rope else {}
     cfg = config_cls(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
@@ -33,13 +40,15 @@ def make(a):
         num_hidden_layers=a.layers,
         num_attention_heads=a.heads,
         num_key_value_heads=a.kv_heads,
-        head_dim=a.hidden // a.heads,
+        head_dim=a.head_dim or a.hidden // a.heads,
         max_position_embeddings=1024,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         tie_word_embeddings=bool(a.tie),
         use_cache=False,
+        initializer_range=a.init_range,
         dtype="float32",
+        **rope,
     )
     model = model_cls(cfg)
     with torch.no_grad():
@@ -49,16 +58,39 @@ def make(a):
             elif name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.02)
     os.makedirs(a.out, exist_ok=True)
-    model.save_pretrained(os.path.join(a.out, "model"))
+    shards = {"max_shard_size": a.max_shard_size} if a.max_shard_size else {}
+    model.save_pretrained(os.path.join(a.out, "model"), **shards)
+    if a.legacy_rope:
+        legacy_rope_config(os.path.join(a.out, "model", "config.json"))
     gen = torch.Generator().manual_seed(a.seed + 1)
     samples = []
     for _ in range(a.samples):
-        n = int(torch.randint(8, a.max_len + 1, (1,), generator=gen))
+        n = int(torch.randint(a.min_len, a.max_len + 1, (1,), generator=gen))
         prompt = int(torch.randint(2, n - 2, (1,), generator=gen))
         ids = torch.randint(0, a.vocab, (n,), generator=gen).tolist()
         samples.append({"input_ids": ids, "loss_mask": [i >= prompt for i in range(n)]})
     with open(os.path.join(a.out, "data.json"), "w") as f:
         json.dump(samples, f)
+
+
+def legacy_rope_config(path):
+    """Rewrites transformers 5's `rope_parameters` as the older `rope_scaling` (with `type`) + top-level `rope_theta`."""
+    c = json.load(open(path))
+    params = c.pop("rope_parameters")
+    c["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    c["rope_scaling"] = params
+    json.dump(c, open(path, "w"), indent=2)
+
+
+def case(a):
+    make(a)
+    a.model, a.data = os.path.join(a.out, "model"), os.path.join(a.out, "data.json")
+    out = a.out
+    a.out = os.path.join(out, "logits.bin")
+    logits(a)
+    a.out = os.path.join(out, "reference.json")
+    train(a)
 
 
 def lr_factor(s, step):
@@ -147,7 +179,7 @@ def logits(a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["make", "train", "logits"])
+    p.add_argument("cmd", choices=["make", "train", "logits", "case"])
     p.add_argument("--out")
     p.add_argument("--model")
     p.add_argument("--data")
@@ -159,7 +191,13 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--tie", type=int, default=1)
-    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    p.add_argument("--arch", choices=["qwen2", "qwen3", "llama"], default="qwen2")
+    p.add_argument("--head-dim", type=int, default=0)
+    p.add_argument("--init-range", type=float, default=0.02)
+    p.add_argument("--rope", default="")
+    p.add_argument("--legacy-rope", type=int, default=0)
+    p.add_argument("--max-shard-size", default="")
+    p.add_argument("--min-len", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-len", type=int, default=40)
@@ -167,7 +205,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)
-    {"make": make, "train": train, "logits": logits}[a.cmd](a)
+    {"make": make, "train": train, "logits": logits, "case": case}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@
 use super::config::ModelConfig;
 use super::layers::{self, Attention, Rope};
 use super::layout::DecoderParam;
+use super::lora::Proj;
 use crate::kernels::{KernelRegistry, RmsNormKernel, SwiGluKernel};
 use anyhow::{Context, Result};
 use std::sync::Arc;
@@ -34,7 +35,25 @@ fn vjp(outputs: &[&Tensor], grads: &[&Tensor], inputs: &[&Tensor]) -> Vec<Tensor
         .map(|(o, g)| (*o * *g).sum(Kind::Float))
         .reduce(|a, b| a + b)
         .expect("at least one output");
-    Tensor::run_backward(&[seed], inputs, false, false)
+    vjp_of_seed(&seed, inputs)
+}
+
+/// Gradients of the scalar `seed` with respect to `inputs`; an input that does not require grad (a frozen
+/// parameter) gets an undefined tensor and costs nothing.
+pub fn vjp_of_seed(seed: &Tensor, inputs: &[&Tensor]) -> Vec<Tensor> {
+    let wanted: Vec<&Tensor> = inputs
+        .iter()
+        .copied()
+        .filter(|t| t.requires_grad())
+        .collect();
+    let mut grads = Tensor::run_backward(&[seed], &wanted, false, false).into_iter();
+    inputs
+        .iter()
+        .map(|t| match t.requires_grad() {
+            true => grads.next().expect("one gradient per differentiated input"),
+            false => Tensor::new(),
+        })
+        .collect()
 }
 
 /// A leaf that requires grad, holding `t`'s value.
@@ -274,12 +293,16 @@ pub struct LayerGraph {
     body: Body,
 }
 
-/// The attention parameters' indices in a decoder layer's list.
+/// The attention parameters' indices in a decoder layer's list (projections, Qwen3's q/k norms, LoRA adapters).
 fn attention_params(d: &DecoderParam) -> Vec<usize> {
-    [d.q, d.k, d.v, d.o]
+    let mut ids: Vec<usize> = [d.q, d.k, d.v, d.o]
         .into_iter()
         .flat_map(|(w, b)| std::iter::once(w).chain(b))
-        .collect()
+        .chain(d.q_norm)
+        .chain(d.k_norm)
+        .collect();
+    ids.extend(d.lora.params(&[Proj::Q, Proj::K, Proj::V, Proj::O]));
+    ids
 }
 
 impl LayerGraph {
@@ -329,13 +352,13 @@ impl LayerGraph {
             mlp_in: Piece {
                 inputs: vec![x2],
                 outputs: vec![gate, up],
-                params: vec![d.gate, d.up],
+                params: [vec![d.gate, d.up], d.lora.params(&[Proj::Gate, Proj::Up])].concat(),
             },
             act,
             mlp_out: Piece {
                 inputs: vec![m],
                 outputs: vec![dn],
-                params: vec![d.down],
+                params: [vec![d.down], d.lora.params(&[Proj::Down])].concat(),
             },
         };
         Ok(Self {

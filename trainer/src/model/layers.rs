@@ -6,6 +6,7 @@
 
 use super::config::ModelConfig;
 use super::layout::DecoderParam;
+use super::lora::Proj;
 use tch::{Kind, Tensor};
 
 /// How tokens of one micro-batch may attend to each other.
@@ -23,13 +24,11 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Tables for `positions` (`[B, T]` int64), computed in fp32 the way transformers' default RoPE does.
+    /// Tables for `positions` (`[B, T]` int64), computed in fp32 the way transformers' RoPE does (with the
+    /// config's [`super::rope::RopeScaling`]).
     pub fn new(cfg: &ModelConfig, positions: &Tensor, kind: Kind) -> Self {
         let dev = positions.device();
-        let half = Tensor::arange_start_step(0, cfg.head_dim, 2, (Kind::Int64, dev))
-            .to_kind(Kind::Float)
-            / cfg.head_dim as f64;
-        let inv_freq = Tensor::pow_scalar(cfg.rope_theta, &half).reciprocal(); // [D/2]
+        let inv_freq = super::rope::inv_freq(cfg.rope_theta, cfg.rope_scaling, cfg.head_dim, dev); // [D/2]
         let pos = positions.to_kind(Kind::Float).unsqueeze(-1); // [B,T,1]
         let freqs = pos.matmul(&inv_freq.unsqueeze(0)); // [B,T,D/2]
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
@@ -90,16 +89,19 @@ pub fn attention(
     attn: &Attention,
 ) -> Tensor {
     let (b, t) = (x.size()[0], x.size()[1]);
-    let lin = |x: &Tensor, (w, bias): (usize, Option<usize>)| x.linear(&p[w], bias.map(|i| &p[i]));
-    let q = lin(x, d.q)
+    let lin =
+        |x: &Tensor, (w, bias): (usize, Option<usize>), proj: Proj| linear(x, p, w, bias, d, proj);
+    let q = lin(x, d.q, Proj::Q)
         .view([b, t, cfg.num_heads, cfg.head_dim])
         .transpose(1, 2);
-    let k = lin(x, d.k)
+    let k = lin(x, d.k, Proj::K)
         .view([b, t, cfg.num_kv_heads, cfg.head_dim])
         .transpose(1, 2);
-    let v = lin(x, d.v)
+    let v = lin(x, d.v, Proj::V)
         .view([b, t, cfg.num_kv_heads, cfg.head_dim])
         .transpose(1, 2);
+    let q = head_norm(cfg, p, d.q_norm, q);
+    let k = head_norm(cfg, p, d.k_norm, k);
     let (q, k) = (rope.apply(&q), rope.apply(&k));
     let gqa = cfg.num_kv_heads != cfg.num_heads;
     let o = match attn {
@@ -113,14 +115,22 @@ pub fn attention(
     let o = o
         .transpose(1, 2)
         .reshape([b, t, cfg.num_heads * cfg.head_dim]);
-    lin(&o, d.o)
+    lin(&o, d.o, Proj::O)
+}
+
+/// Qwen3's per-head RMSNorm of q or k (`[B, heads, T, head_dim]`, over `head_dim`) when the layer has one.
+fn head_norm(cfg: &ModelConfig, p: &[Tensor], weight: Option<usize>, x: Tensor) -> Tensor {
+    match weight {
+        Some(w) => rms_norm(&x, &p[w], cfg.rms_norm_eps),
+        None => x,
+    }
 }
 
 /// The MLP's input projections of the normalised `x`: `(gate, up)`.
 pub fn mlp_in(d: &DecoderParam, p: &[Tensor], x: &Tensor) -> (Tensor, Tensor) {
     (
-        x.linear(&p[d.gate], None::<&Tensor>),
-        x.linear(&p[d.up], None::<&Tensor>),
+        linear(x, p, d.gate, None, d, Proj::Gate),
+        linear(x, p, d.up, None, d, Proj::Up),
     )
 }
 
@@ -131,7 +141,28 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
 
 /// The MLP's output projection of the activation `m` (the residual is added by the caller).
 pub fn mlp_out(d: &DecoderParam, p: &[Tensor], m: &Tensor) -> Tensor {
-    m.linear(&p[d.down], None::<&Tensor>)
+    linear(m, p, d.down, None, d, Proj::Down)
+}
+
+/// The projection `proj` of `x`: `x·Wᵀ + b`, plus `(α/r)·(x·Aᵀ)·Bᵀ` when LoRA adapts it (PEFT's order of ops).
+pub fn linear(
+    x: &Tensor,
+    p: &[Tensor],
+    w: usize,
+    bias: Option<usize>,
+    d: &DecoderParam,
+    proj: Proj,
+) -> Tensor {
+    let y = x.linear(&p[w], bias.map(|i| &p[i]));
+    match d.lora.get(proj) {
+        Some((a, b)) => {
+            let update = x
+                .linear(&p[a], None::<&Tensor>)
+                .linear(&p[b], None::<&Tensor>);
+            y + update * d.lora.scale
+        }
+        None => y,
+    }
 }
 
 /// Logits of normalised rows `x` (`[n, H]`) against the output matrix `w` (`[vocab, H]`), in fp32.

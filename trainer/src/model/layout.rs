@@ -2,6 +2,7 @@
 //! functions of `model::layers` take them. The stage list is what the engine walks and what sharding hooks into.
 
 use super::config::ModelConfig;
+use super::lora::LoraSlots;
 
 /// One unit of the layer-wise schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -27,6 +28,10 @@ pub struct DecoderParam {
     pub v: (usize, Option<usize>),
     /// o_proj.weight, o_proj.bias
     pub o: (usize, Option<usize>),
+    /// self_attn.q_norm.weight (Qwen3's per-head RMSNorm of q)
+    pub q_norm: Option<usize>,
+    /// self_attn.k_norm.weight (Qwen3's per-head RMSNorm of k)
+    pub k_norm: Option<usize>,
     /// post_attention_layernorm.weight
     pub post_norm: usize,
     /// mlp.gate_proj.weight
@@ -35,6 +40,8 @@ pub struct DecoderParam {
     pub up: usize,
     /// mlp.down_proj.weight
     pub down: usize,
+    /// LoRA adapters of the projections (none unless [`ModelLayout::add_lora`] ran).
+    pub lora: LoraSlots,
 }
 
 /// The named tensors of the whole model and the stages that use them.
@@ -46,6 +53,8 @@ pub struct ModelLayout {
     pub stages: Vec<(Stage, Vec<usize>)>,
     /// Positions inside a decoder stage's list.
     pub decoder: DecoderParam,
+    /// Per tensor: whether training updates it (all true, except the frozen base of a LoRA model).
+    pub trainable: Vec<bool>,
 }
 
 impl ModelLayout {
@@ -80,6 +89,12 @@ impl ModelLayout {
             let k = proj(&mut ids, "k_proj", kv_out, h, cfg.qkv_bias);
             let vv = proj(&mut ids, "v_proj", kv_out, h, cfg.qkv_bias);
             let o = proj(&mut ids, "o_proj", h, q_out, cfg.o_bias);
+            let mut head_norm = |ids: &mut Vec<usize>, n: &str| {
+                let shape = vec![cfg.head_dim];
+                cfg.qk_norm
+                    .then(|| add(ids, format!("{p}self_attn.{n}.weight"), shape))
+            };
+            let (q_norm, k_norm) = (head_norm(&mut ids, "q_norm"), head_norm(&mut ids, "k_norm"));
             let post_norm = add(
                 &mut ids,
                 format!("{p}post_attention_layernorm.weight"),
@@ -94,10 +109,13 @@ impl ModelLayout {
                 k,
                 v: vv,
                 o,
+                q_norm,
+                k_norm,
                 post_norm,
                 gate,
                 up,
                 down,
+                lora: LoraSlots::default(),
             });
             stages.push((Stage::Decoder(l), ids));
         }
@@ -114,15 +132,20 @@ impl ModelLayout {
             k: (0, None),
             v: (0, None),
             o: (0, None),
+            q_norm: None,
+            k_norm: None,
             post_norm: 0,
             gate: 0,
             up: 0,
             down: 0,
+            lora: LoraSlots::default(),
         });
+        let trainable = vec![true; tensors.len()];
         Self {
             tensors,
             stages,
             decoder,
+            trainable,
         }
     }
 

@@ -1,11 +1,15 @@
-//! Qwen2 and Llama decoders from a Hugging Face folder: [`config`] (config.json), [`layout`] (which tensors each stage
-//! uses), [`layers`] (the forward functions), [`graph`] (layers split at ops replaced by kernels, with their backward)
-//! and [`weights`] (safetensors in and out, random init).
+//! Qwen2, Qwen3 (dense) and Llama decoders from a Hugging Face folder: [`config`] (config.json), [`rope`] (RoPE
+//! types and frequencies), [`layout`] (which tensors each stage uses), [`layers`] (the forward functions), [`graph`]
+//! (layers split at ops replaced by kernels, with their backward) and [`weights`] (safetensors in and out, random
+//! init).
 
 pub mod config;
 pub mod graph;
+pub mod hub;
 pub mod layers;
 pub mod layout;
+pub mod lora;
+pub mod rope;
 pub mod weights;
 
 use anyhow::{Context, Result};

@@ -100,3 +100,12 @@ pub fn floats(v: &serde_json::Value) -> Vec<f64> {
         .map(|x| x.as_f64().unwrap())
         .collect()
 }
+
+/// A file of raw little-endian float32 values (what the reference script's `logits` writes).
+pub fn read_f32s(file: &Path) -> Vec<f32> {
+    std::fs::read(file)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
