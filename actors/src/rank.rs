@@ -20,12 +20,15 @@ use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::kernels::KernelRegistry;
 use ferl_trainer::model::config::ModelConfig;
+use ferl_trainer::model::layout::ModelLayout;
+use ferl_trainer::model::lora::{self, LoraSpec};
 use ferl_trainer::model::{load_model, weights};
 use ferl_trainer::optim::{AdamW, AdamWConfig};
 use ferl_trainer::params::ParamStore;
+use ferl_trainer::run::gate::lora_of;
 use ferl_trainer::run::{adamw_config, compute_kind, lr_schedule};
 use ferl_trainer::step::Stepper;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 use crate::messages::{RankStep, Sample};
 
@@ -38,10 +41,24 @@ pub fn resolve_model_dir(cfg: &SftConfig) -> Result<PathBuf> {
         .with_context(|| format!("model.partial_pretrain={}", cfg.model.partial_pretrain))
 }
 
-/// [`resolve_model_dir`] for callers that only want a path: when it cannot be resolved, the local path as written
-/// (reading it then fails with that path; use [`resolve_model_dir`] for the full error).
-pub fn model_dir(cfg: &SftConfig) -> PathBuf {
-    resolve_model_dir(cfg).unwrap_or_else(|_| ferl_config::expand_path(&cfg.model.partial_pretrain))
+/// The model a run trains, read from `model.partial_pretrain`: its config, layout and fp32 parameters, with LoRA
+/// adapters (fresh, seeded by `trainer.seed`, or from `model.lora_adapter_path`) when the config asks for them.
+pub fn load_model_for(cfg: &SftConfig) -> Result<(ModelConfig, ModelLayout, Vec<Tensor>)> {
+    let dir = resolve_model_dir(cfg)?;
+    let loaded =
+        load_model(&dir).with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
+    let (layout, params) = match lora_of(cfg)? {
+        Some((spec, adapter)) => lora::with_adapters(
+            &loaded.config,
+            loaded.layout,
+            loaded.params,
+            &spec,
+            adapter.as_deref(),
+            cfg.trainer.seed as i64,
+        )?,
+        None => (loaded.layout, loaded.params),
+    };
+    Ok((loaded.config, layout, params))
 }
 
 /// A [`Stepper`] over `store` with the config's optimizer, schedule, clipping and micro-batching.
@@ -119,7 +136,11 @@ pub struct RankState {
     fsdp: FsdpOptions,
     pending_save: Option<std::thread::JoinHandle<Result<()>>>,
     kernels: KernelRegistry,
+    lora: Option<LoraSpec>,
 }
+
+/// The folder of a checkpoint that holds the LoRA adapter in PEFT's format (as verl names it).
+pub const LORA_ADAPTER_DIR: &str = "lora_adapter";
 
 impl RankState {
     /// Loads the model on `device`, keeps this rank's shard, and joins the store to `comm`'s group.
@@ -129,13 +150,12 @@ impl RankState {
         device: Device,
         total_steps: u64,
     ) -> Result<Self> {
-        let dir = resolve_model_dir(&cfg)?;
-        let loaded = load_model(&dir)
-            .with_context(|| format!("model.partial_pretrain={}", dir.display()))?;
-        let num_params = loaded.layout.num_params();
+        let (config, layout, params) = load_model_for(&cfg)?;
+        let num_params = ModelLayout::new(&config).num_params();
+        let lora = lora_of(&cfg)?.map(|(spec, _)| spec);
         let fsdp = FsdpOptions::from_fsdp_config(&cfg.model.fsdp_config, device);
-        let store = ShardedParams::new(loaded.layout, &loaded.params, comm.clone(), fsdp)?;
-        let stepper = build_stepper(&cfg, loaded.config, store, device, total_steps)?;
+        let store = ShardedParams::new(layout, &params, comm.clone(), fsdp)?;
+        let stepper = build_stepper(&cfg, config, store, device, total_steps)?;
         Ok(Self {
             cfg,
             stepper,
@@ -144,6 +164,7 @@ impl RankState {
             fsdp,
             pending_save: None,
             kernels: KernelRegistry::builtin(),
+            lora,
         })
     }
 
@@ -245,6 +266,7 @@ impl RankState {
                 .display()
                 .to_string(),
         ];
+        self.save_adapter(dir)?;
         let dir = dir.to_path_buf();
         self.pending_save = Some(std::thread::spawn(move || snap.write(&dir)));
         Ok((meta, files))
@@ -262,7 +284,23 @@ impl RankState {
             &model,
             step,
             dir,
-        )
+        )?;
+        self.save_adapter(dir)
+    }
+
+    /// With LoRA, writes the adapter in PEFT's format into `dir/lora_adapter` (every rank calls it: the adapters
+    /// are gathered; rank 0 writes).
+    fn save_adapter(&mut self, dir: &Path) -> Result<()> {
+        let Some(spec) = self.lora.clone() else {
+            return Ok(());
+        };
+        let adapters = self.stepper.engine.store_mut().full_trainable_params()?;
+        if self.rank_and_world().0 != 0 {
+            return Ok(());
+        }
+        let layout = self.stepper.engine.store().layout();
+        let base = &self.cfg.model.partial_pretrain;
+        lora::write_adapter(&dir.join(LORA_ADAPTER_DIR), &spec, layout, &adapters, base)
     }
 
     /// Restores model shard, optimizer state and schedule position from the sharded checkpoint `dir`, written at
@@ -287,7 +325,8 @@ impl RankState {
         Ok(())
     }
 
-    /// Writes a Hugging Face folder to `out` (every rank calls it: the full tensors are gathered; rank 0 writes).
+    /// Writes a Hugging Face folder to `out` (every rank calls it: the full tensors are gathered; rank 0 writes);
+    /// with LoRA, the merged model (`W + (α/r)·B·A`).
     /// Returns whether this rank wrote it.
     pub fn export(&mut self, out: &Path) -> Result<bool> {
         let full = self.stepper.engine.store_mut().full_params()?;
@@ -300,15 +339,15 @@ impl RankState {
             Kind::Float
         };
         let src = resolve_model_dir(&self.cfg)?;
-        let store = self.stepper.engine.store();
-        weights::save_hf_folder(
-            out,
+        let (config, layout) = (
             self.stepper.engine.config(),
-            store.layout(),
-            &full,
-            kind,
-            &[src.as_path()],
-        )?;
+            self.stepper.engine.store().layout(),
+        );
+        let (layout, full) = match self.lora {
+            Some(_) => (ModelLayout::new(config), lora::merge(layout, &full)),
+            None => (layout.clone(), full),
+        };
+        weights::save_hf_folder(out, config, &layout, &full, kind, &[src.as_path()])?;
         Ok(true)
     }
 }

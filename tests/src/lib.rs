@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
 use ferl_actors::data_loader::load_datasets;
-use ferl_actors::rank::{build_stepper, model_dir};
+use ferl_actors::rank::{build_stepper, load_model_for};
 use ferl_actors::sft::{read_summary, RunSummary, StepRecord};
 use ferl_config::SftConfig;
 use ferl_data::DataPlan;
@@ -152,14 +152,10 @@ pub fn reference_run(overrides: &[String]) -> Result<Vec<StepRecord>> {
     let d = &cfg.data;
     let mut plan = DataPlan::new(train.len(), d.train_batch_size, cfg.trainer.seed, d.shuffle)?;
     let total = RunPlan::new(&cfg, train.len())?.total_steps;
-    let loaded = ferl_trainer::model::load_model(&model_dir(&cfg))?;
-    let params = loaded
-        .params
-        .into_iter()
-        .map(|t| t.to_device(device))
-        .collect();
-    let store = LocalParams::new(loaded.layout, params, compute_kind(&cfg)?);
-    let mut stepper = build_stepper(&cfg, loaded.config, store, device, total)?;
+    let (config, layout, params) = load_model_for(&cfg)?;
+    let params = params.into_iter().map(|t| t.to_device(device)).collect();
+    let store = LocalParams::new(layout, params, compute_kind(&cfg)?);
+    let mut stepper = build_stepper(&cfg, config, store, device, total)?;
     let mut out = Vec::new();
     for step in 1..=total {
         let indices = plan.next_batch();

@@ -32,7 +32,11 @@ fn newest_folder(root: &Path) -> u64 {
 /// How long after a save began the `kill`th kill lands: even kills within 2 ms (inside the save however fast the
 /// machine writes), odd kills anywhere in 0-300 ms (inside a save, between saves or inside a training step).
 fn kill_delay(kill: usize, seed: u64) -> Duration {
-    let window_us = if kill % 2 == 0 { 2_000 } else { 300_000 };
+    let window_us = if kill.is_multiple_of(2) {
+        2_000
+    } else {
+        300_000
+    };
     Duration::from_micros((seed >> 33) % window_us)
 }
 

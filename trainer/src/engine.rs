@@ -77,8 +77,10 @@ pub struct Engine<P: ParamStore> {
 
 /// Sum of the VJP of `output` with `grad`: back-propagating it gives `grad`-weighted gradients of the inputs.
 fn vjp(output: &Tensor, grad: &Tensor, inputs: &[&Tensor]) -> Vec<Tensor> {
-    let seed = (output * grad).sum(Kind::Float);
-    Tensor::run_backward(&[seed], inputs, false, false)
+    if !output.requires_grad() {
+        return inputs.iter().map(|_| Tensor::new()).collect(); // every input is frozen
+    }
+    graph::vjp_of_seed(&(output * grad).sum(Kind::Float), inputs)
 }
 
 impl<P: ParamStore> Engine<P> {

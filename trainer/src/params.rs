@@ -20,7 +20,8 @@ pub struct StageParams {
 pub trait ParamStore {
     /// The model's tensor names and the stages using them.
     fn layout(&self) -> &ModelLayout;
-    /// Full parameters of `stage` in the compute dtype, as leaves that require grad (FSDP: all-gather the shards).
+    /// Full parameters of `stage` in the compute dtype, as leaves that require grad unless the layout freezes them
+    /// (FSDP: all-gather the shards).
     fn gather(&mut self, stage: Stage) -> Result<StageParams>;
     /// Adds `grads` (same order as `gather`; undefined tensors mean zero) into the stored gradients
     /// (FSDP: reduce-scatter into the local shard's gradient).
@@ -103,7 +104,7 @@ impl ParamStore for LocalParams {
                 } else {
                     self.master[i].to_kind(self.compute_kind).detach()
                 };
-                t.set_requires_grad(true)
+                t.set_requires_grad(self.layout.trainable[i])
             })
             .collect();
         Ok(StageParams { tensors })
@@ -113,15 +114,22 @@ impl ParamStore for LocalParams {
         let _g = tch::no_grad_guard();
         let ids = stage_ids(&self.layout, stage).to_vec();
         for (&i, g) in ids.iter().zip(grads) {
-            if g.defined() {
+            if g.defined() && self.layout.trainable[i] {
                 let _ = self.grads[i].g_add_(&g.to_kind(Kind::Float));
             }
         }
         Ok(())
     }
 
+    /// The trainable tensors only: everything, or LoRA's adapters, which the layout appends after the frozen base.
     fn master_and_grads(&mut self) -> (&mut [Tensor], &mut [Tensor]) {
-        (&mut self.master, &mut self.grads)
+        let t = &self.layout.trainable;
+        let first = t.iter().position(|&x| x).unwrap_or(t.len());
+        assert!(
+            t[first..].iter().all(|&x| x),
+            "LocalParams: trainable tensors must follow the frozen ones"
+        );
+        (&mut self.master[first..], &mut self.grads[first..])
     }
 
     fn grad_sq_norm(&mut self) -> Result<f64> {

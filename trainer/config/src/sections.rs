@@ -165,6 +165,10 @@ pub struct ModelConfig {
     pub lora_alpha: f64,
     /// Modules LoRA adapts: `all-linear` or a list of module names.
     pub target_modules: StringList,
+    /// Modules LoRA never adapts (names matched like `target_modules`).
+    pub exclude_modules: StringList,
+    /// A PEFT adapter folder to start from (its `adapter_config.json` sets rank, alpha and modules).
+    pub lora_adapter_path: Option<String>,
     /// Use fused kernels (ferl: a kernel plugin) instead of the plain ops.
     pub use_liger: bool,
     /// Parallel strategy: `fsdp2` (verl's default) or `fsdp`.
@@ -183,6 +187,8 @@ impl Default for ModelConfig {
             lora_rank: 0,
             lora_alpha: 16.0,
             target_modules: StringList::one("all-linear"),
+            exclude_modules: StringList::default(),
+            lora_adapter_path: None,
             use_liger: false,
             strategy: Strategy::Fsdp2,
         }

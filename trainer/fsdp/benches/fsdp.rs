@@ -47,7 +47,7 @@ fn run(cfg: &ModelConfig, samples: Arc<Samples>, world: usize, opts: FsdpOptions
     let results = run_ranks(world, move |rank, comm| {
         let mine = copies(&params.lock().unwrap());
         let store = ShardedParams::new(layout.clone(), &mine, comm, opts).unwrap();
-        let optimizer = AdamW::new(adam(), store.local_masters());
+        let optimizer = AdamW::new(adam(), store.trainable_masters());
         let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
         global_step(&mut s, &samples.refs(rank_slice(0, rank, world))).unwrap();
         let wait0 = s.engine.store().comm_stats().gather_wait;

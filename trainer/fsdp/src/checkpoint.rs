@@ -3,7 +3,8 @@
 //! # Format (one `global_step_N/` folder)
 //! - `model_world_size_{W}_rank_{r}.safetensors`: for every unit, rank `r`'s slice `[r * shard, (r + 1) * shard)` of the
 //!   unit's padded flat fp32 master (tensor name = unit name, e.g. `layers.3`).
-//! - `optim_world_size_{W}_rank_{r}.safetensors`: the same slices of AdamW's `{unit}.exp_avg` and `{unit}.exp_avg_sq`.
+//! - `optim_world_size_{W}_rank_{r}.safetensors`: the same slices of AdamW's `{unit}.exp_avg` and `{unit}.exp_avg_sq`
+//!   (trainable units only: a frozen LoRA base has no optimizer state).
 //! - `fsdp_meta.json` ([`CheckpointMeta`]): world size, global step, AdamW step count, and the unit layout (member
 //!   tensors, shapes, offsets, unpadded sizes). Rank 0 writes it after every rank has written its files, so its
 //!   presence marks a complete checkpoint.
@@ -76,11 +77,11 @@ impl ShardSnapshot {
     pub fn take(store: &ShardedParams, optimizer: &AdamW, global_step: i64) -> Result<Self> {
         let (rank, world) = store.rank_and_world();
         let plan = store.plan();
-        if optimizer.exp_avg.len() != plan.units.len() {
+        if optimizer.exp_avg.len() != plan.trainable_units() {
             bail!(
-                "checkpoint: the optimizer has {} state tensors but the store has {} units",
+                "checkpoint: the optimizer has {} state tensors but the store has {} trainable units",
                 optimizer.exp_avg.len(),
-                plan.units.len()
+                plan.trainable_units()
             );
         }
         let (mut model, mut optim) = (Vec::new(), Vec::new());
@@ -90,6 +91,9 @@ impl ShardSnapshot {
             let at = shard * rank as i64 - start;
             let cut = |t: &Tensor| t.narrow(0, at, shard).to_device(Device::Cpu).copy();
             model.push((unit.name.clone(), cut(&store.local_masters()[u])));
+            if unit.frozen {
+                continue; // no optimizer state (units.rs invariant 4)
+            }
             optim.push((format!("{}.exp_avg", unit.name), cut(&optimizer.exp_avg[u])));
             optim.push((
                 format!("{}.exp_avg_sq", unit.name),
@@ -287,6 +291,9 @@ pub fn load_sharded(
             };
             let mut out = Vec::new();
             for (u, unit) in plan.units.iter().enumerate() {
+                if unit.frozen && suffix.starts_with(".exp_avg") {
+                    continue; // frozen units have no optimizer state
+                }
                 let (start, len) = ranges[u];
                 let local = Tensor::zeros([len], (Kind::Float, Device::Cpu));
                 let hi = (start + len).min(unit.numel);
@@ -305,7 +312,7 @@ pub fn load_sharded(
     let exp_avg_sq = read_all(optim_file, ".exp_avg_sq")?;
     let store = ShardedParams::from_local_masters(layout, plan, masters, comm, opts)?;
     let device = store.local_masters()[0].device();
-    let mut optimizer = AdamW::new(adam, store.local_masters());
+    let mut optimizer = AdamW::new(adam, store.trainable_masters());
     optimizer.exp_avg = exp_avg.into_iter().map(|t| t.to_device(device)).collect();
     optimizer.exp_avg_sq = exp_avg_sq
         .into_iter()

@@ -17,7 +17,7 @@
 //! let opts = FsdpOptions::new(ShardingStrategy::FullShard, tch::Kind::Float, tch::Device::Cpu);
 //! // Every rank passes the same full tensors; each keeps only its shard.
 //! let store = ShardedParams::new(model.layout.clone(), &model.params, comm, opts)?;
-//! // Build `Engine::new(cfg, store, kind, ..)`, `AdamW::new(cfg, store.local_masters())`, a `Stepper`, then call
+//! // Build `Engine::new(cfg, store, kind, ..)`, `AdamW::new(cfg, store.trainable_masters())`, a `Stepper`, then call
 //! // `ferl_fsdp::global_step(&mut stepper, &my_slice_of_the_global_batch)` every step on every rank.
 //! # Ok(()) }
 //! ```

@@ -15,6 +15,9 @@
 //!    `finish_grads`, after every per-stage reduction (so the collective order is still the same on every rank).
 //!    Per micro-batch that saves two all-gathers and two reduce-scatters of what is, in a small model with a large
 //!    vocabulary, most of the parameters.
+//! 6. A frozen unit (LoRA's base) is gathered like any other but hands out leaves that do not require grad; it has
+//!    no gradient buffer (an empty tensor), no reduction and no optimizer state: [`ParamStore::master_and_grads`]
+//!    returns only the trainable units, which come first in the plan.
 
 use crate::units::UnitPlan;
 use crate::worker::{CommWorker, Pending};
@@ -149,7 +152,15 @@ impl ShardedParams {
             }
             master.push(t.to_kind(Kind::Float).to_device(master_device));
         }
-        let grads = master.iter().map(Tensor::zeros_like).collect();
+        // Frozen units never get gradients: an empty tensor stands in (invariant 6).
+        let grads = master
+            .iter()
+            .zip(&plan.units)
+            .map(|(m, u)| match u.frozen {
+                true => Tensor::zeros([0], (Kind::Float, master_device)),
+                false => m.zeros_like(),
+            })
+            .collect();
         let full = (0..master.len()).map(|_| None).collect();
         let mut uses = vec![0usize; master.len()];
         for units in plan.stage_units.values() {
@@ -217,6 +228,11 @@ impl ShardedParams {
         &self.master
     }
 
+    /// The local fp32 masters of the units that train (the optimizer's tensors; a prefix of [`Self::local_masters`]).
+    pub fn trainable_masters(&self) -> &[Tensor] {
+        &self.master[..self.plan.trainable_units()]
+    }
+
     /// Sums `values` over the ranks (through the store's communication thread, in order with its other collectives).
     pub fn all_reduce_sum(&mut self, values: &[f64]) -> Result<Vec<f64>> {
         if self.world == 1 {
@@ -233,9 +249,29 @@ impl ShardedParams {
 
     /// Full parameters of all ranks, assembled (fp32, CPU, layout order): an all-gather of every unit.
     pub fn full_params(&mut self) -> Result<Vec<Tensor>> {
+        let flats = self.gather_units(self.master.len())?;
+        Ok(self.plan.unflatten(&flats, self.layout.tensors.len()))
+    }
+
+    /// The full trainable tensors (fp32, CPU, in layout order), e.g. LoRA's adapters: an all-gather of the
+    /// trainable units only.
+    pub fn full_trainable_params(&mut self) -> Result<Vec<Tensor>> {
+        let flats = self.gather_units(self.plan.trainable_units())?;
+        let mut named: Vec<(usize, Tensor)> = Vec::new();
+        for (unit, flat) in self.plan.units.iter().zip(&flats) {
+            for (i, e) in unit.entries.iter().enumerate() {
+                named.push((e.layout_index, unit.view(flat, i).copy()));
+            }
+        }
+        named.sort_by_key(|(i, _)| *i);
+        Ok(named.into_iter().map(|(_, t)| t).collect())
+    }
+
+    /// The full flat buffers of units `0..count` (fp32, CPU), gathered from every rank.
+    fn gather_units(&mut self, count: usize) -> Result<Vec<Tensor>> {
         self.finish_grads()?;
-        let mut flats = Vec::with_capacity(self.master.len());
-        for u in 0..self.master.len() {
+        let mut flats = Vec::with_capacity(count);
+        for u in 0..count {
             let flat = match self.opts.strategy {
                 ShardingStrategy::NoShard => self.master[u].copy(),
                 _ => self
@@ -244,9 +280,9 @@ impl ShardedParams {
                     .wait()
                     .with_context(|| format!("gathering unit `{}`", self.plan.units[u].name))?,
             };
-            flats.push(flat.to_device(Device::Cpu));
+            flats.push(flat.to_device(Device::Cpu).to_kind(Kind::Float));
         }
-        Ok(self.plan.unflatten(&flats, self.layout.tensors.len()))
+        Ok(flats)
     }
 
     fn sharded(&self) -> bool {
@@ -354,8 +390,9 @@ impl ShardedParams {
             self.apply_reduction(u, p)?;
         }
         if self.dirty && !self.sharded() && self.world > 1 {
-            let mut pending = Vec::with_capacity(self.grads.len());
-            for u in 0..self.grads.len() {
+            let trainable = self.plan.trainable_units();
+            let mut pending = Vec::with_capacity(trainable);
+            for u in 0..trainable {
                 let g = self.grads[u]
                     .to_device(self.opts.device)
                     .to_kind(self.opts.reduce_kind)
@@ -432,10 +469,8 @@ impl ParamStore for ShardedParams {
             .iter()
             .map(|&(u, e)| {
                 let flat = self.full[u].as_ref().expect("materialised above");
-                self.plan.units[u]
-                    .view(flat, e)
-                    .detach()
-                    .set_requires_grad(true)
+                let unit = &self.plan.units[u];
+                unit.view(flat, e).detach().set_requires_grad(!unit.frozen)
             })
             .collect();
         Ok(StageParams { tensors })
@@ -453,6 +488,9 @@ impl ParamStore for ShardedParams {
         self.dirty = true;
         for u in self.plan.stage_units[&stage].clone() {
             let unit = &self.plan.units[u];
+            if unit.frozen {
+                continue;
+            }
             if self.sharded() && self.shared[u] {
                 // Invariant 5: summed here, reduce-scattered once in `finish_grads`.
                 let padded = unit.padded(self.world);
@@ -513,7 +551,8 @@ impl ParamStore for ShardedParams {
         if let Err(e) = self.finish_grads() {
             panic!("ShardedParams: finishing gradient reductions before the optimizer step failed: {e:#}");
         }
-        (&mut self.master, &mut self.grads)
+        let trainable = self.plan.trainable_units();
+        (&mut self.master[..trainable], &mut self.grads[..trainable])
     }
 
     fn grad_sq_norm(&mut self) -> Result<f64> {

@@ -7,6 +7,9 @@
 //! 2. A unit's flat buffer is its tensors' elements in stage order, back to back, followed by zero padding up to
 //!    `padded = ceil(numel / world) * world`; rank `r` owns `[r * shard, (r + 1) * shard)` with `shard = padded / world`.
 //! 3. Padding elements have zero value and zero gradient forever (AdamW keeps zeros at zero).
+//! 4. A stage's trainable and frozen tensors (LoRA's adapters and its frozen base) are separate units (the adapters'
+//!    unit is named `{stage}.adapters`), and every trainable unit comes before every frozen one, so the optimizer's
+//!    state covers a prefix of the units.
 
 use ferl_trainer::model::layout::{ModelLayout, Stage};
 use serde::{Deserialize, Serialize};
@@ -37,9 +40,34 @@ pub struct FlatUnit {
     pub entries: Vec<FlatEntry>,
     /// Elements of all members (unpadded).
     pub numel: i64,
+    /// Its tensors never train (the base model under LoRA): no gradients, no optimizer state.
+    #[serde(default)]
+    pub frozen: bool,
 }
 
 impl FlatUnit {
+    fn new(name: String, frozen: bool) -> Self {
+        Self {
+            name,
+            entries: Vec::new(),
+            numel: 0,
+            frozen,
+        }
+    }
+
+    fn push(&mut self, name: &str, layout_index: usize, shape: &[i64]) -> usize {
+        let numel: i64 = shape.iter().product();
+        self.entries.push(FlatEntry {
+            name: name.to_string(),
+            layout_index,
+            shape: shape.to_vec(),
+            offset: self.numel,
+            numel,
+        });
+        self.numel += numel;
+        self.entries.len() - 1
+    }
+
     /// Elements after padding to a multiple of `world`.
     pub fn padded(&self, world: usize) -> i64 {
         let w = world as i64;
@@ -99,39 +127,54 @@ pub fn unit_name(stage: Stage) -> String {
 }
 
 impl UnitPlan {
-    /// Groups `layout`'s tensors into units (invariant 1).
+    /// Groups `layout`'s tensors into units (invariants 1 and 4).
     pub fn new(layout: &ModelLayout) -> Self {
         let mut owner: HashMap<usize, (usize, usize)> = HashMap::new();
         let mut units: Vec<FlatUnit> = Vec::new();
+        for (stage, ids) in &layout.stages {
+            let fresh: Vec<usize> = ids
+                .iter()
+                .copied()
+                .filter(|i| !owner.contains_key(i))
+                .collect();
+            let (train, frozen): (Vec<usize>, Vec<usize>) =
+                fresh.iter().partition(|&&i| layout.trainable[i]);
+            let mixed = !train.is_empty() && !frozen.is_empty();
+            for (group, is_frozen) in [(frozen, true), (train, false)] {
+                if group.is_empty() {
+                    continue;
+                }
+                let name = match mixed && !is_frozen {
+                    true => format!("{}.adapters", unit_name(*stage)),
+                    false => unit_name(*stage),
+                };
+                let mut unit = FlatUnit::new(name, is_frozen);
+                for i in group {
+                    let (name, shape) = &layout.tensors[i];
+                    owner.insert(i, (units.len(), unit.push(name, i, shape)));
+                }
+                units.push(unit);
+            }
+        }
+        // Invariant 4: trainable units first, each group in stage order.
+        let mut order: Vec<usize> = (0..units.len()).collect();
+        order.sort_by_key(|&u| units[u].frozen);
+        let mut new_id = vec![0; units.len()];
+        for (new, &old) in order.iter().enumerate() {
+            new_id[old] = new;
+        }
+        let mut slots: Vec<Option<FlatUnit>> = units.into_iter().map(Some).collect();
+        let units = order
+            .iter()
+            .map(|&u| slots[u].take().expect("moved once"))
+            .collect();
         let mut stage_refs = HashMap::new();
         let mut stage_units = HashMap::new();
         for (stage, ids) in &layout.stages {
-            let mut unit = FlatUnit {
-                name: unit_name(*stage),
-                entries: Vec::new(),
-                numel: 0,
-            };
-            let uid = units.len();
-            for &i in ids {
-                if owner.contains_key(&i) {
-                    continue;
-                }
-                let (name, shape) = &layout.tensors[i];
-                let numel: i64 = shape.iter().product();
-                owner.insert(i, (uid, unit.entries.len()));
-                unit.entries.push(FlatEntry {
-                    name: name.clone(),
-                    layout_index: i,
-                    shape: shape.clone(),
-                    offset: unit.numel,
-                    numel,
-                });
-                unit.numel += numel;
-            }
-            if !unit.entries.is_empty() {
-                units.push(unit);
-            }
-            let refs: Vec<(usize, usize)> = ids.iter().map(|i| owner[i]).collect();
+            let refs: Vec<(usize, usize)> = ids
+                .iter()
+                .map(|i| (new_id[owner[i].0], owner[i].1))
+                .collect();
             let mut touched: Vec<usize> = Vec::new();
             for (u, _) in &refs {
                 if !touched.contains(u) {
@@ -146,6 +189,11 @@ impl UnitPlan {
             stage_refs,
             stage_units,
         }
+    }
+
+    /// Number of units that train; they come first (invariant 4).
+    pub fn trainable_units(&self) -> usize {
+        self.units.iter().take_while(|u| !u.frozen).count()
     }
 
     /// Flattens full tensors in layout order into one unpadded-plus-padding flat buffer per unit (fp32, CPU).

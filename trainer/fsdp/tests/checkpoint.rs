@@ -36,7 +36,7 @@ fn train_and_save(samples: Arc<Samples>, dir: PathBuf) -> Vec<Tensor> {
             opts(ShardingStrategy::FullShard),
         )
         .unwrap();
-        let optimizer = AdamW::new(adam(), store.local_masters());
+        let optimizer = AdamW::new(adam(), store.trainable_masters());
         let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
         for step in 0..SAVE_AT {
             global_step(&mut s, &samples.refs(rank_slice(step, rank, 4))).unwrap();
@@ -195,7 +195,7 @@ fn prefetch_hits_after_the_first_micro_batch_and_never_when_off() {
             o.prefetch = prefetch;
             let mine = copies(&params.lock().unwrap());
             let store = ShardedParams::new(layout.clone(), &mine, comm, o).unwrap();
-            let optimizer = AdamW::new(adam(), store.local_masters());
+            let optimizer = AdamW::new(adam(), store.trainable_masters());
             let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
             global_step(&mut s, &samples.refs(rank_slice(0, rank, 2))).unwrap();
             s.engine.store().comm_stats()

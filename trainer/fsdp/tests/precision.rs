@@ -80,7 +80,7 @@ fn cuda_with_offload_matches_the_local_trainer_or_skips_without_a_gpu() {
         Device::Cpu,
         "offloaded masters live on the host"
     );
-    let optimizer = ferl_trainer::optim::AdamW::new(adam(), store.local_masters());
+    let optimizer = ferl_trainer::optim::AdamW::new(adam(), store.trainable_masters());
     let mut s = stepper_on(
         &cfg,
         store,

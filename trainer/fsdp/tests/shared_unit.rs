@@ -20,7 +20,7 @@ fn reductions_per_step(tie: bool) -> Vec<Vec<u64>> {
         let mine = copies(&params.lock().unwrap());
         let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
         let store = ShardedParams::new(layout.clone(), &mine, comm, opts).unwrap();
-        let optimizer = AdamW::new(adam(), store.local_masters());
+        let optimizer = AdamW::new(adam(), store.trainable_masters());
         let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
         (0..2)
             .map(|step| {

@@ -13,7 +13,6 @@ use super::layout::{ModelLayout, Stage};
 use super::weights::{read_tensors, write_safetensors};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use std::collections::HashMap;
 use std::path::Path;
 use tch::{Kind, Tensor};
 
@@ -355,23 +354,28 @@ pub fn load_adapter(dir: &Path, layout: &ModelLayout, params: &mut Vec<Tensor>) 
     Ok(())
 }
 
-/// Writes a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors` in fp32) from the full tensors
-/// of a LoRA model, as `peft`'s `save_pretrained` names them.
+/// Writes a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors` in fp32) from the full adapter
+/// tensors of a LoRA model (in layout order), as `peft`'s `save_pretrained` names them.
 pub fn write_adapter(
     dir: &Path,
     spec: &LoraSpec,
     layout: &ModelLayout,
-    full: &[Tensor],
+    adapters: &[Tensor],
     base_model: &str,
 ) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let named: Vec<(String, Tensor)> = (layout.base_len()..layout.tensors.len())
-        .map(|i| {
-            (
-                format!("{PEFT_PREFIX}{}", layout.tensors[i].0),
-                full[i].to_kind(Kind::Float),
-            )
-        })
+    let names = &layout.tensors[layout.base_len()..];
+    if names.len() != adapters.len() {
+        bail!(
+            "write_adapter: {} tensors for {} adapters",
+            adapters.len(),
+            names.len()
+        );
+    }
+    let named: Vec<(String, Tensor)> = names
+        .iter()
+        .zip(adapters)
+        .map(|((name, _), t)| (format!("{PEFT_PREFIX}{name}"), t.to_kind(Kind::Float)))
         .collect();
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), &named)?;
     let config = json!({
@@ -433,9 +437,4 @@ pub fn with_adapters(
         None => init_adapters(&layout, &mut params, seed),
     }
     Ok((layout, params))
-}
-
-/// Checks that a tensor map has no unexpected extras (used by tests of adapters read back).
-pub fn adapter_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
-    read_tensors(&[dir.join(ADAPTER_WEIGHTS)])
 }

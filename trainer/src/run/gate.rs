@@ -7,8 +7,10 @@
 //! `data.num_workers` (data is tokenized before training), `model.strategy` (`fsdp` and `fsdp2` are the same engine),
 //! `model.fsdp_config.forward_prefetch` (the next layer's gather always overlaps compute).
 
-use anyhow::{bail, Result};
-use ferl_config::{Dtype, SftConfig, Supported};
+use crate::model::lora::{LoraSpec, ADAPTER_CONFIG};
+use anyhow::{bail, Context, Result};
+use ferl_config::{Dtype, ModelConfig as ModelSection, SftConfig, Supported};
+use std::path::PathBuf;
 use tch::{Device, Kind};
 
 /// The launch a config is checked against.
@@ -62,6 +64,11 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
             "model.partial_pretrain",
             "model.use_shm",
             "model.enable_gradient_checkpointing",
+            "model.lora_rank",
+            "model.lora_alpha",
+            "model.target_modules",
+            "model.exclude_modules",
+            "model.lora_adapter_path",
             "model.strategy",
             "model.fsdp_config.model_dtype",
             "model.fsdp_config.mixed_precision",
@@ -97,7 +104,6 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
         ])
         .values("optim.optimizer", &["AdamW"])
         .values("optim.optimizer_impl", &["torch.optim"])
-        .values("model.lora_rank", &["0"])
         .values("model.use_liger", &["false", "true"])
         .values("model.fsdp_config.fsdp_size", &["-1", "1"])
         .values("model.fsdp_config.wrap_policy.min_num_params", &["0"])
@@ -116,6 +122,7 @@ pub fn check(cfg: &SftConfig, launch: &LaunchShape) -> Result<()> {
     check_contents(cfg)?;
     check_batch_split(cfg, launch.world_size)?;
     check_shape(cfg, launch.world_size)?;
+    lora_of(cfg)?;
     if launch.local_device {
         device_of(cfg, 0)?;
     }
@@ -227,4 +234,44 @@ fn check_shape(cfg: &SftConfig, world: usize) -> Result<()> {
 pub fn saves_hf_model(cfg: &SftConfig) -> bool {
     let list = &cfg.trainer.checkpoint.save_contents;
     list.as_slice().iter().any(|x| x == "hf_model")
+}
+
+/// The LoRA a run trains, if any: from `model.lora_rank` > 0 (with `lora_alpha`, `target_modules`,
+/// `exclude_modules`), or from the PEFT folder `model.lora_adapter_path`, whose `adapter_config.json` decides rank,
+/// alpha and modules; a `lora_rank`/`lora_alpha` that contradicts it is refused rather than ignored.
+pub fn lora_of(cfg: &SftConfig) -> Result<Option<(LoraSpec, Option<PathBuf>)>> {
+    let m = &cfg.model;
+    let Some(path) = &m.lora_adapter_path else {
+        if m.lora_rank == 0 {
+            return Ok(None);
+        }
+        let spec = LoraSpec {
+            rank: m.lora_rank as i64,
+            alpha: m.lora_alpha,
+            targets: m.target_modules.as_slice().to_vec(),
+            exclude: m.exclude_modules.as_slice().to_vec(),
+        };
+        return Ok(Some((spec, None)));
+    };
+    let dir = ferl_config::expand_path(path);
+    let file = dir.join(ADAPTER_CONFIG);
+    let spec = LoraSpec::from_adapter_config(&file)
+        .with_context(|| format!("model.lora_adapter_path={path}"))?;
+    if m.lora_rank != 0 && m.lora_rank as i64 != spec.rank {
+        bail!(
+            "model.lora_rank={} but the adapter {} has r={}",
+            m.lora_rank,
+            file.display(),
+            spec.rank
+        );
+    }
+    if m.lora_alpha != ModelSection::default().lora_alpha && m.lora_alpha != spec.alpha {
+        bail!(
+            "model.lora_alpha={} but the adapter {} has lora_alpha={}",
+            m.lora_alpha,
+            file.display(),
+            spec.alpha
+        );
+    }
+    Ok(Some((spec, Some(dir))))
 }

@@ -237,7 +237,7 @@ pub fn sharded_run(
     run_ranks(world, move |rank, comm| {
         let mine = copies(&params.lock().unwrap());
         let store = ShardedParams::new(layout.clone(), &mine, comm, opts).unwrap();
-        let optimizer = AdamW::new(adam(), store.local_masters());
+        let optimizer = AdamW::new(adam(), store.trainable_masters());
         let mut s = stepper_on(
             &cfg,
             store,
