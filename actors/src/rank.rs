@@ -139,9 +139,6 @@ pub struct RankState {
     lora: Option<LoraSpec>,
 }
 
-/// The folder of a checkpoint that holds the LoRA adapter in PEFT's format (as verl names it).
-pub const LORA_ADAPTER_DIR: &str = "lora_adapter";
-
 impl RankState {
     /// Loads the model on `device`, keeps this rank's shard, and joins the store to `comm`'s group.
     pub fn build(
@@ -300,7 +297,13 @@ impl RankState {
         }
         let layout = self.stepper.engine.store().layout();
         let base = &self.cfg.model.partial_pretrain;
-        lora::write_adapter(&dir.join(LORA_ADAPTER_DIR), &spec, layout, &adapters, base)
+        lora::write_adapter(
+            &dir.join(lora::CHECKPOINT_ADAPTER_DIR),
+            &spec,
+            layout,
+            &adapters,
+            base,
+        )
     }
 
     /// Restores model shard, optimizer state and schedule position from the sharded checkpoint `dir`, written at

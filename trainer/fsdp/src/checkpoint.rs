@@ -19,6 +19,9 @@ use anyhow::{bail, Context, Result};
 use ferl_collective::Communicator;
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::layout::ModelLayout;
+use ferl_trainer::model::lora::{
+    merge, write_adapter, LoraSpec, ADAPTER_CONFIG, CHECKPOINT_ADAPTER_DIR,
+};
 use ferl_trainer::model::weights::{save_hf_folder, write_safetensors};
 use ferl_trainer::optim::{AdamW, AdamWConfig};
 use safetensors::SafeTensors;
@@ -347,16 +350,49 @@ pub fn assemble_full(dir: &Path) -> Result<(CheckpointMeta, Vec<(String, Tensor)
     Ok((meta, tensors))
 }
 
+/// What `ferl export` writes from a LoRA checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LoraExport {
+    /// The merged model (`W + (α/r)·B·A`) as a Hugging Face folder; a plain model's folder otherwise.
+    #[default]
+    Merge,
+    /// Only the adapter, in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`).
+    AdapterOnly,
+}
+
+/// The LoRA of a checkpoint, from the PEFT config its `lora_adapter/` folder holds, applied to `layout`.
+fn checkpoint_lora(
+    dir: &Path,
+    cfg: &ModelConfig,
+    layout: &mut ModelLayout,
+) -> Result<Option<(LoraSpec, String)>> {
+    let file = dir.join(CHECKPOINT_ADAPTER_DIR).join(ADAPTER_CONFIG);
+    if !file.is_file() {
+        return Ok(None);
+    }
+    let spec = LoraSpec::from_adapter_config(&file)?;
+    layout.add_lora(&spec, &spec.projections(cfg.num_layers)?);
+    let raw: serde_json::Value = serde_json::from_slice(&std::fs::read(&file)?)?;
+    let base = raw["base_model_name_or_path"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    Ok(Some((spec, base)))
+}
+
 /// Writes the Hugging Face folder `out` (config.json, model.safetensors in `kind`, side files from `side_from`) from
-/// the sharded checkpoint `dir` of a model with `cfg`.
+/// the sharded checkpoint `dir` of a model with `cfg`; for a LoRA checkpoint, the merged model or (`AdapterOnly`)
+/// the PEFT adapter.
 pub fn export_hf(
     dir: &Path,
     cfg: &ModelConfig,
     out: &Path,
     kind: Kind,
     side_from: &[&Path],
+    lora: LoraExport,
 ) -> Result<()> {
-    let layout = ModelLayout::new(cfg);
+    let mut layout = ModelLayout::new(cfg);
+    let adapter = checkpoint_lora(dir, cfg, &mut layout)?;
     let (_, named) = assemble_full(dir)?;
     if named.len() != layout.tensors.len() {
         bail!(
@@ -376,13 +412,32 @@ pub fn export_hf(
         }
     }
     let params: Vec<Tensor> = named.into_iter().map(|(_, t)| t).collect();
-    save_hf_folder(out, cfg, &layout, &params, kind, side_from)
+    match (adapter, lora) {
+        (Some((spec, base)), LoraExport::AdapterOnly) => {
+            write_adapter(out, &spec, &layout, &params[layout.base_len()..], &base)
+        }
+        (None, LoraExport::AdapterOnly) => bail!(
+            "{}: --adapter-only needs a LoRA checkpoint (no {CHECKPOINT_ADAPTER_DIR}/{ADAPTER_CONFIG} there)",
+            dir.display()
+        ),
+        (Some(_), LoraExport::Merge) => {
+            let merged = merge(&layout, &params);
+            save_hf_folder(out, cfg, &ModelLayout::new(cfg), &merged, kind, side_from)
+        }
+        (None, LoraExport::Merge) => save_hf_folder(out, cfg, &layout, &params, kind, side_from),
+    }
 }
 
 /// `ferl export` for a sharded checkpoint: writes the Hugging Face folder `out` in `kind` using the model config the
 /// checkpoint recorded (pass `dir.join("huggingface")` as `out` to give the checkpoint verl's `huggingface/` folder,
 /// which `ferl_trainer::checkpoint::export` then reads).
-pub fn export_sharded(dir: &Path, out: &Path, kind: Kind, side_from: &[&Path]) -> Result<()> {
+pub fn export_sharded(
+    dir: &Path,
+    out: &Path,
+    kind: Kind,
+    side_from: &[&Path],
+    lora: LoraExport,
+) -> Result<()> {
     let meta = read_meta(dir)?;
     let raw = meta.model_config.with_context(|| {
         format!(
@@ -391,5 +446,5 @@ pub fn export_sharded(dir: &Path, out: &Path, kind: Kind, side_from: &[&Path]) -
         )
     })?;
     let cfg = ModelConfig::from_value(raw, &dir.join(META_FILE))?;
-    export_hf(dir, &cfg, out, kind, side_from)
+    export_hf(dir, &cfg, out, kind, side_from, lora)
 }

@@ -134,14 +134,21 @@ fn assembled_checkpoint_equals_the_live_model_and_exports_to_hugging_face() {
         );
     }
     let out: &Path = &tmp.path().join("huggingface");
-    export_hf(&dir, &cfg, out, Kind::Float, &[]).unwrap();
+    export_hf(&dir, &cfg, out, Kind::Float, &[], Default::default()).unwrap();
     let back = load_model(out).unwrap();
     for (((name, _), a), b) in layout.tensors.iter().zip(&back.params).zip(&live) {
         assert!(a.equal(b), "exported `{name}` differs");
     }
     // Self-contained export (config recorded in the checkpoint) into verl's `huggingface/`, which the engine's
     // `ferl export` then reads.
-    export_sharded(&dir, &dir.join("huggingface"), Kind::BFloat16, &[]).unwrap();
+    export_sharded(
+        &dir,
+        &dir.join("huggingface"),
+        Kind::BFloat16,
+        &[],
+        Default::default(),
+    )
+    .unwrap();
     let out2 = tmp.path().join("exported-by-engine");
     ferl_trainer::checkpoint::export(&dir, &out2, "fp32").unwrap();
     let again = load_model(&out2).unwrap();

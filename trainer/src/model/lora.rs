@@ -20,6 +20,8 @@ use tch::{Kind, Tensor};
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// The PEFT adapter's weights file.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// The folder of a checkpoint that holds its LoRA adapter in PEFT's format (as verl names it).
+pub const CHECKPOINT_ADAPTER_DIR: &str = "lora_adapter";
 /// The prefix PEFT puts before the base model's module names in adapter files.
 const PEFT_PREFIX: &str = "base_model.model.";
 
