@@ -191,6 +191,8 @@ fn gate(cfg: &SftConfig, world: usize, local_device: bool, loggers: Vec<String>)
     check(cfg, &shape)?;
     // A model named by Hub id is found or downloaded now, so a missing one fails before anything is spawned.
     crate::rank::resolve_model_dir(cfg)?;
+    // So is a LoRA adapter to start from (its config decides rank, alpha and modules).
+    ferl_trainer::run::gate::lora_of(cfg)?;
     Ok(())
 }
 

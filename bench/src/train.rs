@@ -9,11 +9,25 @@
 //! Rows: `train_<side>_tokens_per_s`, `train_<side>_peak_rss_MiB`, `train_tokens_per_s_ratio` (ferl ÷ PyTorch, goal
 //! ≥ 1.2) and `train_peak_rss_ratio` (ferl ÷ PyTorch, goal ≤ 1.0).
 //!
+//! `--lora-rank R [--lora-alpha A] [--model-shape SHAPE]` (issue #12) adds two more children on the same model,
+//! batches, loop and threads: ferl training LoRA adapters of rank `R` (alpha `A`, default 16, `all-linear`: the seven
+//! decoder projections, base frozen; [`lora::with_adapters`], as `model.lora_rank=R model.lora_alpha=A
+//! model.target_modules=all-linear` loads it) and the peer, transformers 5.24 + peft 0.21.2 (`get_peft_model` with the
+//! same rank, alpha and targets, `lora_dropout` 0, eager — no `torch.compile` — fp32, torch's AdamW over the trainable
+//! parameters, the same token-mean loss and clipping; `parity_reference.py train --lora-rank R`). Rows:
+//! `train_{ferl,peft}_lora_tokens_per_s`, `train_{ferl,peft}_lora_peak_rss_MiB`, `lora_first_loss_rel_diff_ppm` (the
+//! adapters start at `B = 0`, so both sides' first loss is the base model's), then `lora_peak_rss_vs_full` (ferl LoRA
+//! ÷ ferl full fine-tuning, goal ≤ 0.6), `lora_peak_rss_vs_peft` and `lora_tokens_per_s_vs_peft` (ferl LoRA ÷ peft,
+//! goal ≥ 1.2). The peer's versions and attention implementation are printed to stderr. With `--model-shape` the
+//! comparison's model is a random-init model of that named shape ([`shape::shape_config`], e.g. `qwen2.5-0.5b`) instead
+//! of the tiny Qwen2, whose 19M-parameter embedding leaves the runtime's fixed memory dominant.
+//!
 //! Two more modes share the prepared data and settings ([`common`]):
 //! - `--nproc-per-node N` ([`fsdp`]): sharded training at world size 1 and N, ferl's FULL_SHARD trainer ranks beside
 //!   PyTorch FSDP2 (`fully_shard`, gloo), rows `fsdp_wW_*`.
-//! - `--model-shape SHAPE --device cpu|cuda` ([`shape`]): bf16 steps of a random-init model of a named shape (e.g.
-//!   Qwen2.5-0.5B at seq 2048) on synthetic tokens, with tokens/s and MFU — the GPU benchmark `bench/gpu/h200_sft.sh`.
+//! - `--model-shape SHAPE --device cpu|cuda` without `--lora-rank` ([`shape`]): bf16 steps of a random-init model of a
+//!   named shape (e.g. Qwen2.5-0.5B at seq 2048) on synthetic tokens, with tokens/s and MFU — the GPU benchmark
+//!   `bench/gpu/h200_sft.sh`.
 
 mod common;
 mod fsdp;
@@ -26,8 +40,9 @@ use common::{prepare, py_script, python, vm_hwm_kib, SideRecord};
 use ferl::trainer::batch::{Layout, SampleRef};
 use ferl::trainer::engine::{Engine, EngineOptions};
 use ferl::trainer::model::load_model;
+use ferl::trainer::model::lora::{self, LoraSpec};
 use ferl::trainer::optim::{AdamW, AdamWConfig, LrSchedule};
-use ferl::trainer::params::LocalParams;
+use ferl::trainer::params::{LocalParams, ParamStore};
 use ferl::trainer::step::Stepper;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -55,9 +70,16 @@ pub struct TrainArgs {
     /// Sharded training at world size 1 and N: ferl FULL_SHARD ranks beside PyTorch FSDP2 (gloo).
     #[arg(long)]
     nproc_per_node: Option<usize>,
-    /// Train a random-init model of this shape on synthetic tokens instead (qwen2.5-0.5b, tiny-qwen2, test).
+    /// Train a random-init model of this shape on synthetic tokens instead (qwen2.5-0.5b, tiny-qwen2, test); with
+    /// --lora-rank, the model of the GSM8K comparison instead of --config's.
     #[arg(long)]
     model_shape: Option<String>,
+    /// Also train LoRA adapters of this rank (all-linear) on both sides: ferl beside transformers + peft.
+    #[arg(long)]
+    lora_rank: Option<i64>,
+    /// LoRA alpha of --lora-rank runs (updates scaled by alpha / rank).
+    #[arg(long, default_value_t = 16.0)]
+    lora_alpha: f64,
     /// Device of --model-shape runs: cpu or cuda.
     #[arg(long)]
     device: Option<String>,
@@ -94,6 +116,9 @@ pub struct TrainArgs {
     /// Internal: run one ferl rank of the --nproc-per-node comparison on the prepared folder.
     #[arg(long, hide = true)]
     rank_child: Option<PathBuf>,
+    /// Internal: where --child writes its record (default: ferl.json in the prepared folder).
+    #[arg(long, hide = true)]
+    out: Option<PathBuf>,
 }
 
 /// Runs the suite: the single-process comparison, or (`--nproc-per-node`) the sharded one, or (`--model-shape`) the
@@ -105,8 +130,10 @@ pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     if let Some(dir) = &a.rank_child {
         return fsdp::rank_child(&a, dir);
     }
-    if let Some(shape) = &a.model_shape {
-        return shape::run(&a, shape, out);
+    match (&a.model_shape, a.lora_rank, a.nproc_per_node) {
+        (Some(shape), None, _) => return shape::run(&a, shape, out),
+        (_, Some(_), Some(_)) => bail!("--lora-rank runs in the single-process comparison, not with --nproc-per-node"),
+        _ => {}
     }
     if a.micro_batch == 0 || !a.batch.is_multiple_of(a.micro_batch) || a.steps < 2 {
         bail!("--batch must be a multiple of --micro-batch and --steps at least 2");
@@ -121,45 +148,62 @@ pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     result
 }
 
-fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
-    prepare(a, dir)?;
+/// Runs one side's child process for full fine-tuning (`lora_rank` None) or LoRA, and reads its record.
+fn run_side(a: &TrainArgs, dir: &Path, ferl: bool, lora_rank: Option<i64>) -> Result<SideRecord> {
     let threads = a.threads.unwrap_or(2).to_string();
-    let mut ferl_cmd = Command::new(std::env::current_exe()?);
-    ferl_cmd
-        .args(["train", "--child"])
-        .arg(dir)
-        .args(["--threads", &threads])
-        .args(["--batch", &a.batch.to_string()])
-        .args(["--micro-batch", &a.micro_batch.to_string()])
-        .args(["--steps", &a.steps.to_string()]);
-    if a.gradient_checkpointing {
-        ferl_cmd.arg("--gradient-checkpointing");
+    let tag = match lora_rank {
+        Some(_) => "_lora",
+        None => "",
+    };
+    let (name, record) = if ferl {
+        ("ferl", dir.join(format!("ferl{tag}.json")))
+    } else {
+        ("PyTorch", dir.join(format!("pytorch{tag}.json")))
+    };
+    let mut cmd = if ferl {
+        let mut c = Command::new(std::env::current_exe()?);
+        c.args(["train", "--child"])
+            .arg(dir)
+            .args(["--batch", &a.batch.to_string()])
+            .args(["--micro-batch", &a.micro_batch.to_string()])
+            .args(["--steps", &a.steps.to_string()]);
+        if a.gradient_checkpointing {
+            c.arg("--gradient-checkpointing");
+        }
+        c
+    } else {
+        let mut c = Command::new(python());
+        c.arg(py_script("parity_reference.py"))
+            .args(["train", "--model"])
+            .arg(dir.join("model"))
+            .arg("--data")
+            .arg(dir.join("data.json"))
+            .arg("--settings")
+            .arg(dir.join("settings.json"));
+        c
+    };
+    cmd.args(["--threads", &threads]).arg("--out").arg(&record);
+    if let Some(rank) = lora_rank {
+        cmd.args(["--lora-rank", &rank.to_string()])
+            .args(["--lora-alpha", &a.lora_alpha.to_string()]);
     }
-    let status = ferl_cmd.status().context("starting ferl's side")?;
-    if !status.success() {
-        bail!("ferl's side failed ({status})");
-    }
-    let py = Command::new(python())
-        .arg(py_script("parity_reference.py"))
-        .args(["train", "--model"])
-        .arg(dir.join("model"))
-        .arg("--data")
-        .arg(dir.join("data.json"))
-        .arg("--settings")
-        .arg(dir.join("settings.json"))
-        .arg("--out")
-        .arg(dir.join("pytorch.json"))
-        .args(["--threads", &threads])
+    let started = cmd
         .output()
-        .context("starting the PyTorch side (is the venv set up? scripts/setup.sh)")?;
-    if !py.status.success() {
+        .with_context(|| format!("starting {name}'s side (PyTorch: is the venv set up? scripts/setup.sh)"))?;
+    if !started.status.success() {
         bail!(
-            "PyTorch side failed:\n{}",
-            String::from_utf8_lossy(&py.stderr)
+            "{name}'s side{tag} failed ({}):\n{}",
+            started.status,
+            String::from_utf8_lossy(&started.stderr)
         );
     }
-    let ferl = SideRecord::read(&dir.join("ferl.json"))?;
-    let torch = SideRecord::read(&dir.join("pytorch.json"))?;
+    SideRecord::read(&record)
+}
+
+fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
+    prepare(a, dir)?;
+    let ferl = run_side(a, dir, true, None)?;
+    let torch = run_side(a, dir, false, None)?;
     let (ferl_rate, torch_rate) = (ferl.tokens_per_s(), torch.tokens_per_s());
     let (ferl_mib, torch_mib) = (ferl.peak_rss_kib / 1024.0, torch.peak_rss_kib / 1024.0);
     out.row("train_ferl_tokens_per_s", ferl_rate, "tokens/s");
@@ -168,28 +212,63 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
     out.row("train_pytorch_peak_rss_MiB", torch_mib, "MiB");
     out.row("train_tokens_per_s_ratio", ferl_rate / torch_rate, "x");
     out.row("train_peak_rss_ratio", ferl_mib / torch_mib, "x");
+    let Some(rank) = a.lora_rank else {
+        return Ok(());
+    };
+    let ferl_lora = run_side(a, dir, true, Some(rank))?;
+    let peft = run_side(a, dir, false, Some(rank))?;
+    if let Ok(peer) = std::fs::read_to_string(dir.join("pytorch_lora.json")) {
+        let v: serde_json::Value = serde_json::from_str(&peer)?;
+        eprintln!("train: LoRA peer {}", v["peer"].as_str().unwrap_or("?"));
+    }
+    let (lora_rate, peft_rate) = (ferl_lora.tokens_per_s(), peft.tokens_per_s());
+    let (lora_mib, peft_mib) = (ferl_lora.peak_rss_kib / 1024.0, peft.peak_rss_kib / 1024.0);
+    out.row("train_ferl_lora_tokens_per_s", lora_rate, "tokens/s");
+    out.row("train_peft_lora_tokens_per_s", peft_rate, "tokens/s");
+    out.row("train_ferl_lora_peak_rss_MiB", lora_mib, "MiB");
+    out.row("train_peft_lora_peak_rss_MiB", peft_mib, "MiB");
+    if let (Some(fl), Some(pl)) = (ferl_lora.loss.first(), peft.loss.first()) {
+        let ppm = (fl - pl).abs() / pl.abs().max(1e-12) * 1e6;
+        out.row("lora_first_loss_rel_diff_ppm", ppm, "ppm");
+    }
+    out.row("lora_peak_rss_vs_full", lora_mib / ferl_mib, "x");
+    out.row("lora_peak_rss_vs_peft", lora_mib / peft_mib, "x");
+    out.row("lora_tokens_per_s_vs_peft", lora_rate / peft_rate, "x");
     Ok(())
 }
 
-/// ferl's side: the same loop as the PyTorch script (constant lr, AdamW, clipping, micro-batches).
+/// ferl's side: the same loop as the PyTorch script (constant lr, AdamW, clipping, micro-batches); with
+/// `--lora-rank`, over fresh adapters (seed 0) of the frozen model, the optimizer holding the adapters only.
 fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
     tch::set_num_threads(a.threads.unwrap_or(2) as i32);
     let samples = common::read_samples(dir)?;
     let model = load_model(&dir.join("model"))?;
-    let store = LocalParams::new(model.layout.clone(), model.params, Kind::Float);
-    let opts = EngineOptions {
-        gradient_checkpointing: a.gradient_checkpointing,
-        ..EngineOptions::default()
+    let (layout, params) = match a.lora_rank {
+        Some(rank) => {
+            let spec = LoraSpec {
+                rank,
+                alpha: a.lora_alpha,
+                targets: vec!["all-linear".into()],
+                exclude: vec![],
+            };
+            lora::with_adapters(&model.config, model.layout, model.params, &spec, None, 0)?
+        }
+        None => (model.layout, model.params),
     };
-    let engine = Engine::new(model.config.clone(), store, Kind::Float, opts);
+    let mut store = LocalParams::new(layout, params, Kind::Float);
     let optimizer = AdamW::new(
         AdamWConfig {
             betas: (0.9, 0.95),
             eps: 1e-8,
             weight_decay: 0.01,
         },
-        engine.store().master(),
+        store.master_and_grads().0,
     );
+    let opts = EngineOptions {
+        gradient_checkpointing: a.gradient_checkpointing,
+        ..EngineOptions::default()
+    };
+    let engine = Engine::new(model.config.clone(), store, Kind::Float, opts);
     let mut stepper = Stepper {
         engine,
         optimizer,
@@ -221,6 +300,7 @@ fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
     let result = serde_json::json!({
         "tokens": tokens, "step_s": secs, "loss": losses, "peak_rss_kib": vm_hwm_kib()?,
     });
-    std::fs::write(dir.join("ferl.json"), result.to_string())?;
+    let record = a.out.clone().unwrap_or_else(|| dir.join("ferl.json"));
+    std::fs::write(&record, result.to_string())?;
     Ok(())
 }

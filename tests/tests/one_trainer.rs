@@ -69,6 +69,7 @@ const KEYS: &[(&str, &str, bool)] = &[
     ("model.lora_alpha", "32", true),
     ("model.target_modules", "[q_proj]", true),
     ("model.exclude_modules", "[q_proj]", true),
+    ("model.lora_adapter_path", "adapter", true),
     ("model.use_liger", "true", true),
     ("optim.lr", "0.001", true),
     ("optim.lr_warmup_steps_ratio", "0.2", true),

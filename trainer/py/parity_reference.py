@@ -9,7 +9,9 @@ Subcommands (all deterministic, threads set by --threads):
           form), --max-shard-size S (sharded safetensors), --min-len/--max-len (sample lengths)
   train   --model DIR --data FILE --settings FILE --out FILE
           trains with a plain PyTorch loop (same batches, micro-batching, token-mean loss over the global batch,
-          AdamW, verl's schedule, clipping) and writes per-step loss / grad_norm / lr as JSON
+          AdamW, verl's schedule, clipping) and writes per-step loss / grad_norm / lr as JSON.
+          Optional: --lora-rank R [--lora-alpha A] trains peft LoRA adapters instead (target_modules all-linear,
+          dropout 0, base frozen; AdamW and clipping over the trainable parameters only)
   logits  --model DIR --data FILE --count K --out FILE   fp32 logits of the first K samples (one at a time), written
           back to back as raw little-endian float32 ([tokens, vocab] each)
   case    --out DIR --settings FILE [make options]   make, then DIR/logits.bin (logits of the first --count samples)
@@ -121,17 +123,36 @@ def micro_batch_loss(model, chunk, global_targets):
 
 
 def train(a):
+    import transformers
     from transformers import AutoModelForCausalLM
 
     s = json.load(open(a.settings))
     samples = json.load(open(a.data))
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    peer = f"transformers {transformers.__version__}, {model.config._attn_implementation} attention, fp32, eager"
     if s.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if a.lora_rank:
+        import peft
+
+        lora = peft.LoraConfig(
+            r=a.lora_rank, lora_alpha=a.lora_alpha, target_modules="all-linear", lora_dropout=0.0, bias="none"
+        )
+        model = peft.get_peft_model(model, lora)
+        peer = f"{peer} + peft {peft.__version__} LoRA r={a.lora_rank} alpha={a.lora_alpha:g} all-linear"
+    out = train_loop(model, s, samples)
+    out["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["peer"] = f"{peer}, {torch.get_num_threads()} threads"
+    json.dump(out, open(a.out, "w"))
+
+
+def train_loop(model, s, samples):
+    """`train`'s loop: trains the parameters of `model` that require grad (all, or e.g. peft's adapters) for
+    `s["total_steps"]` steps; returns per-step loss, grad_norm (over those parameters, before clipping), lr and
+    throughput."""
     model.train()
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=s["lr"], betas=tuple(s["betas"]), weight_decay=s["weight_decay"], eps=1e-8
-    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s["lr"], betas=tuple(s["betas"]), weight_decay=s["weight_decay"], eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(s, step))
     bs, mbs = s["train_batch_size"], s["micro_batch_size"]
     out = {"loss": [], "grad_norm": [], "lr": [], "tokens_per_s": [], "tokens": [], "step_s": []}
@@ -148,7 +169,7 @@ def train(a):
             l.backward()
             loss += l.item()
             tokens += n
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_grad"])
+        norm = torch.nn.utils.clip_grad_norm_(params, s["clip_grad"])
         lr = sched.get_last_lr()[0]
         if torch.isfinite(norm):
             opt.step()
@@ -161,8 +182,7 @@ def train(a):
         out["tokens_per_s"].append(tokens / dt)
         out["tokens"].append(tokens)
         out["step_s"].append(dt)
-    out["peak_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    json.dump(out, open(a.out, "w"))
+    return out
 
 
 def logits(a):
@@ -170,8 +190,13 @@ def logits(a):
 
     samples = json.load(open(a.data))[: a.count]
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    write_logits(model, samples, a.out)
+
+
+def write_logits(model, samples, out):
+    """Writes `model`'s fp32 logits of `samples` to the file `out` as `logits` describes."""
     model.eval()
-    with torch.no_grad(), open(a.out, "wb") as f:
+    with torch.no_grad(), open(out, "wb") as f:
         for x in samples:
             ids = torch.tensor([x["input_ids"]])
             f.write(model(input_ids=ids, use_cache=False).logits[0].float().contiguous().numpy().tobytes())
@@ -202,6 +227,8 @@ def main():
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-len", type=int, default=40)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--lora-alpha", type=float, default=16.0)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)

@@ -40,10 +40,29 @@ pub fn settings(a: &TrainArgs) -> serde_json::Value {
     })
 }
 
-/// Writes `dir/model` (the tiny Qwen2, random init, seed 0), `dir/data.json` (the first `batch * steps` GSM8K rows,
-/// tokenized: `input_ids`, `loss_mask`) and `dir/settings.json`.
+/// The `config.json` of the compared model: `--config`, or with `--lora-rank` and `--model-shape` the named shape's
+/// (written to `dir/shape/config.json`).
+fn model_config_file(a: &TrainArgs, dir: &Path) -> Result<PathBuf> {
+    match (&a.model_shape, a.lora_rank) {
+        (Some(shape), Some(_)) => {
+            let file = dir.join("shape").join("config.json");
+            std::fs::create_dir_all(dir.join("shape"))?;
+            std::fs::write(&file, super::shape::shape_config(shape)?.to_string())?;
+            Ok(file)
+        }
+        _ => Ok(a.config.clone()),
+    }
+}
+
+/// Writes `dir/model` (the tiny Qwen2 or `--model-shape`'s, random init, seed 0), `dir/data.json` (the first
+/// `batch * steps` GSM8K rows, tokenized: `input_ids`, `loss_mask`) and `dir/settings.json`.
 pub fn prepare(a: &TrainArgs, dir: &Path) -> Result<()> {
-    init_model(&a.config, Some(&a.tokenizer), &dir.join("model"), 0)?;
+    init_model(
+        &model_config_file(a, dir)?,
+        Some(&a.tokenizer),
+        &dir.join("model"),
+        0,
+    )?;
     let rows = a.batch * a.steps;
     let cfg = SftConfig::load(
         None,

@@ -122,7 +122,6 @@ pub fn check(cfg: &SftConfig, launch: &LaunchShape) -> Result<()> {
     check_contents(cfg)?;
     check_batch_split(cfg, launch.world_size)?;
     check_shape(cfg, launch.world_size)?;
-    lora_of(cfg)?;
     if launch.local_device {
         device_of(cfg, 0)?;
     }

@@ -2,8 +2,9 @@
 
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 /// The venv's python, or `None` (with the reason printed) when the venv is missing.
 pub fn venv_python() -> Option<PathBuf> {
@@ -30,13 +31,23 @@ pub fn venv_python() -> Option<PathBuf> {
 
 /// The reference script in `trainer/py/`.
 pub fn reference_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("py/parity_reference.py")
+    py_script("parity_reference.py")
+}
+
+/// The script `name` in `trainer/py/`.
+pub fn py_script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("py").join(name)
 }
 
 /// Runs `python parity_reference.py args...`, panicking with its stderr on failure.
 pub fn run_reference(py: &Path, args: &[&str]) {
+    run_script(py, "parity_reference.py", args);
+}
+
+/// Runs `python py/<script> args...`, panicking with its stderr on failure.
+pub fn run_script(py: &Path, script: &str, args: &[&str]) {
     let out = Command::new(py)
-        .arg(reference_script())
+        .arg(py_script(script))
         .args(args)
         .output()
         .expect("start python");
@@ -108,4 +119,80 @@ pub fn read_f32s(file: &Path) -> Vec<f32> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
+}
+
+/// A reference script kept running between requests, so that Python and its imports start once per test: it prints
+/// `ready` when its first results are written, then answers each line written to its stdin with `done` (e.g.
+/// `py/peft_reference.py train`). Its stderr goes to a file, shown when it fails. Dropping it closes stdin and waits.
+pub struct ReferenceSession {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    stderr: PathBuf,
+}
+
+impl ReferenceSession {
+    /// Runs `py script args...` (stderr to the file `stderr`) and waits for its `ready`.
+    pub fn start(py: &Path, script: &str, args: &[&str], stderr: &Path) -> Self {
+        let mut child = Command::new(py)
+            .arg(py_script(script))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(stderr).expect("create the stderr file"))
+            .spawn()
+            .expect("start python");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut session = Self {
+            child,
+            stdin,
+            stdout,
+            stderr: stderr.to_path_buf(),
+        };
+        session.expect("ready");
+        session
+    }
+
+    /// Sends one request line and waits for its `done`.
+    pub fn request(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("session open");
+        writeln!(stdin, "{line}").expect("write to the reference script");
+        stdin.flush().expect("flush to the reference script");
+        self.expect("done");
+    }
+
+    /// Reads stdout up to the line `word`; panics with the script's stderr when it ends first.
+    fn expect(&mut self, word: &str) {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.stdout.read_line(&mut line).expect("read stdout") == 0 {
+                let status = self.child.wait().expect("wait for python");
+                panic!(
+                    "reference script ended ({status}) before `{word}`:\n{}",
+                    std::fs::read_to_string(&self.stderr).unwrap_or_default()
+                );
+            }
+            if line.trim() == word {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for ReferenceSession {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// Largest absolute elementwise difference of two tensors of one shape (as f64).
+pub fn max_abs_diff(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
+    assert_eq!(a.size(), b.size(), "shapes differ");
+    (a.to_kind(tch::Kind::Double) - b.to_kind(tch::Kind::Double))
+        .abs()
+        .max()
+        .double_value(&[])
 }
