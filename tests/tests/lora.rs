@@ -179,3 +179,41 @@ fn lora_config_mistakes_are_refused_naming_the_key() {
         assert!(err.contains(want), "{extra:?}: expected `{want}` in: {err}");
     }
 }
+
+#[test]
+fn lora_works_with_every_strategy_checkpointing_packing_and_liger() {
+    let fx = Fixture::new().unwrap();
+    let variants: [(&[&str], f64); 3] = [
+        (
+            &[
+                "model.fsdp_config.reshard_after_forward=false",
+                "model.enable_gradient_checkpointing=true",
+            ],
+            1e-5,
+        ),
+        (
+            &["model.fsdp_config.fsdp_size=1", "use_remove_padding=true"],
+            1e-5,
+        ),
+        (
+            &[
+                "model.use_liger=true",
+                "model.enable_gradient_checkpointing=true",
+            ],
+            1e-4,
+        ),
+    ];
+    for (i, (extra, rel)) in variants.into_iter().enumerate() {
+        let o = lora_overrides(&fx, 3, &format!("v{i}"), extra);
+        let reference = reference_run(&o).unwrap();
+        let run = run_path(
+            DRIVER,
+            fx.dir.path(),
+            LaunchPath::Actors(2),
+            &o,
+            &format!("v{i}"),
+        )
+        .unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+        assert_curves_match(&format!("{extra:?}"), &run.steps, &reference, rel);
+    }
+}
