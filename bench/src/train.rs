@@ -132,7 +132,9 @@ pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     }
     match (&a.model_shape, a.lora_rank, a.nproc_per_node) {
         (Some(shape), None, _) => return shape::run(&a, shape, out),
-        (_, Some(_), Some(_)) => bail!("--lora-rank runs in the single-process comparison, not with --nproc-per-node"),
+        (_, Some(_), Some(_)) => {
+            bail!("--lora-rank runs in the single-process comparison, not with --nproc-per-node")
+        }
         _ => {}
     }
     if a.micro_batch == 0 || !a.batch.is_multiple_of(a.micro_batch) || a.steps < 2 {
@@ -187,9 +189,9 @@ fn run_side(a: &TrainArgs, dir: &Path, ferl: bool, lora_rank: Option<i64>) -> Re
         cmd.args(["--lora-rank", &rank.to_string()])
             .args(["--lora-alpha", &a.lora_alpha.to_string()]);
     }
-    let started = cmd
-        .output()
-        .with_context(|| format!("starting {name}'s side (PyTorch: is the venv set up? scripts/setup.sh)"))?;
+    let started = cmd.output().with_context(|| {
+        format!("starting {name}'s side (PyTorch: is the venv set up? scripts/setup.sh)")
+    })?;
     if !started.status.success() {
         bail!(
             "{name}'s side{tag} failed ({}):\n{}",
