@@ -440,3 +440,124 @@ pub fn with_adapters(
     }
     Ok((layout, params))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::weights::init_params;
+
+    fn config() -> ModelConfig {
+        let raw = json!({
+            "model_type": "qwen2", "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "intermediate_size": 12, "num_hidden_layers": 2, "vocab_size": 11, "tie_word_embeddings": true
+        });
+        ModelConfig::from_value(raw, Path::new("test")).unwrap()
+    }
+
+    fn spec(targets: &[&str], exclude: &[&str]) -> LoraSpec {
+        let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect();
+        LoraSpec {
+            rank: 4,
+            alpha: 8.0,
+            targets: strings(targets),
+            exclude: strings(exclude),
+        }
+    }
+
+    #[test]
+    fn targets_match_like_peft_and_mistakes_name_the_module() {
+        let all = spec(&["all-linear"], &[]).projections(2).unwrap();
+        assert_eq!(all, PROJECTIONS);
+        let qv = spec(&["q_proj", "self_attn.v_proj"], &[]).projections(2);
+        assert_eq!(qv.unwrap(), [Proj::Q, Proj::V]);
+        let no_mlp = spec(&["all-linear"], &["gate_proj", "up_proj", "down_proj"]);
+        assert_eq!(
+            no_mlp.projections(2).unwrap(),
+            [Proj::Q, Proj::K, Proj::V, Proj::O]
+        );
+        for (bad, want) in [
+            (spec(&["lm_head"], &[]), "`lm_head` is not supported"),
+            (spec(&["proj"], &[]), "`proj` matches no module"),
+            (spec(&["layers.1.mlp.up_proj"], &[]), "layer 0 and layer 1"),
+            (spec(&["q_proj"], &["q_proj"]), "leaves nothing to adapt"),
+        ] {
+            let err = bad.projections(2).unwrap_err().to_string();
+            assert!(err.contains(want), "{err}");
+        }
+    }
+
+    #[test]
+    fn adapters_are_appended_trainable_and_merge_into_the_base() {
+        let cfg = config();
+        let base = ModelLayout::new(&cfg);
+        let params = init_params(&cfg, &base, 1);
+        let s = spec(&["q_proj", "down_proj"], &[]);
+        let (layout, mut params) = with_adapters(&cfg, base.clone(), params, &s, None, 3).unwrap();
+        assert_eq!(layout.base_len(), base.tensors.len());
+        assert_eq!(layout.tensors.len(), base.tensors.len() + 2 * 2 * 2);
+        assert!(layout.trainable[..layout.base_len()].iter().all(|t| !t));
+        assert!(layout.trainable[layout.base_len()..].iter().all(|t| *t));
+        let (name, shape) = &layout.tensors[layout.base_len()];
+        assert_eq!(
+            (name.as_str(), shape.as_slice()),
+            ("model.layers.0.self_attn.q_proj.lora_A.weight", &[4, 8][..])
+        );
+        // Fresh: A within ±1/√in, B zero, so merging changes nothing.
+        let a = &params[layout.base_len()];
+        assert!(a.abs().max().double_value(&[]) <= 1.0 / 8f64.sqrt());
+        assert!(merge(&layout, &params)
+            .iter()
+            .zip(&params)
+            .all(|(m, p)| m.equal(p)));
+        // With B set, the merged weight is W + (α/r)·B·A.
+        let (w, ai, bi) = layout.lora_pairs()[1];
+        params[bi] = Tensor::ones(
+            layout.tensors[bi].1.as_slice(),
+            (Kind::Float, tch::Device::Cpu),
+        );
+        let want = &params[w] + params[bi].matmul(&params[ai]) * 2.0;
+        let got = &merge(&layout, &params)[w];
+        assert!((got - want).abs().max().double_value(&[]) < 1e-6);
+    }
+
+    #[test]
+    fn adapters_round_trip_through_peft_files_and_unsupported_peft_fields_are_refused() {
+        let cfg = config();
+        let base = ModelLayout::new(&cfg);
+        let s = spec(&["all-linear"], &[]);
+        let (layout, params) =
+            with_adapters(&cfg, base.clone(), init_params(&cfg, &base, 1), &s, None, 3).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        write_adapter(dir.path(), &s, &layout, &params[layout.base_len()..], "m").unwrap();
+        assert_eq!(
+            LoraSpec::from_adapter_config(&dir.path().join(ADAPTER_CONFIG)).unwrap(),
+            s
+        );
+        let (_, back) = with_adapters(
+            &cfg,
+            base.clone(),
+            init_params(&cfg, &base, 1),
+            &s,
+            Some(dir.path()),
+            9,
+        )
+        .unwrap();
+        assert!(back.iter().zip(&params).all(|(a, b)| a.equal(b)));
+        let file = dir.path().join(ADAPTER_CONFIG);
+        for (field, value) in [
+            ("use_dora", json!(true)),
+            ("lora_dropout", json!(0.1)),
+            ("rank_pattern", json!({"q_proj": 2})),
+        ] {
+            let mut v: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+            v[field] = value;
+            std::fs::write(&file, v.to_string()).unwrap();
+            let err = LoraSpec::from_adapter_config(&file)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(field), "{err}");
+            v[field] = json!(null);
+            std::fs::write(&file, v.to_string()).unwrap();
+        }
+    }
+}
