@@ -81,16 +81,22 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// The collective time-out without `FERL_COLLECTIVE_TIMEOUT_S`: 10 minutes, as PyTorch's NCCL process groups.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// The join time-out without `FERL_COLLECTIVE_JOIN_TIMEOUT_S` or `FERL_COLLECTIVE_TIMEOUT_S`.
+pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How a group forms and behaves.
 #[derive(Clone, Debug)]
 pub struct GroupOptions {
-    /// Bound on joining and on any wait for a peer during a collective: a rank that makes no progress for this long
-    /// fails the collective on the others (a dead peer is detected at once regardless). Default 30 s, or
+    /// Bound on any wait for a peer during a collective: a rank that makes no progress for this long fails the
+    /// collective on the others (a dead peer is detected at once regardless, through its connection). Default
+    /// [`DEFAULT_TIMEOUT`] (PyTorch's NCCL default: ranks wait out rank 0's checkpoint writes), or
     /// `FERL_COLLECTIVE_TIMEOUT_S` (seconds, fractions allowed).
     pub timeout: Duration,
     /// Bound on joining the group (reaching the rendezvous store, waiting for every rank to publish its address and
-    /// connect): `FERL_COLLECTIVE_JOIN_TIMEOUT_S`, else the same as `timeout`. Ranks may start far apart (process
-    /// start, model loading) while a collective should fail fast, hence two bounds.
+    /// connect): `FERL_COLLECTIVE_JOIN_TIMEOUT_S`, else `FERL_COLLECTIVE_TIMEOUT_S` when set, else
+    /// [`DEFAULT_JOIN_TIMEOUT`]: a rank that never arrives is reported soon.
     pub join_timeout: Duration,
     /// Namespace of this group's keys in the rendezvous store (distinct groups sharing a store need distinct ones).
     pub prefix: String,
@@ -124,11 +130,12 @@ fn env_number(name: &str, min: f64) -> Option<f64> {
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        let timeout = env_number("FERL_COLLECTIVE_TIMEOUT_S", 0.001)
-            .map(Duration::from_secs_f64)
-            .unwrap_or(Duration::from_secs(30));
+        let explicit = env_number("FERL_COLLECTIVE_TIMEOUT_S", 0.001).map(Duration::from_secs_f64);
+        let timeout = explicit.unwrap_or(DEFAULT_TIMEOUT);
         let join_timeout = env_number("FERL_COLLECTIVE_JOIN_TIMEOUT_S", 0.001)
-            .map_or(timeout, Duration::from_secs_f64);
+            .map(Duration::from_secs_f64)
+            .or(explicit)
+            .unwrap_or(DEFAULT_JOIN_TIMEOUT);
         Self {
             timeout,
             join_timeout,
@@ -159,4 +166,20 @@ pub fn connect(
         )?),
         _ => Arc::new(TcpCommunicator::connect(rank, world, rendezvous, options)?),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_time_outs_wait_out_checkpoint_writes_but_report_a_missing_rank_soon() {
+        let set = |k: &str| std::env::var_os(k).is_some();
+        if set("FERL_COLLECTIVE_TIMEOUT_S") || set("FERL_COLLECTIVE_JOIN_TIMEOUT_S") {
+            return; // the environment chose its own bounds
+        }
+        let o = GroupOptions::default();
+        assert_eq!(o.timeout, Duration::from_secs(600));
+        assert_eq!(o.join_timeout, Duration::from_secs(30));
+    }
 }
