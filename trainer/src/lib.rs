@@ -1,7 +1,8 @@
 //! ferl's SFT engine on tch (libtorch). Where a train step happens: [`engine::Engine::forward_backward`], driven by
 //! [`step::Stepper`]; where a run happens: [`run::run`], the one loop of every launch path.
 //!
-//! - [`model`]: Qwen2/Llama from a Hugging Face folder (config, stage layout, layer functions, safetensors, init).
+//! - [`model`]: Qwen2/Qwen3/Llama from a Hugging Face folder or Hub id (config, RoPE, stage layout, layer functions,
+//!   safetensors, init) and LoRA adapters in PEFT's format.
 //! - [`params`]: the [`params::ParamStore`] trait — the hook where sharding (FSDP) plugs in — and the local store.
 //! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
