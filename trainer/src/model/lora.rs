@@ -9,7 +9,7 @@
 //!   file names) and [`merge`] (`W + (α/r)·B·A`, what `merge_and_unload()` computes).
 
 use super::config::ModelConfig;
-use super::layout::{ModelLayout, Stage};
+use super::layout::{DecoderParam, ModelLayout, Stage};
 use super::weights::{read_tensors, write_safetensors};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -241,6 +241,21 @@ impl LoraSpec {
     }
 }
 
+impl DecoderParam {
+    /// Position of `proj`'s weight in a decoder stage's list.
+    pub fn weight(&self, proj: Proj) -> usize {
+        match proj {
+            Proj::Q => self.q.0,
+            Proj::K => self.k.0,
+            Proj::V => self.v.0,
+            Proj::O => self.o.0,
+            Proj::Gate => self.gate,
+            Proj::Up => self.up,
+            Proj::Down => self.down,
+        }
+    }
+}
+
 impl ModelLayout {
     /// Appends LoRA adapters of `projs` (`A: [rank, in]`, `B: [out, rank]`, named
     /// `model.layers.N.self_attn.q_proj.lora_A.weight`) to every decoder stage and freezes every other tensor.
@@ -248,16 +263,6 @@ impl ModelLayout {
         for t in &mut self.trainable {
             *t = false;
         }
-        let d = self.decoder;
-        let weight_of = |p: Proj| match p {
-            Proj::Q => d.q.0,
-            Proj::K => d.k.0,
-            Proj::V => d.v.0,
-            Proj::O => d.o.0,
-            Proj::Gate => d.gate,
-            Proj::Up => d.up,
-            Proj::Down => d.down,
-        };
         let mut slots = LoraSlots {
             scale: spec.scale(),
             ..Default::default()
@@ -265,7 +270,7 @@ impl ModelLayout {
         for (stage, ids) in &mut self.stages {
             let Stage::Decoder(l) = *stage else { continue };
             for &p in projs {
-                let shape = &self.tensors[ids[weight_of(p)]].1;
+                let shape = &self.tensors[ids[self.decoder.weight(p)]].1;
                 let (out, inp) = (shape[0], shape[1]);
                 let base = format!("model.layers.{l}.{}", p.module());
                 let a = (format!("{base}.lora_A.weight"), vec![spec.rank, inp]);
@@ -291,15 +296,7 @@ impl ModelLayout {
             }
             for p in PROJECTIONS {
                 if let Some((a, b)) = d.lora.get(p) {
-                    let w = match p {
-                        Proj::Q => d.q.0,
-                        Proj::K => d.k.0,
-                        Proj::V => d.v.0,
-                        Proj::O => d.o.0,
-                        Proj::Gate => d.gate,
-                        Proj::Up => d.up,
-                        Proj::Down => d.down,
-                    };
+                    let w = d.weight(p);
                     out.push((ids[w], ids[a], ids[b]));
                 }
             }
