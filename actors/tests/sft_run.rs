@@ -238,12 +238,12 @@ fn keys_the_engine_cannot_honour_are_refused() {
     tiny_model(dir.path());
     let cfg = config(
         dir.path(),
-        &["model.lora_rank=8", "ulysses_sequence_parallel_size=2"],
+        &["model.external_lib=foo", "ulysses_sequence_parallel_size=2"],
     );
     let err = run_with_data(&cfg, &(8, 1), None, quiet()).err().unwrap();
     let msg = format!("{err:#}");
     assert!(
-        msg.contains("model.lora_rank") && msg.contains("ulysses_sequence_parallel_size"),
+        msg.contains("model.external_lib") && msg.contains("ulysses_sequence_parallel_size"),
         "{msg}"
     );
 }
