@@ -32,7 +32,8 @@ enum Suite {
     Kernels(kernels::KernelsArgs),
     /// Actor runtime: calls, transfers, resource groups, actor creation, cluster start (Ray's microbenchmark rows).
     Runtime(runtime::RuntimeArgs),
-    /// SFT train step of the tiny Qwen2 (vocab 151,936) on GSM8K: ferl beside the PyTorch eager loop (tokens/s, peak RSS).
+    /// SFT train step of the tiny Qwen2 (vocab 151,936) on GSM8K: ferl beside the PyTorch eager loop (tokens/s, peak RSS);
+    /// with --lora-rank also ferl LoRA beside transformers + peft.
     Train(Box<train::TrainArgs>),
 }
 

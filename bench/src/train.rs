@@ -13,14 +13,17 @@
 //! batches, loop and threads: ferl training LoRA adapters of rank `R` (alpha `A`, default 16, `all-linear`: the seven
 //! decoder projections, base frozen; [`lora::with_adapters`], as `model.lora_rank=R model.lora_alpha=A
 //! model.target_modules=all-linear` loads it) and the peer, transformers 5.24 + peft 0.21.2 (`get_peft_model` with the
-//! same rank, alpha and targets, `lora_dropout` 0, eager — no `torch.compile` — fp32, torch's AdamW over the trainable
-//! parameters, the same token-mean loss and clipping; `parity_reference.py train --lora-rank R`). Rows:
-//! `train_{ferl,peft}_lora_tokens_per_s`, `train_{ferl,peft}_lora_peak_rss_MiB`, `lora_first_loss_rel_diff_ppm` (the
-//! adapters start at `B = 0`, so both sides' first loss is the base model's), then `lora_peak_rss_vs_full` (ferl LoRA
-//! ÷ ferl full fine-tuning, goal ≤ 0.6), `lora_peak_rss_vs_peft` and `lora_tokens_per_s_vs_peft` (ferl LoRA ÷ peft,
-//! goal ≥ 1.2). The peer's versions and attention implementation are printed to stderr. With `--model-shape` the
+//! same rank, alpha and targets, `lora_dropout` 0; eager — no `torch.compile`, transformers' default sdpa attention —
+//! fp32, torch's AdamW over the trainable parameters, the same token-mean loss and clipping; `parity_reference.py
+//! train --lora-rank R`). Rows: `train_{ferl,peft}_lora_tokens_per_s`, `train_{ferl,peft}_lora_peak_rss_MiB`,
+//! `lora_first_loss_rel_diff_ppm` (the adapters start at `B = 0`, so both sides' first loss is the base model's), then
+//! `lora_peak_rss_vs_full` (ferl LoRA ÷ ferl full fine-tuning, goal ≤ 0.6), `lora_peak_rss_vs_peft` and
+//! `lora_tokens_per_s_vs_peft` (ferl LoRA ÷ peft, goal ≥ 1.2). The peer's versions and attention implementation are printed to stderr. With `--model-shape` the
 //! comparison's model is a random-init model of that named shape ([`shape::shape_config`], e.g. `qwen2.5-0.5b`) instead
 //! of the tiny Qwen2, whose 19M-parameter embedding leaves the runtime's fixed memory dominant.
+//!
+//! ferl's sides train through `--store local` (`LocalParams`, the default) or `--store fsdp` (`ferl-fsdp`'s
+//! FULL_SHARD at world size 1, the store a one-rank `ferl sft` trains through), full fine-tuning and LoRA alike.
 //!
 //! Two more modes share the prepared data and settings ([`common`]):
 //! - `--nproc-per-node N` ([`fsdp`]): sharded training at world size 1 and N, ferl's FULL_SHARD trainer ranks beside
@@ -37,11 +40,11 @@ use crate::report::Report;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use common::{prepare, py_script, python, vm_hwm_kib, SideRecord};
-use ferl::trainer::batch::{Layout, SampleRef};
-use ferl::trainer::engine::{Engine, EngineOptions};
+use ferl::actors::messages::Sample;
+use ferl::trainer::batch::SampleRef;
+use ferl::trainer::engine::EngineOptions;
 use ferl::trainer::model::load_model;
 use ferl::trainer::model::lora::{self, LoraSpec};
-use ferl::trainer::optim::{AdamW, AdamWConfig, LrSchedule};
 use ferl::trainer::params::{LocalParams, ParamStore};
 use ferl::trainer::step::Stepper;
 use std::path::{Path, PathBuf};
@@ -89,7 +92,8 @@ pub struct TrainArgs {
     /// Compute dtype of --model-shape runs: bf16 or fp32 (fp32 masters either way).
     #[arg(long, default_value = "bf16")]
     dtype: String,
-    /// Parameter store of --model-shape runs: local (single process) or fsdp (FULL_SHARD at world size 1).
+    /// Parameter store of --model-shape runs and of the comparison's ferl sides: local (`LocalParams`) or fsdp
+    /// (FULL_SHARD at world size 1, as a one-rank `ferl sft`).
     #[arg(long, default_value = "local")]
     store: String,
     /// Logits per head chunk of --model-shape runs (default: the engine's on the CPU, 2^28 on CUDA).
@@ -168,7 +172,8 @@ fn run_side(a: &TrainArgs, dir: &Path, ferl: bool, lora_rank: Option<i64>) -> Re
             .arg(dir)
             .args(["--batch", &a.batch.to_string()])
             .args(["--micro-batch", &a.micro_batch.to_string()])
-            .args(["--steps", &a.steps.to_string()]);
+            .args(["--steps", &a.steps.to_string()])
+            .args(["--store", &a.store]);
         if a.gradient_checkpointing {
             c.arg("--gradient-checkpointing");
         }
@@ -189,9 +194,13 @@ fn run_side(a: &TrainArgs, dir: &Path, ferl: bool, lora_rank: Option<i64>) -> Re
         cmd.args(["--lora-rank", &rank.to_string()])
             .args(["--lora-alpha", &a.lora_alpha.to_string()]);
     }
-    let started = cmd.output().with_context(|| {
-        format!("starting {name}'s side (PyTorch: is the venv set up? scripts/setup.sh)")
-    })?;
+    let hint = match ferl {
+        true => "",
+        false => " (is the venv set up? scripts/setup.sh)",
+    };
+    let started = cmd
+        .output()
+        .with_context(|| format!("starting {name}'s side{hint}"))?;
     if !started.status.success() {
         bail!(
             "{name}'s side{tag} failed ({}):\n{}",
@@ -240,7 +249,8 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
 }
 
 /// ferl's side: the same loop as the PyTorch script (constant lr, AdamW, clipping, micro-batches); with
-/// `--lora-rank`, over fresh adapters (seed 0) of the frozen model, the optimizer holding the adapters only.
+/// `--lora-rank`, over fresh adapters (seed 0) of the frozen model, the optimizer holding the adapters only; through
+/// `--store` (`local`: `LocalParams`, `fsdp`: FULL_SHARD at world size 1, as a one-rank `ferl sft`).
 fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
     tch::set_num_threads(a.threads.unwrap_or(2) as i32);
     let samples = common::read_samples(dir)?;
@@ -257,30 +267,41 @@ fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
         }
         None => (model.layout, model.params),
     };
-    let mut store = LocalParams::new(layout, params, Kind::Float);
-    let optimizer = AdamW::new(
-        AdamWConfig {
-            betas: (0.9, 0.95),
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        store.master_and_grads().0,
-    );
     let opts = EngineOptions {
         gradient_checkpointing: a.gradient_checkpointing,
         ..EngineOptions::default()
     };
-    let engine = Engine::new(model.config.clone(), store, Kind::Float, opts);
-    let mut stepper = Stepper {
-        engine,
-        optimizer,
-        schedule: LrSchedule::from_verl("constant", 1e-4, 0.0, a.steps as i64, 0.0)?,
-        clip_grad: 1.0,
-        micro_batch_size: a.micro_batch,
-        layout: Layout::Padded,
-        device: Device::Cpu,
-        completed_steps: 0,
+    let (cfg, kind, device) = (&model.config, Kind::Float, Device::Cpu);
+    let result = match a.store.as_str() {
+        "local" => {
+            let store = LocalParams::new(layout, params, kind);
+            train_steps(
+                a,
+                &samples,
+                shape::stepper(cfg, store, kind, opts, device, a)?,
+            )?
+        }
+        "fsdp" => {
+            let store = shape::fsdp_store(layout, params, kind, device)?;
+            train_steps(
+                a,
+                &samples,
+                shape::stepper(cfg, store, kind, opts, device, a)?,
+            )?
+        }
+        other => bail!("--store {other}: expected local or fsdp"),
     };
+    let record = a.out.clone().unwrap_or_else(|| dir.join("ferl.json"));
+    std::fs::write(&record, result.to_string())?;
+    Ok(())
+}
+
+/// Trains `--steps` steps on the prepared rows; the record: per-step real tokens, seconds and loss, and `VmHWM`.
+fn train_steps<P: ParamStore>(
+    a: &TrainArgs,
+    samples: &[Sample],
+    mut stepper: Stepper<P>,
+) -> Result<serde_json::Value> {
     let (mut tokens, mut secs, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..a.steps {
         let rows = samples
@@ -299,10 +320,7 @@ fn child(a: &TrainArgs, dir: &Path) -> Result<()> {
         tokens.push(stats.tokens as f64);
         losses.push(stats.loss);
     }
-    let result = serde_json::json!({
+    Ok(serde_json::json!({
         "tokens": tokens, "step_s": secs, "loss": losses, "peak_rss_kib": vm_hwm_kib()?,
-    });
-    let record = a.out.clone().unwrap_or_else(|| dir.join("ferl.json"));
-    std::fs::write(&record, result.to_string())?;
-    Ok(())
+    }))
 }

@@ -253,24 +253,28 @@ impl<P: ParamStore> Engine<P> {
         let norm = NormGraph::build(&self.kernels, &rows, norm_w, self.cfg.rms_norm_eps)?;
         let normed_d = norm.output();
         let scale = 1.0 / global_targets.max(1) as f64;
+        // A frozen output matrix (LoRA's base) gets no gradient: undefined, which every store reads as zero.
+        let want_grad_w = out_w.requires_grad();
         let mut loss_sum = Tensor::zeros([], (Kind::Double, h.device()));
         let mut grad_rows = Vec::new();
-        let mut grad_w: Option<Tensor> = None;
+        let mut grad_w = Tensor::new();
         let mut start = 0;
         if let Some(head) = &self.kernels.head {
             let (ce, gx, gw) = head.sum_loss_and_grads(&normed_d, out_w, &mb.target_ids)?;
             loss_sum += ce.to_kind(Kind::Double);
             grad_rows.push(gx * scale);
-            grad_w = Some(gw * scale);
+            if want_grad_w {
+                grad_w = gw * scale;
+            }
             start = mb.num_targets;
         }
         if start < mb.num_targets {
-            let (ce, gx, gw) = self
-                .head
-                .loss_and_grads(&normed_d, out_w, &mb.target_ids, scale);
+            let (ce, gx, gw) =
+                self.head
+                    .loss_and_grads(&normed_d, out_w, &mb.target_ids, scale, want_grad_w);
             loss_sum += ce;
             grad_rows.push(gx);
-            grad_w = Some(gw);
+            grad_w = gw.unwrap_or_default();
         }
         let grad_normed = Tensor::cat(&grad_rows, 0);
         let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
@@ -278,10 +282,8 @@ impl<P: ParamStore> Engine<P> {
         let grad_h = Tensor::zeros([h.size()[0] * h.size()[1], hidden], (h.kind(), h.device()))
             .index_add(0, &mb.target_rows, &grad_rows)
             .reshape(h.size());
-        self.store.accumulate_grads(
-            Stage::Head,
-            &[grad_norm_w, grad_w.context("grad of output matrix")?],
-        )?;
+        self.store
+            .accumulate_grads(Stage::Head, &[grad_norm_w, grad_w])?;
         self.store.release(Stage::Head);
         Ok((loss_sum.double_value(&[]), grad_h))
     }

@@ -53,7 +53,9 @@ impl ChunkedHead {
     }
 
     /// Summed cross-entropy of `x` (`[n, H]`, normalised rows) against `w` (`[V, H]`) for `targets` (`[n]`), and the
-    /// gradients of `scale * loss` with respect to `x` (in `x`'s dtype) and `w` (fp32). Runs without autograd.
+    /// gradients of `scale * loss` with respect to `x` (in `x`'s dtype) and, when `want_grad_w`, `w` (fp32; `None`
+    /// otherwise: a frozen output matrix, as under LoRA, skips its `[V, H]` buffer and one of the three matmuls over
+    /// the vocabulary). Runs without autograd.
     /// The logits and their softmax are fp32 whatever the inputs; when `x` is in a low-precision dtype (bf16
     /// compute) the two gradient matmuls run in that dtype too (the logits' gradient is cast per chunk), as autocast
     /// would run them — an fp32 matmul over the vocabulary would dominate a GPU step.
@@ -63,12 +65,13 @@ impl ChunkedHead {
         w: &Tensor,
         targets: &Tensor,
         scale: f64,
-    ) -> (Tensor, Tensor, Tensor) {
+        want_grad_w: bool,
+    ) -> (Tensor, Tensor, Option<Tensor>) {
         let _g = tch::no_grad_guard();
         let n_all = x.size()[0];
         let chunk = self.rows_per_chunk(w.size()[0]);
         let mut loss = Tensor::zeros([], (Kind::Double, x.device()));
-        let mut grad_w = Tensor::zeros(w.size(), (Kind::Float, x.device()));
+        let mut grad_w = want_grad_w.then(|| Tensor::zeros(w.size(), (Kind::Float, x.device())));
         let low_precision = x.kind() != Kind::Float;
         let w_f = if low_precision {
             w.shallow_clone()
@@ -95,10 +98,14 @@ impl ChunkedHead {
             if low_precision {
                 let gl = g.to_kind(x.kind());
                 grad_x.push(gl.mm(&w_f.to_kind(x.kind())));
-                let _ = grad_w.g_add_(&gl.tr().mm(&xc));
+                if let Some(gw) = &mut grad_w {
+                    let _ = gw.g_add_(&gl.tr().mm(&xc));
+                }
             } else {
                 grad_x.push(g.mm(&w_f).to_kind(x.kind()));
-                let _ = grad_w.addmm_(&g.tr(), &xc.to_kind(Kind::Float));
+                if let Some(gw) = &mut grad_w {
+                    let _ = gw.addmm_(&g.tr(), &xc.to_kind(Kind::Float));
+                }
             }
             start += n;
         }
@@ -134,7 +141,8 @@ mod tests {
         let w = Tensor::randn([11, 5], (Kind::Float, Device::Cpu));
         let t = Tensor::from_slice(&[0i64, 3, 10, 4, 4, 1, 9]);
         let mut head = ChunkedHead::new(3 * 11); // 3 rows per chunk: 3 chunks
-        let (loss, gx, gw) = head.loss_and_grads(&x, &w, &t, 0.5);
+        let (loss, gx, gw) = head.loss_and_grads(&x, &w, &t, 0.5, true);
+        let gw = gw.expect("grad w asked for");
         let xa = x.detach().set_requires_grad(true);
         let wa = w.detach().set_requires_grad(true);
         let ce =
@@ -157,19 +165,37 @@ mod tests {
     }
 
     #[test]
+    fn frozen_output_matrix_skips_its_gradient_and_changes_nothing_else() {
+        tch::manual_seed(2);
+        let x = Tensor::randn([7, 5], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([11, 5], (Kind::Float, Device::Cpu));
+        let t = Tensor::from_slice(&[0i64, 3, 10, 4, 4, 1, 9]);
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let (x, w) = (x.to_kind(kind), w.to_kind(kind));
+            let mut head = ChunkedHead::new(3 * 11);
+            let (loss, gx, gw) = head.loss_and_grads(&x, &w, &t, 0.5, true);
+            let (frozen_loss, frozen_gx, none) = head.loss_and_grads(&x, &w, &t, 0.5, false);
+            assert!(gw.is_some() && none.is_none(), "{kind:?}");
+            assert!(loss.equal(&frozen_loss) && gx.equal(&frozen_gx), "{kind:?}");
+        }
+    }
+
+    #[test]
     fn bf16_inputs_give_bf16_grad_x_and_fp32_grad_w_close_to_fp32() {
         tch::manual_seed(1);
         let x = Tensor::randn([9, 16], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([13, 16], (Kind::Float, Device::Cpu)) * 0.3;
         let t = Tensor::from_slice(&[0i64, 3, 12, 4, 4, 1, 9, 7, 2]);
         let (xb, wb) = (x.to_kind(Kind::BFloat16), w.to_kind(Kind::BFloat16));
-        let (loss, gx, gw) = ChunkedHead::new(4 * 13).loss_and_grads(&xb, &wb, &t, 0.25);
+        let (loss, gx, gw) = ChunkedHead::new(4 * 13).loss_and_grads(&xb, &wb, &t, 0.25, true);
         let (loss32, gx32, gw32) = ChunkedHead::new(4 * 13).loss_and_grads(
             &xb.to_kind(Kind::Float),
             &wb.to_kind(Kind::Float),
             &t,
             0.25,
+            true,
         );
+        let (gw, gw32) = (gw.expect("grad w"), gw32.expect("grad w"));
         assert_eq!((gx.kind(), gw.kind()), (Kind::BFloat16, Kind::Float));
         let rel = |a: &Tensor, b: &Tensor| {
             let a = a.to_kind(Kind::Float);

@@ -121,17 +121,7 @@ pub fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
             measure(a, stepper(&cfg, store, kind, opts, device, a)?, &cfg)?
         }
         "fsdp" => {
-            let comm = ferl_collective::connect(
-                device,
-                0,
-                1,
-                Arc::new(MemoryRendezvous::new()),
-                &GroupOptions::default(),
-            )
-            .context("forming the world-size-1 group")?;
-            let fsdp = FsdpOptions::new(ShardingStrategy::FullShard, kind, device);
-            let store = ShardedParams::new(layout, &params, comm, fsdp)?;
-            drop(params);
+            let store = fsdp_store(layout, params, kind, device)?;
             measure(a, stepper(&cfg, store, kind, opts, device, a)?, &cfg)?
         }
         other => bail!("--store {other}: expected local or fsdp"),
@@ -167,7 +157,29 @@ pub fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
     Ok(())
 }
 
-fn stepper<P: ParamStore>(
+/// `ferl-fsdp`'s FULL_SHARD store at world size 1 over the device's communicator (what a one-rank `ferl sft` trains
+/// through); takes the parameters so that their full copy is freed once sharded.
+pub fn fsdp_store(
+    layout: ModelLayout,
+    params: Vec<Tensor>,
+    kind: Kind,
+    device: Device,
+) -> Result<ShardedParams> {
+    let comm = ferl_collective::connect(
+        device,
+        0,
+        1,
+        Arc::new(MemoryRendezvous::new()),
+        &GroupOptions::default(),
+    )
+    .context("forming the world-size-1 group")?;
+    let fsdp = FsdpOptions::new(ShardingStrategy::FullShard, kind, device);
+    ShardedParams::new(layout, &params, comm, fsdp)
+}
+
+/// A stepper over `store` with the bench loop: AdamW (0.9, 0.95, weight decay 0.01) over the store's trainable
+/// tensors, constant lr 1e-4, clipping at 1.0, `--micro-batch`, padded micro-batches.
+pub fn stepper<P: ParamStore>(
     cfg: &ModelConfig,
     mut store: P,
     kind: Kind,
