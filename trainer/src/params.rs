@@ -47,7 +47,15 @@ pub struct LocalParams {
 impl LocalParams {
     /// Wraps fp32 masters (in `layout.tensors` order); computation happens in `compute_kind`.
     pub fn new(layout: ModelLayout, master: Vec<Tensor>, compute_kind: Kind) -> Self {
-        let grads = master.iter().map(Tensor::zeros_like).collect();
+        // A frozen tensor (LoRA's base) never gets a gradient: an empty tensor stands in.
+        let grads = master
+            .iter()
+            .zip(&layout.trainable)
+            .map(|(m, &trains)| match trains {
+                true => m.zeros_like(),
+                false => Tensor::zeros([0], (Kind::Float, m.device())),
+            })
+            .collect();
         Self {
             layout,
             master,
