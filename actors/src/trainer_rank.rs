@@ -1,16 +1,17 @@
 //! The trainer-rank actor: one per bundle of the resource group. It builds its model replica from
 //! `model.partial_pretrain`, joins the data-parallel group through the cluster's key-value store
 //! ([`ClusterRendezvous`]), keeps its shard in a `ferl_fsdp::ShardedParams`, and trains on the micro-batches the
-//! driver sends. With `model.use_liger=true` its head is the `liger` kernel plugin the driver shipped with the spawn
-//! (see [`crate::plugins`]), else the built-in kernels. Compute runs on a blocking thread so the worker's connections
-//! stay responsive.
+//! driver sends. Its collective connections prove the job secret the driver put in its spawn message. With
+//! `model.use_liger=true` its head is the `liger` kernel plugin the driver shipped with the spawn (see
+//! [`crate::plugins`]), else the built-in kernels. Compute runs on a blocking thread so the worker's connections stay
+//! responsive.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context as _, Result};
-use ferl_collective::GroupOptions;
+use ferl_collective::{GroupOptions, JobSecret};
 use ferl_config::SftConfig;
 use ferl_runtime::{Actor, Context, Handler};
 
@@ -31,6 +32,19 @@ pub struct TrainerRankArgs {
     pub total_steps: u64,
     /// Key prefix of this run's rendezvous in the head's store (unique per run).
     pub group_prefix: String,
+    /// The group's job secret, fresh from the driver for each group: every collective connection proves it.
+    pub job_secret: SecretHex,
+}
+
+/// A job secret in a spawn message, as hex (it travels only inside the cluster's authenticated messages); its `Debug`
+/// form never shows it.
+#[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone)]
+pub struct SecretHex(pub String);
+
+impl std::fmt::Debug for SecretHex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretHex(<redacted>)")
+    }
 }
 
 /// A training rank hosted by the runtime.
@@ -71,9 +85,12 @@ impl Actor for TrainerRank {
         let (rank, world) = (args.rank as usize, args.world_size as usize);
         let state = tokio::task::spawn_blocking(move || {
             let rendezvous = Arc::new(ClusterRendezvous::new(cluster, handle, &args.group_prefix));
+            let secret = JobSecret::from_hex(&args.job_secret.0)
+                .context("trainer rank: the job secret from the driver")?;
             let options = GroupOptions {
                 prefix: args.group_prefix.clone(),
                 bind_ip: Some(bind_ip),
+                job_secret: Some(secret),
                 ..Default::default()
             };
             let device = ferl_trainer::run::device_of(&cfg, 0)?;

@@ -154,7 +154,8 @@ fn parse_rows(stdout: impl std::io::Read) -> Vec<Row> {
 }
 
 fn run_ferl(sizes: &[String], transport: &str) -> Result<Vec<Row>> {
-    let store = TcpStoreServer::bind("127.0.0.1:0")?;
+    let secret = ferl_collective::JobSecret::generate()?;
+    let store = TcpStoreServer::bind("127.0.0.1:0", secret.clone())?;
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
     for rank in 0..WORLD {
@@ -163,6 +164,7 @@ fn run_ferl(sizes: &[String], transport: &str) -> Result<Vec<Row>> {
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", WORLD.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
+            .env(ferl_collective::JOB_SECRET_ENV, secret.to_hex())
             .env("MASTER_PORT", store.local_addr().port().to_string())
             .env("FERL_STORE_HOSTED", "1")
             .env(TRANSPORT_VAR, transport)

@@ -7,7 +7,9 @@
 #   srun python -m verl.trainer.fsdp_sft_trainer k=v ... | srun ferl sft k=v ...   (same keys)
 #
 # Each task reads SLURM_PROCID (rank), SLURM_NTASKS (world size), SLURM_LOCALID (GPU) and MASTER_ADDR/MASTER_PORT;
-# rank 0 hosts the rendezvous store there. The config keys are verl's, unchanged.
+# rank 0 hosts the rendezvous store there. Every task also needs the same FERL_JOB_SECRET (a per-job secret that
+# authenticates the store and the ranks' connections): this script makes a fresh one, which srun passes to every task.
+# The config keys are verl's, unchanged.
 # Submit with:  sbatch examples/slurm/sft_srun.sh
 #SBATCH --job-name=ferl-sft
 #SBATCH --nodes=2
@@ -20,6 +22,7 @@ set -euo pipefail
 FERL=${FERL:-ferl}                       # the `ferl` binary (same path on every node)
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
 export MASTER_PORT=${MASTER_PORT:-29500}
+export FERL_JOB_SECRET=${FERL_JOB_SECRET:-$(od -An -vtx1 -N32 /dev/urandom | tr -d ' \n')}   # 32 random bytes, hex
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}
 
 srun --kill-on-bad-exit=1 "$FERL" sft \

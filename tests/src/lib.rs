@@ -191,6 +191,13 @@ pub enum LaunchPath {
     Launcher(usize),
 }
 
+/// A fresh job secret (hex) for the ranks of one launcher run, to pass as `FERL_JOB_SECRET`.
+pub fn job_secret_hex() -> String {
+    ferl_collective::JobSecret::generate()
+        .expect("a random job secret")
+        .to_hex()
+}
+
 /// A free TCP port on 127.0.0.1.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -222,9 +229,11 @@ pub fn run_path(
         }
         LaunchPath::Launcher(n) => {
             let port = free_port().to_string();
+            let secret = job_secret_hex();
             for r in 0..n {
                 let mut cmd = driver_command(exe);
-                cmd.env("RANK", r.to_string())
+                cmd.env("FERL_JOB_SECRET", &secret)
+                    .env("RANK", r.to_string())
                     .env("WORLD_SIZE", n.to_string())
                     .env("LOCAL_RANK", r.to_string())
                     .env("MASTER_ADDR", "127.0.0.1")

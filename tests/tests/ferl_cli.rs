@@ -97,6 +97,7 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
         .local_addr()
         .unwrap()
         .port();
+    let secret = job_secret_hex();
     let children: Vec<_> = (0..2)
         .map(|rank| {
             Command::new(&ferl)
@@ -105,6 +106,7 @@ fn ferl_sft_nproc_per_node_and_torchrun_env_match_single_process() {
                 .env("LOCAL_RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("MASTER_ADDR", "127.0.0.1")
+                .env("FERL_JOB_SECRET", &secret)
                 .env("MASTER_PORT", port.to_string())
                 .arg("sft")
                 .args(&env_run)
@@ -171,6 +173,7 @@ fn ferl_sft_under_torchrun_matches_single_process() {
     let out = Command::new("unshare")
         .args(["-n", "bash", "-c", &script])
         .env("OMP_NUM_THREADS", "1")
+        .env("FERL_JOB_SECRET", job_secret_hex())
         .output()
         .unwrap();
     check(out, "torchrun --no-python ... ferl sft");

@@ -447,6 +447,7 @@ fn launcher_ranks_load_plugins_from_their_plugin_path_and_match_one_process() {
         .port();
     // Two ranks as torchrun starts them: each has the plugin folder itself; rank 0 logs.
     let o = overrides(&fx, "launch", &["data.plugin=alpaca".into()]);
+    let secret = job_secret_hex();
     let ranks: Vec<Child> = (0..2)
         .map(|rank| {
             Command::new(ferl_binary())
@@ -456,6 +457,7 @@ fn launcher_ranks_load_plugins_from_their_plugin_path_and_match_one_process() {
                 .env("LOCAL_RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")
                 .env("MASTER_ADDR", "127.0.0.1")
+                .env("FERL_JOB_SECRET", &secret)
                 .env("MASTER_PORT", port.to_string())
                 .env("FERL_PLUGIN_PATH", &plugins)
                 .env("OMP_NUM_THREADS", "1")

@@ -82,7 +82,8 @@ pub fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<
 fn run_ferl(a: &TrainArgs, dir: &Path, world: usize, threads: usize) -> Result<Vec<SideRecord>> {
     let out = dir.join(format!("ferl_w{world}"));
     std::fs::create_dir_all(&out)?;
-    let store = TcpStoreServer::bind("127.0.0.1:0")?;
+    let secret = ferl_collective::JobSecret::generate()?;
+    let store = TcpStoreServer::bind("127.0.0.1:0", secret.clone())?;
     let exe = std::env::current_exe()?;
     let mut children = Vec::new();
     for rank in 0..world {
@@ -97,6 +98,7 @@ fn run_ferl(a: &TrainArgs, dir: &Path, world: usize, threads: usize) -> Result<V
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
+            .env(ferl_collective::JOB_SECRET_ENV, secret.to_hex())
             .env("MASTER_PORT", store.local_addr().port().to_string())
             .env("FERL_STORE_HOSTED", "1")
             .env("OMP_NUM_THREADS", threads.to_string());

@@ -2,8 +2,14 @@
 //! `MASTER_ADDR`, `MASTER_PORT`, or SLURM's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` (with `MASTER_ADDR` from
 //! the job script, else `SLURM_LAUNCH_NODE_IPADDR`). Rank 0 hosts the rendezvous store at `MASTER_ADDR:MASTER_PORT`
 //! unless `FERL_STORE_HOSTED=1` says one already runs there.
+//!
+//! Every rank needs the same per-job secret in `FERL_JOB_SECRET` (hex, e.g. `export FERL_JOB_SECRET=$(openssl rand
+//! -hex 32)` in the job script before `torchrun`/`srun`): it authenticates the store and every connection of the
+//! group, and a launch of more than one rank without it is refused. A launch of one rank needs no store and no secret.
 
-use crate::{connect, Communicator, GroupOptions, Rendezvous, TcpStore};
+use crate::{
+    connect, Communicator, GroupOptions, JobSecret, MemoryRendezvous, Rendezvous, TcpStore,
+};
 use anyhow::{bail, Context, Result};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -64,14 +70,19 @@ impl LaunchEnv {
         })
     }
 
-    /// Connects to (rank 0: hosts, unless `hosted`) the rendezvous store at `MASTER_ADDR:MASTER_PORT`.
+    /// Connects to (rank 0: hosts, unless `hosted`) the rendezvous store at `MASTER_ADDR:MASTER_PORT`, proving
+    /// `options.job_secret`, else the secret in `FERL_JOB_SECRET` (an error names the variable when it is unset).
     pub fn rendezvous(&self, hosted: bool, options: &GroupOptions) -> Result<TcpStore> {
+        let secret = match &options.job_secret {
+            Some(secret) => secret.clone(),
+            None => JobSecret::from_env()?,
+        };
         let addr = format!("{}:{}", self.master_addr, self.master_port);
         if self.rank == 0 && !hosted {
-            TcpStore::host(&addr, options.join_timeout)
+            TcpStore::host(&addr, &secret, options.join_timeout)
                 .with_context(|| format!("rank 0: hosting the rendezvous store at {addr}"))
         } else {
-            TcpStore::connect(&addr, options.join_timeout)
+            TcpStore::connect(&addr, &secret, options.join_timeout)
         }
     }
 }
@@ -85,10 +96,14 @@ fn first_set(
 }
 
 /// Forms the group described by the environment for tensors on `device` (NCCL for CUDA, TCP for the CPU). Ranks
-/// listen on the address they reach the store from, or on `FERL_COLLECTIVE_HOST` when set.
+/// listen on the address they reach the store from, or on `FERL_COLLECTIVE_HOST` when set; all of them need the job
+/// secret in `FERL_JOB_SECRET`, except a group of one, which forms in-process.
 pub fn init_from_env(device: Device) -> Result<Arc<dyn Communicator>> {
     let launch = LaunchEnv::from_env()?;
     let mut options = GroupOptions::default();
+    if launch.world_size == 1 {
+        return connect(device, 0, 1, Arc::new(MemoryRendezvous::new()), &options);
+    }
     let hosted = std::env::var("FERL_STORE_HOSTED").is_ok_and(|v| v == "1");
     let store = launch.rendezvous(hosted, &options)?;
     options.bind_ip = Some(match std::env::var("FERL_COLLECTIVE_HOST") {

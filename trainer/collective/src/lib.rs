@@ -7,7 +7,13 @@
 //! store, an in-process [`MemoryRendezvous`], or the standalone [`TcpStore`] that [`init_from_env`] uses for
 //! torchrun/SLURM-style launches). [`flat`] holds the flatten-pad-shard helpers FSDP-style sharding builds on.
 //! [`GroupOptions`] lists the environment variables that tune a group (timeouts, transports, buffer sizes).
+//!
+//! Every TCP connection between ranks (to the [`TcpStore`], and each pair's mesh connection, which also carries the
+//! shared-memory offers) is authenticated with a per-job [`JobSecret`] by a mutual HMAC challenge–response (see
+//! `auth.rs`): launcher runs read it from `FERL_JOB_SECRET`, cluster runs get a fresh one from the driver in the
+//! ranks' spawn messages, threads sharing a [`MemoryRendezvous`] share its random one. A group of one needs none.
 
+mod auth;
 mod dtype;
 mod env;
 pub mod flat;
@@ -17,6 +23,7 @@ mod store;
 mod tcp;
 mod tensor;
 
+pub use auth::{JobSecret, HANDSHAKE_TIMEOUT, JOB_SECRET_ENV, MAX_HANDSHAKING};
 pub use dtype::{DType, ReduceOp};
 pub use env::{init_from_env, LaunchEnv};
 pub use nccl::{load_torch_cuda, nccl_available, NcclCommunicator};
@@ -113,6 +120,9 @@ pub struct GroupOptions {
     /// Bytes of each direction's shared-memory ring, a power of two of at least 128 KiB
     /// (`FERL_COLLECTIVE_SHM_RING_BYTES`).
     pub shm_ring_bytes: usize,
+    /// The secret that authenticates every connection of the group; `None` takes the rendezvous's
+    /// ([`Rendezvous::job_secret`]). A group of more than one rank without either is refused.
+    pub job_secret: Option<JobSecret>,
 }
 
 /// The number in environment variable `name`, if set to a finite value of at least `min`; any other value is reported
@@ -148,6 +158,7 @@ impl Default for GroupOptions {
             shared_memory: std::env::var("FERL_COLLECTIVE_SHM").map_or(true, |v| v.trim() != "0"),
             shm_ring_bytes: env_number("FERL_COLLECTIVE_SHM_RING_BYTES", 1.0)
                 .map_or(4 << 20, |v| v as usize),
+            job_secret: None,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! How ranks find each other: a small key-value interface (set a key, wait for a key) that the actors layer implements
 //! over the cluster head's store, plus an in-process implementation for threads and tests.
 
+use crate::JobSecret;
 use anyhow::{anyhow, Result};
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
@@ -12,19 +13,37 @@ pub trait Rendezvous: Send + Sync {
     fn set(&self, key: &str, value: &[u8]) -> Result<()>;
     /// Returns the value under `key`, waiting up to `timeout` for some rank to set it; an error names the key.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// The secret this store's members proved, which the group's connections then use too (when
+    /// [`crate::GroupOptions::job_secret`] names none). `None` by default: such a store cannot vouch for its members.
+    fn job_secret(&self) -> Option<JobSecret> {
+        None
+    }
 }
 
-/// A rendezvous inside one process (ranks as threads); clone the `Arc` it lives in for each rank.
-#[derive(Default)]
+/// A rendezvous inside one process (ranks as threads); clone the `Arc` it lives in for each rank. It holds a fresh
+/// random [`JobSecret`] that only the threads sharing it know.
 pub struct MemoryRendezvous {
     entries: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    secret: Option<JobSecret>,
 }
 
 impl MemoryRendezvous {
-    /// An empty store.
+    /// An empty store with a fresh secret.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            entries: Mutex::default(),
+            changed: Condvar::new(),
+            secret: JobSecret::generate()
+                .map_err(|e| tracing::warn!("in-process rendezvous without a job secret: {e:#}"))
+                .ok(),
+        }
+    }
+}
+
+impl Default for MemoryRendezvous {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -41,6 +60,10 @@ impl Rendezvous for MemoryRendezvous {
 
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         wait_for_key(&self.entries, &self.changed, key, timeout)
+    }
+
+    fn job_secret(&self) -> Option<JobSecret> {
+        self.secret.clone()
     }
 }
 

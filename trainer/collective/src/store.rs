@@ -1,15 +1,24 @@
 //! A standalone TCP key-value store for rendezvous, torchrun-style: rank 0 hosts it at `MASTER_ADDR:MASTER_PORT` and
 //! every rank (rank 0 included) talks to it as a client.
 //!
-//! Wire format, one request at a time per connection: `op:u8, key_len:u32 LE, key`, then for SET `value_len:u32 LE,
-//! value`, for GET `timeout_ms:u64 LE`. Replies: `status:u8` (0 ok, 1 timed out), then for GET `value_len:u32, value`.
+//! Every connection first passes the job-secret handshake (`auth.rs`, context `ferl-collective-store-v1`): a client
+//! without the job's secret is refused (and named in the server's log and [`TcpStoreServer::refusals`]) before it can
+//! read or write a key, and the server keeps serving the others. A client gets [`HANDSHAKE_TIMEOUT`] (see
+//! [`TcpStoreServer::set_handshake_timeout`]) to complete it, and at most [`MAX_HANDSHAKING`] connections may be
+//! handshaking at once, so silent or garbage clients cannot hang the server or exhaust its threads.
+//!
+//! Wire format after the handshake, one request at a time per connection: `op:u8, key_len:u32 LE, key`, then for SET
+//! `value_len:u32 LE, value`, for GET `timeout_ms:u64 LE`. Replies: `status:u8` (0 ok, 1 timed out), then for GET
+//! `value_len:u32, value`.
 
+use crate::auth::{Handshake, HandshakeLimit, HandshakeTicket, HANDSHAKE_TIMEOUT};
 use crate::rendezvous::{wait_for_key, Rendezvous};
+use crate::{JobSecret, JOB_SECRET_ENV, MAX_HANDSHAKING};
 use anyhow::{anyhow, bail, Context, Result};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,50 +26,85 @@ const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const MAX_KEY: usize = 4096;
 const MAX_VALUE: usize = 64 << 20;
+/// What the store's handshake proofs are bound to.
+const STORE_CONTEXT: &[u8] = b"ferl-collective-store-v1";
+/// How many refusals [`TcpStoreServer::refusals`] remembers.
+const KEPT_REFUSALS: usize = 16;
 
-#[derive(Default)]
 struct Shared {
     entries: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     stopped: AtomicBool,
+    secret: JobSecret,
+    handshake_ms: AtomicU64,
+    handshaking: Arc<HandshakeLimit>,
+    refusals: Mutex<VecDeque<String>>,
 }
 
-/// The store's server side: accepts clients on a thread until dropped.
+impl Shared {
+    fn new(secret: JobSecret) -> Self {
+        Self {
+            entries: Mutex::default(),
+            changed: Condvar::new(),
+            stopped: AtomicBool::new(false),
+            secret,
+            handshake_ms: AtomicU64::new(HANDSHAKE_TIMEOUT.as_millis() as u64),
+            handshaking: Arc::default(),
+            refusals: Mutex::default(),
+        }
+    }
+
+    /// Logs and remembers why the client at `peer` was dropped.
+    fn refuse(&self, peer: &str, why: &anyhow::Error) {
+        let line = format!("client at {peer}: {why:#}");
+        tracing::warn!("rendezvous store: refused the {line}");
+        let mut kept = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() == KEPT_REFUSALS {
+            kept.pop_front();
+        }
+        kept.push_back(line);
+    }
+}
+
+/// The store's server side: accepts clients that hold the job secret, on threads, until dropped.
 pub struct TcpStoreServer {
     shared: Arc<Shared>,
     addr: SocketAddr,
 }
 
 impl TcpStoreServer {
-    /// Listens on `addr` (port 0 picks a free port) and serves in background threads.
-    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
+    /// Listens on `addr` (port 0 picks a free port) and serves clients holding `secret` in background threads.
+    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug, secret: JobSecret) -> Result<Self> {
         let listener = TcpListener::bind(&addr)
             .with_context(|| format!("rendezvous store: cannot listen on {addr:?}"))?;
         let addr = listener.local_addr()?;
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::new(secret));
         let serving = shared.clone();
         std::thread::Builder::new()
             .name("ferl-store".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if serving.stopped.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let client = serving.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("ferl-store-conn".into())
-                        .spawn(move || {
-                            let _ = serve_client(&client, conn);
-                        });
-                }
-            })?;
+            .spawn(move || accept_loop(&serving, listener))?;
         Ok(Self { shared, addr })
     }
 
     /// The address clients connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Sets how long clients accepted from now on get to complete the handshake (default [`HANDSHAKE_TIMEOUT`]).
+    pub fn set_handshake_timeout(&self, timeout: Duration) {
+        let ms = (timeout.as_millis() as u64).max(1);
+        self.shared.handshake_ms.store(ms, Ordering::Release);
+    }
+
+    /// Why the latest refused connections were dropped (the last 16), each naming the client's address.
+    pub fn refusals(&self) -> Vec<String> {
+        let kept = self
+            .shared
+            .refusals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        kept.iter().cloned().collect()
     }
 }
 
@@ -72,8 +116,59 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn serve_client(shared: &Shared, mut conn: TcpStream) -> Result<()> {
+fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
+    for conn in listener.incoming() {
+        if shared.stopped.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(conn) = conn else { continue };
+        let Some(ticket) = shared.handshaking.enter() else {
+            let peer = conn.peer_addr().map_or("?".into(), |a| a.to_string());
+            shared.refuse(
+                &peer,
+                &anyhow!("{MAX_HANDSHAKING} other connections are handshaking"),
+            );
+            continue;
+        };
+        let client = shared.clone();
+        let _ = std::thread::Builder::new()
+            .name("ferl-store-conn".into())
+            .spawn(move || serve_client(&client, conn, ticket));
+    }
+}
+
+/// Serves one connection: the handshake (holding `ticket`), then its requests.
+fn serve_client(shared: &Shared, mut conn: TcpStream, ticket: HandshakeTicket) {
+    let peer = conn.peer_addr().map_or("?".into(), |a| a.to_string());
+    let admitted = admit(shared, &mut conn);
+    drop(ticket);
+    match admitted {
+        Ok(()) => {
+            if let Err(e) = serve_requests(shared, conn) {
+                tracing::debug!("rendezvous store: client at {peer}: {e:#}");
+            }
+        }
+        Err(e) if !shared.stopped.load(Ordering::Acquire) => shared.refuse(&peer, &e),
+        Err(_) => {}
+    }
+}
+
+/// Runs the server's side of the handshake on `conn`; afterwards its reads wait as long as requests take.
+fn admit(shared: &Shared, conn: &mut TcpStream) -> Result<()> {
     conn.set_nodelay(true)?;
+    let timeout = Duration::from_millis(shared.handshake_ms.load(Ordering::Acquire));
+    let handshake = Handshake {
+        secret: &shared.secret,
+        context: STORE_CONTEXT,
+        timeout,
+    };
+    handshake.respond(conn, 0, |_| Ok(Vec::new()))?;
+    conn.set_read_timeout(None)?;
+    conn.set_write_timeout(None)?;
+    Ok(())
+}
+
+fn serve_requests(shared: &Shared, mut conn: TcpStream) -> Result<()> {
     loop {
         let mut op = [0u8; 1];
         if conn.read_exact(&mut op).is_err() || shared.stopped.load(Ordering::Acquire) {
@@ -129,65 +224,45 @@ pub struct TcpStore {
     conn: Mutex<TcpStream>,
     server_addr: SocketAddr,
     local_ip: IpAddr,
+    secret: JobSecret,
     _server: Option<TcpStoreServer>,
 }
 
 impl TcpStore {
-    /// Connects to the store at `addr`, retrying until `timeout` (the host rank may start later).
-    pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
-        Self::connect_with_server(addr, timeout, None)
+    /// Connects to the store at `addr` and proves `secret`, retrying the connection until `timeout` (the host rank may
+    /// start later); a refused handshake fails at once.
+    pub fn connect(addr: &str, secret: &JobSecret, timeout: Duration) -> Result<Self> {
+        Self::connect_with_server(addr, secret, timeout, None)
     }
 
-    /// Hosts the store on `bind` (e.g. `0.0.0.0:29500`) and connects to it as a client.
-    pub fn host(bind: &str, timeout: Duration) -> Result<Self> {
-        let server = TcpStoreServer::bind(bind)?;
+    /// Hosts the store on `bind` (e.g. `0.0.0.0:29500`) for clients holding `secret`, and connects to it as one.
+    pub fn host(bind: &str, secret: &JobSecret, timeout: Duration) -> Result<Self> {
+        let server = TcpStoreServer::bind(bind, secret.clone())?;
         let port = server.local_addr().port();
         let host = if server.local_addr().ip().is_unspecified() {
             "127.0.0.1".to_string()
         } else {
             server.local_addr().ip().to_string()
         };
-        Self::connect_with_server(&format!("{host}:{port}"), timeout, Some(server))
+        Self::connect_with_server(&format!("{host}:{port}"), secret, timeout, Some(server))
     }
 
     fn connect_with_server(
         addr: &str,
+        secret: &JobSecret,
         timeout: Duration,
         server: Option<TcpStoreServer>,
     ) -> Result<Self> {
-        let deadline = Instant::now() + timeout;
-        let mut last_err = None;
-        loop {
-            let resolved: Vec<SocketAddr> = match addr.to_socket_addrs() {
-                Ok(it) => it.collect(),
-                Err(e) => {
-                    last_err = Some(anyhow!(e));
-                    Vec::new()
-                }
-            };
-            for sa in &resolved {
-                match TcpStream::connect_timeout(sa, Duration::from_secs(2)) {
-                    Ok(conn) => {
-                        conn.set_nodelay(true)?;
-                        let local_ip = conn.local_addr()?.ip();
-                        return Ok(Self {
-                            conn: Mutex::new(conn),
-                            server_addr: *sa,
-                            local_ip,
-                            _server: server,
-                        });
-                    }
-                    Err(e) => last_err = Some(anyhow!(e)),
-                }
-            }
-            if Instant::now() >= deadline {
-                let why = last_err
-                    .map(|e| e.to_string())
-                    .unwrap_or_else(|| "no address".into());
-                bail!("rendezvous store at {addr} unreachable for {timeout:?}: {why}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let (conn, server_addr) = connect_retrying(addr, timeout)?;
+        let local_ip = conn.local_addr()?.ip();
+        let conn = authenticate(conn, server_addr, secret)?;
+        Ok(Self {
+            conn: Mutex::new(conn),
+            server_addr,
+            local_ip,
+            secret: secret.clone(),
+            _server: server,
+        })
     }
 
     /// This machine's address on the route to the store: where the other ranks can reach this rank.
@@ -199,6 +274,53 @@ impl TcpStore {
     pub fn server_addr(&self) -> SocketAddr {
         self.server_addr
     }
+}
+
+/// Connects to the first address of `addr` that answers, retrying until `timeout`.
+fn connect_retrying(addr: &str, timeout: Duration) -> Result<(TcpStream, SocketAddr)> {
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        let resolved: Vec<SocketAddr> = match addr.to_socket_addrs() {
+            Ok(it) => it.collect(),
+            Err(e) => {
+                last_err = Some(anyhow!(e));
+                Vec::new()
+            }
+        };
+        for sa in &resolved {
+            match TcpStream::connect_timeout(sa, Duration::from_secs(2)) {
+                Ok(conn) => return Ok((conn, *sa)),
+                Err(e) => last_err = Some(anyhow!(e)),
+            }
+        }
+        if Instant::now() >= deadline {
+            let why = last_err
+                .map(|e| e.to_string())
+                .unwrap_or_else(|| "no address".into());
+            bail!("rendezvous store at {addr} unreachable for {timeout:?}: {why}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs the client's side of the handshake on `conn`; afterwards its reads wait as long as requests take.
+fn authenticate(mut conn: TcpStream, server: SocketAddr, secret: &JobSecret) -> Result<TcpStream> {
+    conn.set_nodelay(true)?;
+    let handshake = Handshake {
+        secret,
+        context: STORE_CONTEXT,
+        timeout: HANDSHAKE_TIMEOUT,
+    };
+    handshake.initiate(&mut conn, &[], 0).with_context(|| {
+        format!(
+            "rendezvous store at {server}: authenticating this rank (every rank needs the same job secret, \
+             {JOB_SECRET_ENV} for launcher runs)"
+        )
+    })?;
+    conn.set_read_timeout(None)?;
+    conn.set_write_timeout(None)?;
+    Ok(conn)
 }
 
 impl Rendezvous for TcpStore {
@@ -252,33 +374,12 @@ impl Rendezvous for TcpStore {
         }
         read_blob(&mut conn, MAX_VALUE).with_context(ctx)
     }
+
+    fn job_secret(&self) -> Option<JobSecret> {
+        Some(self.secret.clone())
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clients_share_keys_through_the_hosted_store() {
-        let host = TcpStore::host("127.0.0.1:0", Duration::from_secs(5)).unwrap();
-        let addr = host.server_addr().to_string();
-        let t = std::thread::spawn(move || {
-            let client = TcpStore::connect(&addr, Duration::from_secs(5)).unwrap();
-            let v = client.get("from-host", Duration::from_secs(10)).unwrap();
-            client.set("from-client", &[v[0] + 1]).unwrap();
-        });
-        std::thread::sleep(Duration::from_millis(30));
-        host.set("from-host", &[41]).unwrap();
-        assert_eq!(
-            host.get("from-client", Duration::from_secs(10)).unwrap(),
-            vec![42]
-        );
-        t.join().unwrap();
-        let err = host
-            .get("never", Duration::from_millis(50))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("never"), "{err}");
-        assert!(host.local_ip().is_loopback());
-    }
-}
+#[path = "store_tests.rs"]
+mod tests;

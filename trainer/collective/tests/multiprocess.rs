@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use ferl_collective::{
-    init_from_env, Communicator, GroupOptions, LaunchEnv, ReduceOp, TcpCommunicator,
+    init_from_env, Communicator, GroupOptions, JobSecret, LaunchEnv, ReduceOp, TcpCommunicator,
     TcpStoreServer, Transport,
 };
 use std::sync::Arc;
@@ -153,7 +153,8 @@ fn run_reference_check(test: &str, world: usize, tcp_ranks: &[usize]) {
         println!("OK rank {}", comm.rank());
         return;
     }
-    let store = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+    let secret = JobSecret::from_hex(&job_secret_hex()).unwrap();
+    let store = TcpStoreServer::bind("127.0.0.1:0", secret).unwrap();
     let port = store.local_addr().port();
     let mut ranks = spawn_ranks(test, world, |r| {
         let mut env = torchrun_env(r, world, port);
@@ -360,6 +361,7 @@ fn slurm_environment_forms_the_group() {
     let port = free_port();
     let mut ranks = spawn_ranks("slurm_environment_forms_the_group", 2, |r| {
         vec![
+            ("FERL_JOB_SECRET".into(), job_secret_hex()),
             ("SLURM_PROCID".into(), r.to_string()),
             ("SLURM_NTASKS".into(), "2".into()),
             ("SLURM_LOCALID".into(), r.to_string()),
@@ -373,5 +375,28 @@ fn slurm_environment_forms_the_group() {
             p.wait_line("OK", Duration::from_secs(5)),
             format!("OK rank {r} of 2")
         );
+    }
+}
+
+#[test]
+fn launcher_ranks_without_the_job_secret_are_refused_naming_it() {
+    if is_rank() {
+        std::env::remove_var("FERL_JOB_SECRET");
+        let err = init_from_env(Device::Cpu)
+            .err()
+            .expect("joined without a secret");
+        println!("REFUSED {err:#}");
+        return;
+    }
+    let port = free_port();
+    let mut ranks = spawn_ranks(
+        "launcher_ranks_without_the_job_secret_are_refused_naming_it",
+        2,
+        |r| torchrun_env(r, 2, port),
+    );
+    for p in ranks.iter_mut() {
+        assert!(p.wait_exit(Duration::from_secs(60)).success());
+        let line = p.wait_line("REFUSED", Duration::from_secs(5));
+        assert!(line.contains("FERL_JOB_SECRET is not set"), "{line}");
     }
 }

@@ -2,18 +2,24 @@
 //! lower rank and accepts every higher one, so each pair of ranks shares exactly one persistent connection. Over it,
 //! each pair then tries to set up a shared-memory link (the lower rank offers a segment, the higher one maps it);
 //! pairs on different hosts, or where either rank disabled it, keep TCP.
+//!
+//! Every connection first passes the job-secret handshake (`auth.rs`, context `ferl-collective-mesh-v1` and the
+//! group's prefix; the connecting rank's hello carries its rank and the world size, the listener's reply its rank), so
+//! only ranks holding the job's secret join, and the shared-memory offers travel over authenticated connections only.
+//! A listener drops a connection that fails it, names it, and keeps accepting until its join deadline.
 
+use super::join::Joining;
 use super::link::Peer;
 use super::shm::{self, Offer, Pending};
 use crate::rendezvous::Rendezvous;
-use anyhow::{anyhow, bail, Context, Result};
-use std::io::{ErrorKind, Read, Write};
+use crate::{JobSecret, JOB_SECRET_ENV};
+use anyhow::{bail, Context, Result};
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-const HELLO_MAGIC: u32 = 0x4645_524c; // "FERL"
 const OFFER_MAGIC: u32 = 0x5348_4d3f; // "SHM?"
 const MAX_OFFER_PATH: usize = 4096;
 
@@ -53,13 +59,15 @@ pub(crate) struct MeshConfig<'a> {
     pub shared_memory: bool,
     /// Bytes per direction of each shared-memory ring.
     pub shm_ring_bytes: usize,
+    /// The job secret every connection proves; needed when `world > 1`.
+    pub secret: Option<&'a JobSecret>,
 }
 
-fn addr_key(prefix: &str, rank: usize) -> String {
+pub(super) fn addr_key(prefix: &str, rank: usize) -> String {
     format!("{prefix}/tcp/rank{rank}/addr")
 }
 
-fn configure(stream: &TcpStream, timeout: Duration, socket_buffer: usize) -> Result<()> {
+pub(super) fn configure(stream: &TcpStream, timeout: Duration, socket_buffer: usize) -> Result<()> {
     stream.set_nodelay(true)?;
     if socket_buffer > 0 {
         use std::os::fd::AsRawFd;
@@ -86,94 +94,38 @@ fn configure(stream: &TcpStream, timeout: Duration, socket_buffer: usize) -> Res
     Ok(())
 }
 
-/// Connects this rank to every other rank of the group.
+/// Connects this rank to every other rank of the group, authenticating every connection with the job secret.
 pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) -> Result<Mesh> {
-    let MeshConfig {
-        rank,
-        world,
-        prefix,
-        bind_ip,
-        timeout,
-        socket_buffer,
-        ..
-    } = *cfg;
+    let (rank, world) = (cfg.rank, cfg.world);
     if rank >= world {
         bail!("rank {rank} is out of range for world size {world}");
     }
-    let listener = TcpListener::bind(SocketAddr::new(bind_ip, 0))
-        .with_context(|| format!("rank {rank}: cannot listen on {bind_ip}"))?;
+    if world == 1 {
+        return Ok(Mesh {
+            rank,
+            peers: vec![None],
+        });
+    }
+    let Some(secret) = cfg.secret else {
+        bail!(
+            "rank {rank}: no job secret to authenticate the group's connections: set GroupOptions::job_secret \
+             (launcher runs: {JOB_SECRET_ENV}) or use a rendezvous that provides one"
+        );
+    };
+    let join = Joining::new(cfg, secret);
+    let listener = TcpListener::bind(SocketAddr::new(cfg.bind_ip, 0))
+        .with_context(|| format!("rank {rank}: cannot listen on {}", cfg.bind_ip))?;
     let my_addr = listener.local_addr()?;
-    rendezvous.set(&addr_key(prefix, rank), my_addr.to_string().as_bytes())?;
-    let join_timeout = cfg.join_timeout;
-    let deadline = Instant::now() + join_timeout;
+    rendezvous.set(&addr_key(cfg.prefix, rank), my_addr.to_string().as_bytes())?;
     let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-
     for (other, slot) in peers.iter_mut().enumerate().take(rank) {
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        let raw = rendezvous.get(&addr_key(prefix, other), remaining)?;
-        let addr: SocketAddr = String::from_utf8(raw)?
-            .parse()
-            .with_context(|| format!("rank {rank}: bad address published by rank {other}"))?;
-        let mut stream = connect_retrying(addr, deadline)
-            .with_context(|| format!("rank {rank}: connecting to rank {other} at {addr}"))?;
-        configure(&stream, join_timeout, socket_buffer)?;
-        let mut hello = [0u8; 12];
-        hello[..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-        hello[4..8].copy_from_slice(&(rank as u32).to_le_bytes());
-        hello[8..].copy_from_slice(&(world as u32).to_le_bytes());
-        stream.write_all(&hello)?;
-        let mut ack = [0u8; 4];
-        stream
-            .read_exact(&mut ack)
-            .with_context(|| format!("rank {rank}: handshake with rank {other}"))?;
-        if u32::from_le_bytes(ack) != other as u32 {
-            bail!("rank {rank}: the process at {addr} is not rank {other} of this group");
-        }
-        *slot = Some(stream);
+        *slot = Some(join.connect_lower(other, rendezvous)?);
     }
-
-    listener.set_nonblocking(true)?;
-    let mut pending = world - rank - 1;
-    while pending > 0 {
-        match listener.accept() {
-            Ok((mut stream, from)) => {
-                stream.set_nonblocking(false)?;
-                configure(&stream, join_timeout, socket_buffer)?;
-                let mut hello = [0u8; 12];
-                stream
-                    .read_exact(&mut hello)
-                    .with_context(|| format!("rank {rank}: handshake from {from}"))?;
-                let magic = u32::from_le_bytes(hello[..4].try_into()?);
-                let other = u32::from_le_bytes(hello[4..8].try_into()?) as usize;
-                let their_world = u32::from_le_bytes(hello[8..].try_into()?) as usize;
-                if magic != HELLO_MAGIC || their_world != world || other <= rank || other >= world {
-                    bail!("rank {rank}: unexpected handshake from {from} (rank {other}, world {their_world})");
-                }
-                if peers[other].is_some() {
-                    bail!("rank {rank}: two connections claim to be rank {other}");
-                }
-                stream.write_all(&(rank as u32).to_le_bytes())?;
-                peers[other] = Some(stream);
-                pending -= 1;
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> =
-                        (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
-                    return Err(anyhow!(
-                        "rank {rank}: ranks {missing:?} did not connect within {join_timeout:?}"
-                    ));
-                }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(e) => return Err(e).context(format!("rank {rank}: accepting connections")),
-        }
-    }
+    join.accept_higher(&listener, &mut peers)?;
     let links = negotiate_shared_memory(cfg, &mut peers)?;
     // Joined: from now on every transfer is bound by the collective timeout.
     for stream in peers.iter().flatten() {
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
+        set_timeouts(stream, cfg.timeout)?;
     }
     let peers = peers
         .into_iter()
@@ -183,6 +135,12 @@ pub(crate) fn connect_mesh(cfg: &MeshConfig<'_>, rendezvous: &dyn Rendezvous) ->
     Ok(Mesh { rank, peers })
 }
 
+/// Sets both time-outs of `stream`.
+pub(super) fn set_timeouts(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))
+}
+
 /// Sets up a shared-memory link with every peer that can map this rank's segments: offers to every higher rank
 /// first (small writes that never block), then answers every lower rank's offer, then collects the answers.
 fn negotiate_shared_memory(
@@ -190,6 +148,9 @@ fn negotiate_shared_memory(
     streams: &mut [Option<TcpStream>],
 ) -> Result<Vec<Option<shm::ShmLink>>> {
     let (rank, timeout) = (cfg.rank, cfg.timeout);
+    if cfg.shared_memory {
+        super::shm_sweep::sweep_stale_segments();
+    }
     let mut links: Vec<Option<shm::ShmLink>> = (0..cfg.world).map(|_| None).collect();
     let mut pending: Vec<Option<Pending>> = (0..cfg.world).map(|_| None).collect();
     for other in rank + 1..cfg.world {
@@ -291,7 +252,7 @@ fn read_offer(stream: &mut TcpStream) -> Result<Option<Offer>> {
     }))
 }
 
-fn connect_retrying(addr: SocketAddr, deadline: Instant) -> Result<TcpStream> {
+pub(super) fn connect_retrying(addr: SocketAddr, deadline: Instant) -> Result<TcpStream> {
     loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
             Ok(s) => return Ok(s),

@@ -3,9 +3,11 @@
 //! pipelined so large tensors stream.
 
 mod engine;
+mod join;
 mod link;
 mod mesh;
 mod shm;
+mod shm_sweep;
 
 pub use link::Transport;
 
@@ -42,7 +44,9 @@ fn segment(n: usize, parts: usize, i: usize) -> (usize, usize) {
 
 impl TcpCommunicator {
     /// Joins the group as `rank` of `world`, finding the other ranks through `rendezvous`. Keeps `rendezvous` alive
-    /// as long as the communicator (rank 0 may host the store the others still read).
+    /// as long as the communicator (rank 0 may host the store the others still read). Every connection proves
+    /// [`GroupOptions::job_secret`], else the rendezvous's [`Rendezvous::job_secret`]; with neither, only a group of
+    /// one forms.
     pub fn connect(
         rank: usize,
         world: usize,
@@ -50,6 +54,10 @@ impl TcpCommunicator {
         options: &GroupOptions,
     ) -> Result<Self> {
         let bind_ip = options.bind_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let secret = options
+            .job_secret
+            .clone()
+            .or_else(|| rendezvous.job_secret());
         let cfg = MeshConfig {
             rank,
             world,
@@ -60,6 +68,7 @@ impl TcpCommunicator {
             socket_buffer: options.socket_buffer,
             shared_memory: options.shared_memory,
             shm_ring_bytes: options.shm_ring_bytes,
+            secret: secret.as_ref(),
         };
         let mesh = connect_mesh(&cfg, rendezvous.as_ref())?;
         let engine = Engine::new(mesh, options.timeout, options.chunk_bytes);

@@ -6,7 +6,9 @@
 //! The lower rank creates the segment as a file under `/dev/shm` (space reserved up front, so a full `/dev/shm`
 //! fails here, not later with `SIGBUS`), offers its name and a random nonce over the pair's TCP connection; the higher
 //! rank maps it and checks the nonce; the file is unlinked as soon as both have mapped it (or given up). Ranks on
-//! different hosts cannot open each other's files, so they keep TCP.
+//! different hosts cannot open each other's files, so they keep TCP. Offers travel only over authenticated
+//! connections, and the accepting rank opens only regular files of its own user, never through a link; files left by
+//! dead creators are swept when a group forms (`shm_sweep.rs`).
 //!
 //! Waiting sleeps on a futex in the segment, waking every [`POLL_INTERVAL`] to check that the peer is alive: the
 //! pair's TCP connection stays open for that purpose, so a rank that dies (even by `SIGKILL`) makes its peer fail
@@ -22,9 +24,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Where segments are created.
-const SHM_DIR: &str = "/dev/shm";
-/// Start of every segment's file name.
-const FILE_PREFIX: &str = "ferl-collective-";
+pub(super) const SHM_DIR: &str = "/dev/shm";
+/// Start of every segment's file name (the rest: see [`super::shm_sweep::segment_file_name`]).
+pub(super) const FILE_PREFIX: &str = "ferl-collective-";
 const SEGMENT_MAGIC: u64 = 0x4645_524c_5348_4d31; // "FERLSHM1"
 /// Bytes before the first ring's data: the segment header page, then the two rings' control blocks.
 const DATA_OFFSET: usize = 8192;
@@ -193,12 +195,7 @@ pub(crate) fn out_of_space(e: &anyhow::Error) -> bool {
 }
 
 fn random_nonce() -> Result<[u64; 2]> {
-    let mut bytes = [0u8; 16];
-    // SAFETY: filling a local buffer of the given length.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr() as *mut libc::c_void, bytes.len(), 0) };
-    if n != bytes.len() as isize {
-        return Err(Error::last_os_error()).context("getrandom for the segment nonce");
-    }
+    let bytes = crate::auth::random_bytes::<16>().context("the segment nonce")?;
     Ok([
         u64::from_le_bytes(bytes[..8].try_into()?),
         u64::from_le_bytes(bytes[8..].try_into()?),
@@ -212,11 +209,7 @@ impl Pending {
             bail!("shared-memory ring of {ring_bytes} bytes: must be a power of two of at least {MIN_RING_BYTES}");
         }
         let nonce = random_nonce()?;
-        let path = Path::new(SHM_DIR).join(format!(
-            "{FILE_PREFIX}{}-{:016x}",
-            std::process::id(),
-            nonce[0]
-        ));
+        let path = Path::new(SHM_DIR).join(super::shm_sweep::segment_file_name(nonce[0]));
         let file = OpenOptions::new()
             .read(true)
             .write(true)

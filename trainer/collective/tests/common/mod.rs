@@ -108,9 +108,18 @@ pub fn spawn_ranks(
         .collect()
 }
 
-/// torchrun-style variables for `rank` of `world` with the store at 127.0.0.1:`port`.
+/// This test process's job secret (hex), the same for every group it starts.
+pub fn job_secret_hex() -> String {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET
+        .get_or_init(|| ferl_collective::JobSecret::generate().unwrap().to_hex())
+        .clone()
+}
+
+/// torchrun-style variables for `rank` of `world` with the store at 127.0.0.1:`port`, and the job secret.
 pub fn torchrun_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
     vec![
+        ("FERL_JOB_SECRET".into(), job_secret_hex()),
         ("RANK".into(), rank.to_string()),
         ("WORLD_SIZE".into(), world.to_string()),
         ("LOCAL_RANK".into(), rank.to_string()),
