@@ -7,13 +7,11 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use ferl_runtime::{ActorRef, WorkerGroup};
 use ferl_trainer::checkpoint::{RunMeta, HF_DIR};
-use ferl_trainer::run::{StepExecutor, StepOutcome};
+use ferl_trainer::run::{RestartPolicy, RestartRecord, StepExecutor, StepOutcome};
 use tokio::runtime::Handle;
 
-use crate::checkpoint::Checkpointer;
-use crate::data_loader::DataLoader;
+use crate::cluster_run::{cause_kind, ClusterRun, RunActors};
 use crate::messages::*;
 use crate::rank::micro_batches;
 use crate::trainer_rank::TrainerRank;
@@ -22,12 +20,10 @@ use crate::trainer_rank::TrainerRank;
 pub struct ClusterExecutor {
     /// The runtime the actors' calls run on.
     pub handle: Handle,
-    /// One trainer rank per bundle, in rank order.
-    pub ranks: WorkerGroup<TrainerRank>,
-    /// The data loader.
-    pub loader: ActorRef<DataLoader>,
-    /// The checkpointer.
-    pub checkpointer: ActorRef<Checkpointer>,
+    /// What the actors are spawned from (restarts spawn them again).
+    pub run: ClusterRun,
+    /// The ranks, data loader and checkpointer of the current attempt.
+    pub actors: RunActors,
     /// `data.micro_batch_size_per_gpu` (validation rounds).
     pub micro_batch_size: usize,
     /// Whether the loader holds a validation set.
@@ -42,17 +38,36 @@ impl ClusterExecutor {
         TrainerRank: ferl_runtime::Handler<M>,
     {
         let calls = self
+            .actors
             .ranks
             .members()
             .iter()
             .zip(messages)
             .map(|(r, m)| r.call(m));
         let replies = self.handle.block_on(futures::future::join_all(calls));
-        replies
-            .into_iter()
-            .enumerate()
-            .map(|(rank, r)| r.with_context(|| format!("{what}: trainer rank {rank}")))
-            .collect()
+        // A rank that died is the cause; the others' failed collectives are its consequence.
+        let died = replies.iter().position(|r| {
+            matches!(
+                r,
+                Err(ferl_runtime::Error::ActorDied { .. } | ferl_runtime::Error::Lost { .. })
+            )
+        });
+        let mut out = Vec::with_capacity(replies.len());
+        let mut first_error = None;
+        for (rank, r) in replies.into_iter().enumerate() {
+            match r {
+                Ok(v) => out.push(v),
+                Err(e) if first_error.is_none() || Some(rank) == died => {
+                    first_error =
+                        Some(anyhow::Error::new(e).context(format!("{what}: trainer rank {rank}")));
+                }
+                Err(_) => {}
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
     }
 
     fn all<M>(&self, what: &str, message: M) -> Result<Vec<M::Reply>>
@@ -60,21 +75,21 @@ impl ClusterExecutor {
         M: ferl_runtime::Message + Clone,
         TrainerRank: ferl_runtime::Handler<M>,
     {
-        let n = self.ranks.members().len();
+        let n = self.actors.ranks.members().len();
         self.each(what, vec![message; n])
     }
 }
 
 impl StepExecutor for ClusterExecutor {
     fn world_size(&self) -> usize {
-        self.ranks.members().len()
+        self.actors.ranks.members().len()
     }
 
     fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
         let indices = batch.iter().map(|&i| i as u64).collect();
         let b = self
             .handle
-            .block_on(self.loader.call(BatchOf { indices }))
+            .block_on(self.actors.loader.call(BatchOf { indices }))
             .context("data loader: batch")?;
         let targets = b.global_targets;
         let messages = b
@@ -100,7 +115,7 @@ impl StepExecutor for ClusterExecutor {
         if !self.has_val {
             return Ok(None);
         }
-        let shards = self.handle.block_on(self.loader.call(ValShards))?;
+        let shards = self.handle.block_on(self.actors.loader.call(ValShards))?;
         let rounds = shards
             .iter()
             .map(|s| micro_batches(s.len(), self.micro_batch_size))
@@ -132,7 +147,8 @@ impl StepExecutor for ClusterExecutor {
                 .collect(),
             run_meta_json: serde_json::to_string(meta)?,
         };
-        self.handle.block_on(self.checkpointer.tell(commit))?;
+        self.handle
+            .block_on(self.actors.checkpointer.tell(commit))?;
         Ok(())
     }
 
@@ -144,7 +160,22 @@ impl StepExecutor for ClusterExecutor {
 
     fn finish(&mut self) -> Result<()> {
         self.all("finishing checkpoint writes", FinishSave)?;
-        self.handle.block_on(self.checkpointer.call(Flush))?;
+        self.handle.block_on(self.actors.checkpointer.call(Flush))?;
         Ok(())
+    }
+
+    fn restart(&mut self, cause: &anyhow::Error, policy: &RestartPolicy<'_>) -> Result<String> {
+        let kind = cause_kind(cause);
+        let fresh = self
+            .handle
+            .block_on(self.run.restart(&self.actors, policy))?;
+        self.actors = fresh;
+        Ok(kind)
+    }
+
+    fn on_restart(&mut self, restarts: &[RestartRecord]) {
+        let world = self.world_size();
+        self.handle
+            .block_on(self.run.publish("running", world, restarts));
     }
 }

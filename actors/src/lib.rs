@@ -20,6 +20,7 @@
 //! - the launch paths: [`sft`]; the loop itself: `ferl_trainer::run::run`
 
 pub mod checkpoint;
+pub mod cluster_run;
 pub mod data_loader;
 pub mod driver;
 pub mod messages;

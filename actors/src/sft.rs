@@ -17,25 +17,23 @@ use ferl_config::SftConfig;
 use ferl_data::SftDataset;
 use ferl_plugin_bridge::StepBoundary;
 use ferl_plugin_host::PluginHost;
-use ferl_runtime::{
-    bundle, Cluster, HeadOptions, NodeOptions, SpawnOptions, Strategy, WorkerGroup,
-};
+use ferl_runtime::{Cluster, HeadOptions, NodeOptions, SpawnOptions};
 use ferl_trainer::metrics::LoggerRegistry;
-use ferl_trainer::run::{self, check, device_of, peak_flops, LaunchShape, MfuInputs, RunOptions};
+use ferl_trainer::run::{
+    self, check, device_of, peak_flops, LaunchShape, MfuInputs, RunOptions, StepExecutor,
+};
 use tch::Device;
 
 pub use ferl_trainer::run::{RunSummary, StepRecord};
 
-use crate::checkpoint::{Checkpointer, CheckpointerArgs};
-use crate::data_loader::{load_datasets_with, DataLoader, DataLoaderArgs};
+use crate::cluster_run::ClusterRun;
+use crate::data_loader::load_datasets_with;
 use crate::driver::ClusterExecutor;
-use crate::messages::*;
 use crate::metrics::{build_loggers, logger_registry};
 use crate::plugins::{actor_plugin_host, liger_kernels, resolve_custom_cls, DriverPlugins};
 use crate::rank::RankState;
 pub use crate::spmd::InProcessOptions;
 use crate::spmd::{world_of_one, SpmdExecutor};
-use crate::trainer_rank::{TrainerRank, TrainerRankArgs};
 
 /// How `ferl sft` launches a run.
 #[derive(Clone, Debug)]
@@ -55,10 +53,19 @@ pub enum Launch {
     },
 }
 
-/// Trains `cfg` as `launch` says.
+/// Trains `cfg` as `launch` says. A run that fails before producing anything (a refused launch, config, data
+/// file, model folder or checkpoint) leaves no run folder behind: one it created holding only the plugin host's
+/// control folder is removed again (by the coordinator; the other launcher ranks leave it to rank 0).
 pub fn run(cfg: SftConfig, launch: &Launch) -> Result<RunSummary> {
     crate::ensure_linked();
-    match launch {
+    check_launch(launch)?;
+    let run_dir = ferl_config::expand_path(&cfg.trainer.default_local_dir);
+    let existed = run_dir.exists();
+    let coordinator = match launch {
+        Launch::Launcher => LaunchEnv::from_env().map_or(true, |l| l.rank == 0),
+        _ => true,
+    };
+    let result = match launch {
         Launch::OneProcess => run_in_process(cfg, InProcessOptions::default()),
         Launch::Launcher => run_from_env(cfg),
         Launch::Cluster {
@@ -66,6 +73,44 @@ pub fn run(cfg: SftConfig, launch: &Launch) -> Result<RunSummary> {
             nnodes,
             address,
         } => run_cluster(cfg, *nproc_per_node, *nnodes, address.as_deref()),
+    };
+    if result.is_err() && coordinator && !existed {
+        remove_if_untouched(&run_dir);
+    }
+    result
+}
+
+/// Flags that cannot make a launch, refused before anything is created.
+fn check_launch(launch: &Launch) -> Result<()> {
+    if let Launch::Cluster {
+        nproc_per_node,
+        nnodes,
+        address,
+    } = launch
+    {
+        if *nproc_per_node == 0 {
+            bail!("--nproc-per-node 0: give at least 1 rank per node");
+        }
+        if *nnodes == 0 {
+            bail!("--nnodes 0: give at least 1 node");
+        }
+        if address.is_none() && *nnodes > 1 {
+            bail!("--nnodes {nnodes} needs --address of a running cluster (start one with `ferl start --head`)");
+        }
+    }
+    Ok(())
+}
+
+/// Removes `run_dir` when it holds nothing but the plugin host's control folder (`plugins/`).
+fn remove_if_untouched(run_dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return;
+    };
+    let untouched = entries
+        .flatten()
+        .all(|e| e.file_name() == "plugins" && e.path().is_dir());
+    if untouched {
+        std::fs::remove_dir_all(run_dir).ok();
     }
 }
 
@@ -78,6 +123,7 @@ fn checked_coordinator(
     folders: &[std::path::PathBuf],
     world: usize,
     local_device: bool,
+    restarts_ranks: bool,
 ) -> Result<(DriverPlugins, LoggerRegistry)> {
     let run_dir = ferl_config::expand_path(&cfg.trainer.default_local_dir);
     let existed = run_dir.exists();
@@ -88,7 +134,7 @@ fn checked_coordinator(
             if let Some(extra) = extra {
                 registry.merge(extra);
             }
-            gate(cfg, world, local_device, registry.names())?;
+            gate(cfg, world, local_device, registry.names(), restarts_ranks)?;
             Ok((plugins, registry))
         });
     if checked.is_err() && !existed {
@@ -127,7 +173,8 @@ fn mfu_inputs(num_params: i64, device: Device) -> Option<MfuInputs> {
 /// World 1 in this process, loading `data.*` itself.
 pub fn run_in_process(mut cfg: SftConfig, mut opts: InProcessOptions) -> Result<RunSummary> {
     let extra = opts.loggers.take();
-    let (plugins, registry) = checked_coordinator(&mut cfg, extra, &opts.plugin_folders, 1, true)?;
+    let (plugins, registry) =
+        checked_coordinator(&mut cfg, extra, &opts.plugin_folders, 1, true, true)?;
     let (train, val) = load_datasets_with(&cfg, Some(plugins.host()))?;
     in_process(cfg, train, val, opts, &plugins, &registry)
 }
@@ -140,7 +187,8 @@ pub fn run_in_process_with_data(
     mut opts: InProcessOptions,
 ) -> Result<RunSummary> {
     let extra = opts.loggers.take();
-    let (plugins, registry) = checked_coordinator(&mut cfg, extra, &opts.plugin_folders, 1, true)?;
+    let (plugins, registry) =
+        checked_coordinator(&mut cfg, extra, &opts.plugin_folders, 1, true, true)?;
     in_process(cfg, train, val, opts, &plugins, &registry)
 }
 
@@ -159,7 +207,12 @@ fn in_process(
     let mfu = mfu_inputs(state.num_params, device);
     let mut run_opts = coordinator_options(&cfg, plugins.host(), registry, opts.progress, mfu)?;
     run_opts.stop_after_steps = opts.stop_after_steps;
-    let mut exec = SpmdExecutor::new(state, train, val);
+    let (rebuild_cfg, host) = (cfg.clone(), plugins.host().clone());
+    let rebuild = move || {
+        let comm = world_of_one(device)?;
+        rank_state(&rebuild_cfg, comm, device, train_len, Some(host.clone()))
+    };
+    let mut exec = SpmdExecutor::new(state, train, val).restartable(Box::new(rebuild));
     run::run(&mut exec, &cfg, train_len, run_opts)
 }
 
@@ -182,11 +235,18 @@ fn rank_state(
 /// The config gate of every path: `world` ranks; `local_device` when this process decides the device; `loggers`
 /// the logger kinds `trainer.logger` may name. Then the model folder is resolved (a Hub id found in this machine's
 /// cache or downloaded), so a missing model is refused with the places looked at before anything is spawned.
-fn gate(cfg: &SftConfig, world: usize, local_device: bool, loggers: Vec<String>) -> Result<()> {
+fn gate(
+    cfg: &SftConfig,
+    world: usize,
+    local_device: bool,
+    loggers: Vec<String>,
+    restarts_ranks: bool,
+) -> Result<()> {
     let shape = LaunchShape {
         world_size: world,
         local_device,
         loggers,
+        restarts_ranks,
     };
     check(cfg, &shape)?;
     // A model named by Hub id is found or downloaded now, so a missing one fails before anything is spawned.
@@ -206,10 +266,16 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
     // Only rank 0 logs: the other ranks take the logger names as given (rank 0 checks them).
     let world = launch.world_size;
     let (plugins, registry) = if coordinator {
-        let (p, r) = checked_coordinator(&mut cfg, None, &[], world, true)?;
+        let (p, r) = checked_coordinator(&mut cfg, None, &[], world, true, false)?;
         (Some(p), r)
     } else {
-        gate(&cfg, world, true, cfg.trainer.logger.as_slice().to_vec())?;
+        gate(
+            &cfg,
+            world,
+            true,
+            cfg.trainer.logger.as_slice().to_vec(),
+            false,
+        )?;
         (None, LoggerRegistry::default())
     };
     // torchrun's agent already serves its own store at MASTER_PORT; ranks then meet on the next port.
@@ -260,10 +326,8 @@ fn run_cluster(
 ) -> Result<RunSummary> {
     let world = nproc * nnodes.max(1);
     let mut cfg = cfg;
-    let (plugins, registry) = checked_coordinator(&mut cfg, None, &[], world, address.is_none())?;
-    if address.is_none() && nnodes > 1 {
-        bail!("--nnodes {nnodes} needs --address of a running cluster (start one with `ferl start --head`)");
-    }
+    let (plugins, registry) =
+        checked_coordinator(&mut cfg, None, &[], world, address.is_none(), true)?;
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async {
         let cluster = match address {
@@ -298,7 +362,7 @@ pub async fn train_on_cluster(
     world: usize,
 ) -> Result<RunSummary> {
     let mut cfg = cfg.clone();
-    let (plugins, registry) = checked_coordinator(&mut cfg, None, &[], world, false)?;
+    let (plugins, registry) = checked_coordinator(&mut cfg, None, &[], world, false, true)?;
     train_checked(cluster, cfg, world, plugins, registry).await
 }
 
@@ -312,56 +376,28 @@ async fn train_checked(
     if cfg.trainer.device == "cuda" {
         ensure_cluster_has_gpus(cluster).await?;
     }
-    let yaml = cfg.to_yaml();
-    let loader_opts = plugins.ship(SpawnOptions::new(), &DriverPlugins::for_data_loader(&cfg))?;
-    let loader_args = DataLoaderArgs {
-        config_yaml: yaml.clone(),
-        world_size: world as u64,
+    let mut run = ClusterRun {
+        cluster: cluster.clone(),
+        loader_opts: plugins.ship(SpawnOptions::new(), &DriverPlugins::for_data_loader(&cfg))?,
+        rank_opts: plugins.ship(SpawnOptions::new(), &DriverPlugins::for_trainer_rank(&cfg))?,
+        cfg: cfg.clone(),
+        total_steps: 0,
+        job: format!("sft-{}", std::process::id()),
     };
-    let loader = cluster
-        .spawn::<DataLoader>(loader_args, loader_opts)
-        .await
-        .context("spawning the data loader")?;
-    let info = loader
-        .call(GetDatasetInfo)
-        .await
-        .context("data loader: reading the dataset")?;
-    let total = run::RunPlan::new(&cfg, info.train_len as usize)?.total_steps;
-    let gpus = cfg.trainer.device == "cuda";
-    let one = if gpus {
-        bundle(&[("GPU", 1.0), ("CPU", 1.0)])
-    } else {
-        bundle(&[("CPU", 1.0)])
+    let (loader, info) = run.spawn_loader(world).await?;
+    run.total_steps = run::RunPlan::new(&cfg, info.train_len as usize)?.total_steps;
+    let actors = match run.start(world, loader.clone()).await {
+        Ok(actors) => actors,
+        Err(e) => {
+            cluster.kill(&loader).await.ok();
+            return Err(e);
+        }
     };
-    let kind = if gpus { "GPU" } else { "CPU" };
-    let group = cluster
-        .create_group(vec![one; world], Strategy::Pack, Duration::from_secs(120))
-        .await
-        .with_context(|| format!("reserving {world} {kind} bundles"))?;
-    let prefix = format!("ferl/sft/{}/{}", std::process::id(), group.id);
-    let rank_opts = plugins.ship(SpawnOptions::new(), &DriverPlugins::for_trainer_rank(&cfg))?;
-    let rank_args = |rank: usize| TrainerRankArgs {
-        config_yaml: yaml.clone(),
-        rank: rank as u64,
-        world_size: world as u64,
-        total_steps: total,
-        group_prefix: prefix.clone(),
-    };
-    let ranks = WorkerGroup::<TrainerRank>::spawn(cluster, &group, rank_args, rank_opts)
-        .await
-        .context("spawning the trainer ranks")?;
-    let checkpointer_args = CheckpointerArgs {
-        root: ferl_config::expand_path(&cfg.trainer.default_local_dir)
-            .display()
-            .to_string(),
-        max_keep: cfg.trainer.max_ckpt_to_keep.unwrap_or(0) as u64,
-    };
-    let checkpointer = cluster
-        .spawn::<Checkpointer>(checkpointer_args, SpawnOptions::new())
-        .await
-        .context("spawning the checkpointer")?;
     let num_params = num_params_of(&cfg)?;
-    let device = if gpus { Device::Cuda(0) } else { Device::Cpu };
+    let device = match run.cfg.trainer.device == "cuda" {
+        true => Device::Cuda(0),
+        false => Device::Cpu,
+    };
     let opts = coordinator_options(
         &cfg,
         plugins.host(),
@@ -369,21 +405,32 @@ async fn train_checked(
         true,
         mfu_inputs(num_params, device),
     )?;
+    run.publish("running", world, &[]).await;
     let mut exec = ClusterExecutor {
         handle: tokio::runtime::Handle::current(),
-        ranks,
-        loader: loader.clone(),
-        checkpointer: checkpointer.clone(),
+        run: run.clone(),
+        actors,
         micro_batch_size: cfg.data.micro_batch_size_per_gpu,
         has_val: info.val_len > 0,
     };
     let train_len = info.train_len as usize;
-    let summary = tokio::task::spawn_blocking(move || run::run(&mut exec, &cfg, train_len, opts))
-        .await
-        .context("the run loop's thread")?;
-    cluster.remove_group(&group).await.ok();
-    cluster.kill(&loader).await.ok();
-    cluster.kill(&checkpointer).await.ok();
+    let (summary, exec) = tokio::task::spawn_blocking(move || {
+        let summary = run::run(&mut exec, &cfg, train_len, opts);
+        (summary, exec)
+    })
+    .await
+    .context("the run loop's thread")?;
+    let state = if summary.is_ok() {
+        "finished"
+    } else {
+        "failed"
+    };
+    let restarts = summary
+        .as_ref()
+        .map(|s| s.restarts.clone())
+        .unwrap_or_default();
+    run.publish(state, exec.world_size(), &restarts).await;
+    run.teardown(&exec.actors, Duration::from_secs(30)).await;
     summary
 }
 

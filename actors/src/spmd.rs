@@ -5,13 +5,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 use ferl_collective::{Communicator, GroupOptions, MemoryRendezvous};
 use ferl_config::expand_path;
 use ferl_data::{rank_shard, SftDataset};
 use ferl_trainer::checkpoint::{commit, RunMeta, HF_DIR};
 use ferl_trainer::metrics::LoggerRegistry;
-use ferl_trainer::run::{StepExecutor, StepOutcome};
+use ferl_trainer::run::{RestartPolicy, StepExecutor, StepOutcome};
 use tch::Device;
 
 use crate::messages::Sample;
@@ -27,7 +27,13 @@ pub struct SpmdExecutor {
     /// Rank 0's commit of the newest checkpoint (digests, `meta.json`, latest pointer), running off the step path
     /// so that the other ranks never wait in a collective while it reads the files back.
     committing: Option<std::thread::JoinHandle<Result<()>>>,
+    /// Builds a fresh rank state for a restart (world 1 in this process); none under an external launcher, whose
+    /// launcher restarts ranks.
+    rebuild: Option<Rebuild>,
 }
+
+/// Builds a fresh [`RankState`] (a restart of a run in this process).
+pub type Rebuild = Box<dyn FnMut() -> Result<RankState> + Send>;
 
 impl SpmdExecutor {
     /// An executor over `state` training on `train` (and validating on `val`) as `state`'s config says.
@@ -41,7 +47,14 @@ impl SpmdExecutor {
             root,
             keep,
             committing: None,
+            rebuild: None,
         }
+    }
+
+    /// Lets `trainer.max_restarts` restart this executor with states `rebuild` makes.
+    pub fn restartable(mut self, rebuild: Rebuild) -> Self {
+        self.rebuild = Some(rebuild);
+        self
     }
 
     fn finish_commit(&mut self) -> Result<()> {
@@ -134,6 +147,17 @@ impl StepExecutor for SpmdExecutor {
         self.finish_commit()?;
         self.state.sum_over_ranks(&[0.0]).context("final barrier")?;
         Ok(())
+    }
+
+    fn restart(&mut self, _cause: &anyhow::Error, _policy: &RestartPolicy<'_>) -> Result<String> {
+        let Some(rebuild) = self.rebuild.as_mut() else {
+            bail!("ranks started by torchrun/SLURM are restarted by their launcher");
+        };
+        if let Some(commit) = self.committing.take() {
+            commit.join().ok();
+        }
+        self.state = rebuild().context("rebuilding the rank")?;
+        Ok("error".into())
     }
 }
 

@@ -22,6 +22,8 @@ use crate::supervision::{Life, Supervisor};
 mod recovery;
 mod status;
 
+pub use status::JOBS_PREFIX;
+
 struct NodeEntry {
     addr: SocketAddr,
     ip: String,
@@ -325,26 +327,37 @@ impl Head {
                     node: a.node.clone(),
                     reason: reason.into(),
                 };
-                let node = st.nodes.get(&st.actors[id].node).map(|n| n.addr);
+                // A node already known dead is not asked: its workers died with it.
+                let node = st
+                    .nodes
+                    .get(&st.actors[id].node)
+                    .filter(|n| n.alive)
+                    .map(|n| n.addr);
                 forget_actor(&mut st, *id);
                 stops.push((*id, node, ev));
             }
         }
-        for (id, node, ev) in stops {
+        // All at once, each bounded: a node that died before its heartbeats lapsed cannot hold the others up.
+        let stops = stops.into_iter().map(|(id, node, ev)| async move {
             if let Some(addr) = node {
-                if let Err(e) = self
-                    .0
-                    .process
-                    .call_at(addr, NODE_ACTOR, &StopWorker { id })
-                    .await
-                {
-                    tracing::warn!("stopping actor {id}: {e}");
+                let msg = StopWorker { id };
+                let call = self.0.process.call_at(addr, NODE_ACTOR, &msg);
+                match tokio::time::timeout(STOP_WORKER_TIMEOUT, call).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!("stopping actor {id}: {e}"),
+                    Err(_) => tracing::warn!(
+                        "stopping actor {id}: its node did not answer within {STOP_WORKER_TIMEOUT:?}"
+                    ),
                 }
             }
             self.emit(ev);
-        }
+        });
+        futures::future::join_all(stops).await;
     }
 }
+
+/// How long the head waits for a node to confirm it stopped a worker.
+const STOP_WORKER_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Drops the "actor ferl.NodeAgent (2) failed on ferl.StartWorker: " prefix of a node agent's error.
 fn strip(message: String) -> String {

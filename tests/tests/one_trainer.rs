@@ -105,19 +105,27 @@ const KEYS: &[(&str, &str, bool)] = &[
     ("trainer.device", "cpu", true),
     ("trainer.nnodes", "3", false),
     ("trainer.n_gpus_per_node", "3", false),
+    ("trainer.max_restarts", "1", true),
+    ("trainer.elastic", "true", false),
+    ("trainer.restart_wait_s", "30", true),
     ("ulysses_sequence_parallel_size", "2", false),
     ("use_remove_padding", "true", true),
 ];
 
+/// The one key honoured only where ferl starts the ranks: under torchrun/SLURM the launcher restarts them, and the
+/// launcher path refuses it naming `torchrun --max-restarts` (tests/tests/restarts.rs runs both).
+const LAUNCHER_REFUSES: &str = "trainer.max_restarts";
+
 /// The shapes of the three paths at world size 2 (one process is world 1).
 fn shapes() -> [LaunchShape; 3] {
     let loggers: Vec<String> = ["console", "jsonl"].map(String::from).to_vec();
-    let shape = |world_size| LaunchShape {
+    let shape = |world_size, restarts_ranks| LaunchShape {
         world_size,
         local_device: true,
         loggers: loggers.clone(),
+        restarts_ranks,
     };
-    [shape(1), shape(2), shape(2)]
+    [shape(1, true), shape(2, true), shape(2, false)]
 }
 
 #[test]
@@ -127,10 +135,19 @@ fn every_key_is_honoured_or_refused_the_same_way_on_every_path() {
         let mut o: Vec<String> = base.iter().map(|s| s.to_string()).collect();
         o.push(format!("{key}={value}"));
         let cfg = SftConfig::load(None, &o).unwrap_or_else(|e| panic!("{key}={value}: {e:#}"));
-        let outcomes: Vec<Result<(), String>> = shapes()
+        let mut outcomes: Vec<Result<(), String>> = shapes()
             .iter()
             .map(|s| check(&cfg, s).map_err(|e| format!("{e:#}")))
             .collect();
+        if key == LAUNCHER_REFUSES {
+            let launcher = outcomes.pop().unwrap();
+            assert!(
+                launcher
+                    .as_ref()
+                    .is_err_and(|e| e.contains(key) && e.contains("torchrun")),
+                "{key}={value} on the launcher path: {launcher:?}"
+            );
+        }
         assert!(
             outcomes.windows(2).all(|w| w[0] == w[1]),
             "{key}={value}: the paths disagree: {outcomes:?}"

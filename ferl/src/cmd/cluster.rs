@@ -155,8 +155,13 @@ fn daemonize() -> Result<()> {
     let t0 = Instant::now();
     loop {
         if let Some(status) = child.try_wait()? {
+            // The log holds only the error, shown here: a failed start leaves nothing behind.
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            bail!("the background process exited with {status}:\n{text}");
+            let _ = std::fs::remove_file(&log);
+            bail!(
+                "the background process exited with {status}:\n{}",
+                text.trim_end()
+            );
         }
         let file = std::fs::File::open(&log)?;
         for line in BufReader::new(file).lines() {
@@ -245,7 +250,31 @@ pub fn status(args: StatusArgs) -> Result<()> {
             g["bundles"]
         );
     }
+    for j in status["jobs"].as_array().into_iter().flatten() {
+        print_job(j);
+    }
     Ok(())
+}
+
+/// One job line of `ferl status`, and a line per restart with its cause.
+fn print_job(j: &serde_json::Value) {
+    let restarts = j["restarts"].as_array().cloned().unwrap_or_default();
+    println!(
+        "job {} {}: world_size={} restarts={}",
+        j["name"].as_str().unwrap_or("?"),
+        j["state"].as_str().unwrap_or("?"),
+        j["world_size"],
+        restarts.len()
+    );
+    for r in &restarts {
+        println!(
+            "  restart at step {} ({}, now {} ranks): {}",
+            r["failed_after_step"],
+            r["cause_kind"].as_str().unwrap_or("?"),
+            r["world_size"],
+            r["cause"].as_str().unwrap_or("?")
+        );
+    }
 }
 
 /// How long `ferl stop` lets local head and node processes exit after SIGTERM before it kills them.
@@ -254,7 +283,10 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 /// `ferl stop`: asks the head to stop the cluster, then stops what this machine started and waits until it is gone.
 pub fn stop(args: StopArgs) -> Result<()> {
     let local = session::local_address();
-    let address = head_address(args.address).ok();
+    let address = head_address(args.address.clone()).ok();
+    // A head named with --address that could not be asked (wrong token, unreachable) fails the command, after the
+    // local processes are stopped: the cluster may still run.
+    let mut refused = None;
     if let Some(address) = &address {
         let rt = tokio::runtime::Runtime::new()?;
         let asked = rt.block_on(async {
@@ -264,6 +296,7 @@ pub fn stop(args: StopArgs) -> Result<()> {
         });
         match asked {
             Ok(()) => println!("asked the head at {address} to stop the cluster"),
+            Err(e) if args.address.is_some() => refused = Some(e),
             Err(e) => eprintln!("could not reach the head at {address}: {e:#}"),
         }
     }
@@ -282,5 +315,11 @@ pub fn stop(args: StopArgs) -> Result<()> {
             format!(" (pids {})", pids.join(", "))
         }
     );
-    Ok(())
+    match refused {
+        Some(e) => Err(e.context(format!(
+            "the head at {} was not stopped",
+            args.address.unwrap_or_default()
+        ))),
+        None => Ok(()),
+    }
 }

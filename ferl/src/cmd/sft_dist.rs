@@ -73,4 +73,10 @@ fn print_summary(summary: &RunSummary) {
     if let Some(c) = &summary.last_checkpoint {
         println!("checkpoint: {}", c.display());
     }
+    for r in &summary.restarts {
+        println!(
+            "restarted after step {} ({}), resumed from step {} on {} rank(s): {}",
+            r.failed_after_step, r.cause_kind, r.resumed_from, r.world_size, r.cause
+        );
+    }
 }

@@ -5,9 +5,14 @@ use crate::supervision::Life;
 
 use super::Head;
 
+/// Key prefix of the KV entries `ferl status` lists as jobs: each value is a JSON object a driver keeps current
+/// (e.g. a training run's world size, state and restarts).
+pub const JOBS_PREFIX: &str = "jobs/";
+
 impl Head {
     /// The cluster's state as `ferl status --json` prints it: `nodes` (resources total and used, log folder),
-    /// `actors`, `groups` (with lost bundles) and the number of KV keys.
+    /// `actors`, `groups` (with lost bundles), `jobs` (the JSON values drivers keep under [`JOBS_PREFIX`]) and the
+    /// number of KV keys.
     pub(super) fn status_json(&self) -> serde_json::Value {
         let st = self.lock();
         let used = |n: &str| -> Resources {
@@ -51,6 +56,12 @@ impl Head {
                 serde_json::json!({"id": id, "strategy": format!("{:?}", g.strategy), "bundles": bundles, "actors": g.actors})
             })
             .collect();
-        serde_json::json!({"head": self.0.process.addr.to_string(), "nodes": nodes, "actors": actors, "groups": groups, "kv_keys": st.kv.len()})
+        let jobs: Vec<serde_json::Value> = st
+            .kv
+            .iter()
+            .filter(|(k, _)| k.starts_with(JOBS_PREFIX))
+            .filter_map(|(_, v)| serde_json::from_slice(v).ok())
+            .collect();
+        serde_json::json!({"head": self.0.process.addr.to_string(), "nodes": nodes, "actors": actors, "groups": groups, "jobs": jobs, "kv_keys": st.kv.len()})
     }
 }

@@ -1,4 +1,4 @@
-//! `ferl-sft-driver [--nproc-per-node N | --one-process] --summary FILE key=value...`: runs SFT through
+//! `ferl-sft-driver [--nproc-per-node N [--nnodes M --address HOST:PORT] | --one-process] --summary FILE key=value...`: runs SFT through
 //! [`ferl_actors::sft::run`] (actors on an embedded cluster with `--nproc-per-node`, world 1 in this process with
 //! `--one-process`, else one rank of an external launch read from the environment) and writes the run summary as
 //! JSON to FILE.
@@ -11,6 +11,7 @@ fn main() -> Result<()> {
     ferl::init_tracing();
     let mut args = std::env::args().skip(1);
     let (mut nproc, mut one, mut summary, mut overrides) = (0usize, false, None, Vec::new());
+    let (mut address, mut nnodes) = (None, 1usize);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--nproc-per-node" => {
@@ -20,6 +21,8 @@ fn main() -> Result<()> {
                     .parse()?
             }
             "--one-process" => one = true,
+            "--address" => address = Some(args.next().context("--address needs HOST:PORT")?),
+            "--nnodes" => nnodes = args.next().context("--nnodes needs a number")?.parse()?,
             "--summary" => summary = Some(args.next().context("--summary needs a path")?),
             s if s.starts_with("--") => bail!("unknown flag {s}"),
             _ => overrides.push(a),
@@ -31,8 +34,8 @@ fn main() -> Result<()> {
         (0, false) => ferl_actors::sft::Launch::Launcher,
         (n, _) => ferl_actors::sft::Launch::Cluster {
             nproc_per_node: n,
-            nnodes: 1,
-            address: None,
+            nnodes,
+            address,
         },
     };
     let result = ferl_actors::sft::run(cfg, &launch)?;

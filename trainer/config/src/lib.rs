@@ -116,7 +116,9 @@ impl SftConfig {
 
     /// The config as YAML (what `ferl sft --cfg job` prints); it loads back to the same config.
     pub fn to_yaml(&self) -> String {
-        serde_yaml::to_string(self).expect("a config always serialises")
+        let mut tree = serde_yaml::to_value(self).expect("a config always serialises");
+        interpolate::escape(&mut tree);
+        serde_yaml::to_string(&tree).expect("a config always serialises")
     }
 
     /// Range and consistency checks that types alone cannot express; errors name the key.
@@ -183,6 +185,11 @@ impl SftConfig {
             t.resume_mode != ResumeMode::ResumePath || t.resume_from_path.is_some(),
             "trainer.resume_from_path",
             "must be set when trainer.resume_mode=resume_path",
+        );
+        need(
+            t.restart_wait_s.is_finite() && t.restart_wait_s > 0.0,
+            "trainer.restart_wait_s",
+            "must be a positive number of seconds",
         );
         need(
             self.ulysses_sequence_parallel_size >= 1,

@@ -428,6 +428,14 @@ pub struct TrainerConfig {
     pub checkpoint: CheckpointConfig,
     /// `cuda` (verl's default) or `cpu`.
     pub device: String,
+    /// ferl: times a distributed run restarts after losing a rank or a node (it tears the group down, waits for
+    /// resources and resumes from its last complete checkpoint); 0 fails the run at the first loss.
+    pub max_restarts: usize,
+    /// ferl: when a restart's resources do not come back within `restart_wait_s`, resume at the largest smaller
+    /// world size that fits and splits the global batch (checkpoints reshard; the loss is unchanged).
+    pub elastic: bool,
+    /// ferl: seconds a restart waits for the lost ranks' resources before it fails (or, with `elastic`, shrinks).
+    pub restart_wait_s: f64,
 }
 
 impl Default for TrainerConfig {
@@ -451,6 +459,9 @@ impl Default for TrainerConfig {
             resume_from_path: None,
             checkpoint: CheckpointConfig::default(),
             device: "cuda".into(),
+            max_restarts: 0,
+            elastic: false,
+            restart_wait_s: 60.0,
         }
     }
 }

@@ -23,6 +23,9 @@ pub struct LaunchShape {
     pub local_device: bool,
     /// Logger kinds `trainer.logger` may name (built in and loaded plugins).
     pub loggers: Vec<String>,
+    /// Whether ferl starts the ranks itself (one process, `--nproc-per-node`, a cluster) and so can restart them
+    /// (`trainer.max_restarts`); false under torchrun/SLURM, whose launcher restarts ranks.
+    pub restarts_ranks: bool,
 }
 
 /// The parts `trainer.checkpoint.save_contents`/`load_contents` may list; `model`, `optimizer` and `extra` are
@@ -100,6 +103,9 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
             "trainer.resume_from_path",
             "trainer.nnodes",
             "trainer.n_gpus_per_node",
+            "trainer.max_restarts",
+            "trainer.elastic",
+            "trainer.restart_wait_s",
             "use_remove_padding",
         ])
         .values("optim.optimizer", &["AdamW"])
@@ -122,6 +128,7 @@ pub fn check(cfg: &SftConfig, launch: &LaunchShape) -> Result<()> {
     check_contents(cfg)?;
     check_batch_split(cfg, launch.world_size)?;
     check_shape(cfg, launch.world_size)?;
+    check_restarts(cfg, launch.restarts_ranks)?;
     if launch.local_device {
         device_of(cfg, 0)?;
     }
@@ -206,6 +213,28 @@ fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
     }
     if micro == 0 {
         bail!("data.micro_batch_size_per_gpu must be at least 1");
+    }
+    Ok(())
+}
+
+/// Whether `world` ranks keep the global batch: it splits evenly over them (an elastic restart's sizes).
+pub fn batch_splits(cfg: &SftConfig, world: usize) -> bool {
+    world > 0 && cfg.data.train_batch_size.is_multiple_of(world)
+}
+
+/// `trainer.max_restarts` needs ranks ferl started; `trainer.elastic` needs restarts to act on.
+fn check_restarts(cfg: &SftConfig, restarts_ranks: bool) -> Result<()> {
+    let t = &cfg.trainer;
+    if t.max_restarts > 0 && !restarts_ranks {
+        bail!(
+            "trainer.max_restarts={}: under torchrun/SLURM the launcher restarts ranks (torchrun --max-restarts, \
+             srun --requeue) and trainer.resume_mode=auto resumes from the last checkpoint; ferl restarts ranks \
+             itself with `ferl sft --nproc-per-node` or on a cluster",
+            t.max_restarts
+        );
+    }
+    if t.elastic && t.max_restarts == 0 {
+        bail!("trainer.elastic=true acts on restarts: set trainer.max_restarts to at least 1");
     }
     Ok(())
 }

@@ -12,10 +12,13 @@
 pub mod gate;
 pub mod plan;
 mod report;
+pub mod restart;
 
 pub use gate::{check, compute_kind, cuda_is_available, device_of, LaunchShape};
 pub use plan::{adamw_config, lr_schedule, RunPlan};
 pub use report::{metric, mfu, peak_flops, step_values, MfuInputs};
+use restart::{replay_from, restart_executor, restart_values, ResumePoints};
+pub use restart::{RestartPolicy, RestartRecord};
 
 use crate::checkpoint::{read_meta, resume_dir, step_dir, RunMeta};
 use crate::metrics::MetricsLogger;
@@ -59,6 +62,19 @@ pub trait StepExecutor {
     fn load(&mut self, dir: &Path) -> Result<()>;
     /// Waits for background checkpoint writes and commits.
     fn finish(&mut self) -> Result<()>;
+    /// Rebuilds the ranks after `cause` failed the run: tears down what failed, waits up to `policy.wait` for the
+    /// resources of [`StepExecutor::world_size`] ranks, and with `policy.elastic` takes the largest smaller world that
+    /// `policy.fits` and the resources allow. The model is fresh afterwards (the loop loads the resume point).
+    /// Returns the kind of failure (`rank_lost`, `node_lost`, `collective`, `error`). The default cannot restart.
+    fn restart(&mut self, cause: &anyhow::Error, policy: &RestartPolicy<'_>) -> Result<String> {
+        let _ = (cause, policy);
+        anyhow::bail!("this launch path cannot restart its ranks")
+    }
+    /// Told of the run's restarts once the loop has resumed after the newest one (the cluster executor shows them
+    /// in `ferl status`).
+    fn on_restart(&mut self, restarts: &[RestartRecord]) {
+        let _ = restarts;
+    }
 }
 
 /// The parts of a run besides the executor: where metrics go and what runs at step boundaries. Only the
@@ -105,6 +121,9 @@ pub struct RunSummary {
     pub global_step: u64,
     /// The newest checkpoint this run wrote.
     pub last_checkpoint: Option<PathBuf>,
+    /// The run's restarts, oldest first (`trainer.max_restarts`).
+    #[serde(default)]
+    pub restarts: Vec<RestartRecord>,
 }
 
 impl RunSummary {
@@ -126,39 +145,156 @@ pub fn progress_bar(total_steps: u64) -> ProgressBar {
 }
 
 /// Trains `cfg` on a training set of `train_len` samples through `exec`: resumes per `trainer.resume_mode`, then
-/// steps, validates, logs and saves as the config says (invariant 1).
+/// steps, validates, logs and saves as the config says (invariant 1), restarting after failures as
+/// `trainer.max_restarts` allows ([`restart`]).
 pub fn run(
     exec: &mut dyn StepExecutor,
     cfg: &SftConfig,
     train_len: usize,
     mut opts: RunOptions,
 ) -> Result<RunSummary> {
-    let plan = RunPlan::new(cfg, train_len)?;
-    let d = &cfg.data;
-    let mut data = DataPlan::new(train_len, d.train_batch_size, cfg.trainer.seed, d.shuffle)?;
-    let root = expand_path(&cfg.trainer.default_local_dir);
-    let mut summary = RunSummary {
-        world_size: exec.world_size(),
-        ..RunSummary::default()
+    let began_from = resume_dir(cfg)?;
+    let mut lp = Loop {
+        plan: RunPlan::new(cfg, train_len)?,
+        data: fresh_data(cfg, train_len)?,
+        root: expand_path(&cfg.trainer.default_local_dir),
+        step: 0,
+        summary: RunSummary {
+            world_size: exec.world_size(),
+            ..RunSummary::default()
+        },
+        points: ResumePoints::new(began_from.clone()),
+        after_restart: Vec::new(),
     };
-    if let Some(dir) = resume_dir(cfg)? {
-        let meta = read_meta(&dir)?;
-        exec.load(&dir)?;
-        data.set_position(meta.position());
-        summary.resumed_from = meta.global_step;
-        tracing::info!(checkpoint = %dir.display(), step = meta.global_step, "resumed");
+    if let Some(pb) = &opts.progress {
+        pb.set_length(lp.plan.total_steps);
+    }
+    let mut load = began_from;
+    let mut first = true;
+    loop {
+        let attempt = lp.attempt(exec, cfg, load.take(), first, &mut opts);
+        let Err(cause) = attempt else { break };
+        first = false;
+        let done = lp.summary.restarts.len();
+        let (from, mut record) = restart_executor(exec, cfg, done, cause, &mut lp.points)?;
+        record.failed_after_step = lp.step;
+        lp.data = fresh_data(cfg, train_len)?;
+        lp.step = 0;
+        lp.summary.restarts.push(record);
+        lp.summary.world_size = exec.world_size();
+        lp.after_restart = restart_values(&lp.summary.restarts);
+        load = from;
+    }
+    for l in opts.loggers.iter_mut() {
+        l.finish()?;
     }
     if let Some(pb) = &opts.progress {
-        pb.set_length(plan.total_steps);
-        pb.set_position(summary.resumed_from);
+        pb.finish();
     }
-    let mut step = summary.resumed_from;
-    while step < plan.total_steps && !stopped(&opts, &summary) {
+    lp.summary.global_step = lp.step;
+    Ok(lp.summary)
+}
+
+fn fresh_data(cfg: &SftConfig, train_len: usize) -> Result<DataPlan> {
+    let d = &cfg.data;
+    DataPlan::new(train_len, d.train_batch_size, cfg.trainer.seed, d.shuffle)
+}
+
+/// The loop's position and what it has done.
+struct Loop {
+    plan: RunPlan,
+    data: DataPlan,
+    root: PathBuf,
+    step: u64,
+    summary: RunSummary,
+    points: ResumePoints,
+    /// Values logged with the first step after a restart.
+    after_restart: Vec<(String, f64)>,
+}
+
+impl Loop {
+    /// Loads `load` (the run's start, or a restart's resume point), trains to the end and flushes.
+    fn attempt(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        cfg: &SftConfig,
+        load: Option<PathBuf>,
+        first: bool,
+        opts: &mut RunOptions,
+    ) -> Result<()> {
+        if let Some(dir) = &load {
+            self.resume(exec, dir, first)?;
+        }
+        if !first {
+            if let Some(restart) = self.summary.restarts.last_mut() {
+                restart.resumed_from = self.step;
+            }
+            exec.on_restart(&self.summary.restarts);
+        }
+        if let Some(pb) = &opts.progress {
+            pb.set_position(self.step);
+        }
+        self.train_to_end(exec, cfg, opts)?;
+        exec.finish()
+    }
+
+    /// Loads checkpoint `dir` and moves the data order and step there; later steps of this run are replayed.
+    fn resume(&mut self, exec: &mut dyn StepExecutor, dir: &Path, first: bool) -> Result<()> {
+        let meta = read_meta(dir)?;
+        exec.load(dir)?;
+        self.data.set_position(meta.position());
+        self.step = meta.global_step;
+        if first {
+            self.summary.resumed_from = meta.global_step;
+        }
+        let s = &mut self.summary;
+        s.steps.retain(|r| r.step <= meta.global_step);
+        s.val_losses.retain(|(v, _)| *v <= meta.global_step);
+        s.last_checkpoint = (!first)
+            .then(|| dir.to_path_buf())
+            .or(s.last_checkpoint.take());
+        replay_from(&mut self.points, meta.global_step);
+        tracing::info!(checkpoint = %dir.display(), step = meta.global_step, "resumed");
+        Ok(())
+    }
+
+    fn train_to_end(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        cfg: &SftConfig,
+        opts: &mut RunOptions,
+    ) -> Result<()> {
+        if self.step == 0 {
+            let s = &mut self.summary;
+            s.steps.clear();
+            s.val_losses.clear();
+            s.last_checkpoint = None;
+            replay_from(&mut self.points, 0);
+        }
+        while self.step < self.plan.total_steps && !stopped(opts, &self.summary) {
+            self.one_step(exec, cfg, opts)?;
+        }
+        if self.summary.steps.is_empty() && self.step >= self.plan.total_steps {
+            // Resumed at the very end: still report the final validation loss.
+            let mut values = Vec::new();
+            validate(exec, self.step, &mut values, &mut self.summary)?;
+            log(opts, self.step, &values)?;
+        }
+        Ok(())
+    }
+
+    fn one_step(
+        &mut self,
+        exec: &mut dyn StepExecutor,
+        cfg: &SftConfig,
+        opts: &mut RunOptions,
+    ) -> Result<()> {
         let started = Instant::now();
-        let out = exec.train_step(&data.next_batch())?;
-        step += 1;
+        let out = exec.train_step(&self.data.next_batch())?;
+        self.step += 1;
+        let step = self.step;
         let seconds = started.elapsed().as_secs_f64();
-        summary.steps.push(StepRecord {
+        self.summary.steps.push(StepRecord {
             step,
             loss: out.loss,
             grad_norm: out.grad_norm,
@@ -168,39 +304,33 @@ pub fn run(
             hook(step as i64);
         }
         let mut values = step_values(&out, seconds, opts.mfu.as_ref());
-        if plan.validates_at(step) {
-            validate(exec, step, &mut values, &mut summary)?;
+        values.append(&mut self.after_restart);
+        if self.plan.validates_at(step) {
+            validate(exec, step, &mut values, &mut self.summary)?;
         }
-        log(&mut opts, step, &values)?;
-        show_progress(&opts, step, &out, seconds);
-        if plan.saves_at(step) {
-            let meta = RunMeta {
-                global_step: step,
-                epoch: data.position().epoch,
-                step_in_epoch: data.position().step_in_epoch,
-                world_size: exec.world_size() as u64,
-                files: Default::default(),
-            };
-            let dir = step_dir(&root, step);
-            exec.save(&dir, &meta, gate::saves_hf_model(cfg))?;
-            summary.last_checkpoint = Some(dir);
+        log(opts, step, &values)?;
+        show_progress(opts, step, &out, seconds);
+        if self.plan.saves_at(step) {
+            self.save(exec, cfg, step)?;
         }
+        Ok(())
     }
-    if summary.steps.is_empty() && step >= plan.total_steps {
-        // Resumed at the very end: still report the final validation loss.
-        let mut values = Vec::new();
-        validate(exec, step, &mut values, &mut summary)?;
-        log(&mut opts, step, &values)?;
+
+    fn save(&mut self, exec: &mut dyn StepExecutor, cfg: &SftConfig, step: u64) -> Result<()> {
+        let position = self.data.position();
+        let meta = RunMeta {
+            global_step: step,
+            epoch: position.epoch,
+            step_in_epoch: position.step_in_epoch,
+            world_size: exec.world_size() as u64,
+            files: Default::default(),
+        };
+        let dir = step_dir(&self.root, step);
+        exec.save(&dir, &meta, gate::saves_hf_model(cfg))?;
+        self.points.saved(step, dir.clone());
+        self.summary.last_checkpoint = Some(dir);
+        Ok(())
     }
-    exec.finish()?;
-    for l in opts.loggers.iter_mut() {
-        l.finish()?;
-    }
-    if let Some(pb) = &opts.progress {
-        pb.finish();
-    }
-    summary.global_step = step;
-    Ok(summary)
 }
 
 fn stopped(opts: &RunOptions, summary: &RunSummary) -> bool {

@@ -23,7 +23,8 @@ impl RunPlan {
         let per_epoch = steps_per_epoch(train_len, cfg.data.train_batch_size);
         if per_epoch == 0 {
             bail!(
-                "data.train_files: {train_len} samples is fewer than one batch (data.train_batch_size={})",
+                "data.train_files={}: {train_len} samples is fewer than one batch (data.train_batch_size={})",
+                cfg.data.train_files.as_slice().join(","),
                 cfg.data.train_batch_size
             );
         }
