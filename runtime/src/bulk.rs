@@ -2,6 +2,7 @@
 //!
 //! - **QUIC bulk streams**: a payload over [`crate::transport::BULK_THRESHOLD`] travels on its own unidirectional
 //!   stream (`[u64 id][u64 len][bytes]`) so it does not hold up small frames; the frame names the stream's id.
+//!   What a peer may send on such streams before a frame names them is bounded and reclaimed ([`inbox`]).
 //! - **Same-host shared-memory ring** (guarantee 13 in `runtime/README.md`): the first time a stream writer has a
 //!   payload of at least [`SHM_MIN`] bytes it creates a ring, a sealed memfd only its user can open, and offers it
 //!   on the (authenticated, encrypted) QUIC stream. A receiver on the same host opens it as `/proc/<pid>/fd/<fd>`,
@@ -12,16 +13,20 @@
 //!   QUIC. Nothing is named in a file system: the kernel frees the ring when both processes have let go of it,
 //!   whatever way they end.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use rkyv::util::AlignedVec;
-use tokio::sync::oneshot;
 
 use crate::protocol::Frame;
+
+pub mod inbox;
+
+pub use inbox::unclaimed_bytes;
+pub(crate) use inbox::{send_bulk, spawn_bulk_reader, BulkInbox};
 
 /// Payloads at least this large go through the shared-memory ring once the peer has mapped it.
 pub const SHM_MIN: usize = 64 << 10;
@@ -385,95 +390,6 @@ impl RecvRing {
         SHM_BYTES_RECEIVED.fetch_add(len, Ordering::Relaxed);
         Ok(out)
     }
-}
-
-/// Bulk payloads that arrived (or are awaited) on one connection, by id.
-#[derive(Default)]
-pub(crate) struct BulkInbox {
-    slots: Mutex<HashMap<u64, BulkSlot>>,
-}
-
-enum BulkSlot {
-    Waiting(oneshot::Sender<AlignedVec>),
-    Arrived(AlignedVec),
-}
-
-impl BulkInbox {
-    /// The payload with this id, now or when it arrives.
-    pub(crate) fn wait(&self, id: u64) -> oneshot::Receiver<AlignedVec> {
-        let (tx, rx) = oneshot::channel();
-        let mut slots = self.slots.lock().expect("bulk inbox lock");
-        match slots.remove(&id) {
-            Some(BulkSlot::Arrived(bytes)) => {
-                let _ = tx.send(bytes);
-            }
-            _ => {
-                slots.insert(id, BulkSlot::Waiting(tx));
-            }
-        }
-        rx
-    }
-
-    fn arrive(&self, id: u64, bytes: AlignedVec) {
-        let mut slots = self.slots.lock().expect("bulk inbox lock");
-        match slots.remove(&id) {
-            Some(BulkSlot::Waiting(tx)) => {
-                let _ = tx.send(bytes);
-            }
-            _ => {
-                slots.insert(id, BulkSlot::Arrived(bytes));
-            }
-        }
-    }
-}
-
-/// Reads the bulk streams of a connection into its inbox; an oversized one closes the connection.
-pub(crate) fn spawn_bulk_reader(conn: quinn::Connection, inbox: Arc<BulkInbox>) {
-    tokio::spawn(async move {
-        while let Ok(mut recv) = conn.accept_uni().await {
-            let (conn, inbox) = (conn.clone(), inbox.clone());
-            tokio::spawn(async move {
-                let mut header = [0u8; 16];
-                if recv.read_exact(&mut header).await.is_err() {
-                    return;
-                }
-                let id = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-                let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
-                if len > MAX_BULK {
-                    return crate::transport::close(
-                        &conn,
-                        &format!("bulk payload of {len} bytes exceeds the maximum of {MAX_BULK}"),
-                    );
-                }
-                // Chunks straight from quinn's receive buffers into the payload: no zeroing pass, one copy.
-                let len = len as usize;
-                let mut bytes = buffer(len);
-                while bytes.len() < len {
-                    match recv.read_chunk(len - bytes.len(), true).await {
-                        Ok(Some(chunk)) => bytes.extend_from_slice(&chunk.bytes),
-                        _ => return,
-                    }
-                }
-                inbox.arrive(id, bytes);
-            });
-        }
-    });
-}
-
-/// Sends one payload on a new bulk stream.
-pub(crate) async fn send_bulk(
-    conn: quinn::Connection,
-    id: u64,
-    bytes: AlignedVec,
-) -> anyhow::Result<()> {
-    let mut send = conn.open_uni().await?;
-    let mut header = [0u8; 16];
-    header[..8].copy_from_slice(&id.to_le_bytes());
-    header[8..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
-    send.write_all(&header).await?;
-    send.write_all(&bytes).await?;
-    send.finish()?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context as _, Result};
 use rkyv::util::AlignedVec;
 use rustls::pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use crate::protocol::JoinMsg;
 use crate::tls::{constant_time_eq, join_proof, ClusterCa, Credentials};
@@ -18,18 +19,123 @@ use crate::wire::{encode_frame, read_message};
 const JOIN_MAX_FRAME: usize = 64 << 10;
 const JOIN_TIMEOUT: Duration = Duration::from_secs(20);
 
-async fn send(stream: &mut quinn::SendStream, msg: &JoinMsg) -> Result<()> {
+/// Length of the nonces both sides send.
+const NONCE_LEN: usize = 32;
+
+async fn send<W: AsyncWrite + Unpin>(stream: &mut W, msg: &JoinMsg) -> Result<()> {
     let mut bytes = Vec::new();
     encode_frame(msg, &mut bytes)?;
     stream.write_all(&bytes).await?;
     Ok(())
 }
 
-async fn recv(stream: &mut quinn::RecvStream) -> Result<JoinMsg> {
+async fn recv<R: AsyncRead + Unpin>(stream: &mut R) -> Result<JoinMsg> {
     let mut buf = AlignedVec::new();
     read_message::<JoinMsg, _>(stream, JOIN_MAX_FRAME, &mut buf)
         .await?
         .ok_or_else(|| anyhow!("peer closed the join stream"))
+}
+
+fn check_nonce(nonce: &[u8], whose: &str) -> Result<()> {
+    if nonce.len() != NONCE_LEN {
+        bail!(
+            "{whose} join nonce has {} bytes, expected {NONCE_LEN}",
+            nonce.len()
+        );
+    }
+    Ok(())
+}
+
+/// The head's side of the join exchange over any byte streams (a QUIC stream in production): reads the joiner's
+/// `Hello`, answers with a `Challenge`, and checks the joiner's `Proof`. `Ok` means the joiner knows `token`; the
+/// caller then sends the credentials. A joiner that breaks the protocol or whose proof is wrong gets an error (and a
+/// `Refused` message for a wrong token).
+pub async fn head_exchange<R, W>(
+    rx: &mut R,
+    tx: &mut W,
+    token: &str,
+    head_cert: &[u8],
+) -> Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let JoinMsg::Hello { nonce } = recv(rx).await? else {
+        bail!("expected Hello")
+    };
+    check_nonce(&nonce, "the joiner's")?;
+    let ours: [u8; NONCE_LEN] = rand::random();
+    let proof = join_proof(token, "head", &nonce, head_cert);
+    let challenge = JoinMsg::Challenge {
+        nonce: ours.to_vec(),
+        proof,
+    };
+    send(tx, &challenge).await?;
+    let JoinMsg::Proof { proof } = recv(rx).await? else {
+        bail!("expected Proof (the joiner gave up: its token differs)")
+    };
+    if !constant_time_eq(&proof, &join_proof(token, "member", &ours, head_cert)) {
+        let refusal = JoinMsg::Refused {
+            reason: "wrong cluster token".into(),
+        };
+        send(tx, &refusal).await?;
+        bail!("wrong cluster token");
+    }
+    Ok(())
+}
+
+/// The joiner's side of the join exchange over any byte streams: sends `Hello`, checks the head's proof, sends its
+/// own, and returns the credentials the head answers with. `head` names the head in errors.
+pub async fn joiner_exchange<R, W>(
+    rx: &mut R,
+    tx: &mut W,
+    token: &str,
+    head_cert: &[u8],
+    head: &str,
+) -> Result<Credentials>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let nonce: [u8; NONCE_LEN] = rand::random();
+    send(
+        tx,
+        &JoinMsg::Hello {
+            nonce: nonce.to_vec(),
+        },
+    )
+    .await?;
+    let JoinMsg::Challenge {
+        nonce: theirs,
+        proof,
+    } = recv(rx)
+        .await
+        .with_context(|| format!("join handshake with {head}"))?
+    else {
+        bail!("the process at {head} did not answer the join handshake");
+    };
+    if !constant_time_eq(&proof, &join_proof(token, "head", &nonce, head_cert)) {
+        bail!(
+            "joining the cluster at {head} was refused: wrong cluster token (the head's proof does not match the token \
+             given; pass the token printed by `ferl start --head` with --token or FERL_TOKEN)"
+        );
+    }
+    check_nonce(&theirs, "the head's")?;
+    let proof = join_proof(token, "member", &theirs, head_cert);
+    send(tx, &JoinMsg::Proof { proof }).await?;
+    match recv(rx).await? {
+        JoinMsg::Accepted {
+            ca_der,
+            cert_der,
+            key_der,
+        } => Ok(Credentials {
+            ca_der,
+            cert_der,
+            key_der,
+        }),
+        JoinMsg::Refused { reason } => bail!("joining the cluster at {head} was refused: {reason}"),
+        _ => bail!("unexpected join answer from {head}"),
+    }
 }
 
 /// The head's side: token and CA.
@@ -55,36 +161,11 @@ impl JoinService {
 
     async fn handshake(&self, conn: &quinn::Connection) -> Result<()> {
         let (mut tx, mut rx) = conn.accept_bi().await?;
-        let JoinMsg::Hello { nonce } = recv(&mut rx).await? else {
-            bail!("expected Hello")
-        };
-        let ours: [u8; 32] = rand::random();
-        let proof = join_proof(&self.token, "head", &nonce, &self.head_cert);
-        send(
-            &mut tx,
-            &JoinMsg::Challenge {
-                nonce: ours.to_vec(),
-                proof,
-            },
-        )
-        .await?;
-        let JoinMsg::Proof { proof } = recv(&mut rx).await? else {
-            bail!("expected Proof (the joiner gave up: its token differs)")
-        };
-        if !constant_time_eq(
-            &proof,
-            &join_proof(&self.token, "member", &ours, &self.head_cert),
-        ) {
-            send(
-                &mut tx,
-                &JoinMsg::Refused {
-                    reason: "wrong cluster token".into(),
-                },
-            )
-            .await?;
+        if let Err(e) = head_exchange(&mut rx, &mut tx, &self.token, &self.head_cert).await {
+            // Let a refusal reach the joiner before the connection closes.
             let _ = tx.finish();
             tokio::time::sleep(Duration::from_millis(200)).await;
-            bail!("wrong cluster token");
+            return Err(e);
         }
         let creds = self
             .ca
@@ -141,50 +222,12 @@ async fn join_on(
         .and_then(|chain| chain.first().map(|c| c.to_vec()))
         .ok_or_else(|| anyhow!("the head at {head} presented no certificate"))?;
     let (mut tx, mut rx) = conn.open_bi().await?;
-    let nonce: [u8; 32] = rand::random();
-    send(
-        &mut tx,
-        &JoinMsg::Hello {
-            nonce: nonce.to_vec(),
-        },
-    )
-    .await?;
-    let JoinMsg::Challenge {
-        nonce: theirs,
-        proof,
-    } = recv(&mut rx)
-        .await
-        .with_context(|| format!("join handshake with {head}"))?
-    else {
-        bail!("the process at {head} did not answer the join handshake");
-    };
-    if !constant_time_eq(&proof, &join_proof(token, "head", &nonce, &head_cert)) {
-        conn.close(3u32.into(), b"wrong cluster token");
-        bail!(
-            "joining the cluster at {head} was refused: wrong cluster token (the head's proof does not match the token \
-             given; pass the token printed by `ferl start --head` with --token or FERL_TOKEN)"
-        );
+    let result = joiner_exchange(&mut rx, &mut tx, token, &head_cert, &head.to_string()).await;
+    match &result {
+        Err(e) if e.to_string().contains("wrong cluster token") => {
+            conn.close(3u32.into(), b"wrong cluster token")
+        }
+        _ => conn.close(0u32.into(), b"done"),
     }
-    send(
-        &mut tx,
-        &JoinMsg::Proof {
-            proof: join_proof(token, "member", &theirs, &head_cert),
-        },
-    )
-    .await?;
-    let answer = recv(&mut rx).await?;
-    conn.close(0u32.into(), b"done");
-    match answer {
-        JoinMsg::Accepted {
-            ca_der,
-            cert_der,
-            key_der,
-        } => Ok(Credentials {
-            ca_der,
-            cert_der,
-            key_der,
-        }),
-        JoinMsg::Refused { reason } => bail!("joining the cluster at {head} was refused: {reason}"),
-        _ => bail!("unexpected join answer from {head}"),
-    }
+    result
 }

@@ -90,6 +90,7 @@ pub use cluster::{
     HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
 };
 pub use error::{Error, Result};
+pub use head::JOBS_PREFIX;
 pub use inventory;
 pub use protocol::{ActorAddress, Event, Resources, Strategy};
 pub use shared_bytes::SharedBytes;

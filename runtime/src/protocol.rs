@@ -147,6 +147,14 @@ pub enum Frame {
 }
 
 impl Frame {
+    /// Validates a received frame body (bytecheck, in place, no copy) and returns its archived form: what the
+    /// transport runs on every frame it reads. `bytes` must be 16-byte aligned, as [`crate::wire::read_frame`]
+    /// leaves them.
+    pub fn access(bytes: &[u8]) -> Result<&ArchivedFrame, crate::wire::WireError> {
+        rkyv::access::<ArchivedFrame, rkyv::rancor::Error>(bytes)
+            .map_err(|e| crate::wire::WireError::Malformed(format!("frame: {e}")))
+    }
+
     /// The payload placement of a frame that carries one.
     pub(crate) fn body_mut(&mut self) -> Option<&mut Body> {
         match self {

@@ -14,7 +14,6 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use futures::future::BoxFuture;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
@@ -176,8 +175,7 @@ pub(crate) async fn next_frame<'b, R: AsyncRead + Unpin>(
         Err(FrameError::Io(e)) => return Err(StreamEnd::Ended(e.to_string())),
         Err(e) => return Err(StreamEnd::Bad(e.to_string())),
     }
-    rkyv::access::<ArchivedFrame, rancor::Error>(buf)
-        .map_err(|e| StreamEnd::Bad(format!("malformed frame: {e}")))
+    Frame::access(buf).map_err(|e| StreamEnd::Bad(e.to_string()))
 }
 
 /// The sending half of one call stream: frames, stream items and replies.

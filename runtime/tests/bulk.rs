@@ -3,7 +3,9 @@
 
 mod common;
 
-use ferl_runtime::bulk::shm_bytes_received;
+use std::time::Duration;
+
+use ferl_runtime::bulk::{shm_bytes_received, unclaimed_bytes};
 use ferl_runtime::testbed::*;
 use ferl_runtime::SpawnOptions;
 
@@ -119,4 +121,97 @@ async fn guarantee_14_shared_bytes_arrive_as_views_of_the_received_buffer() {
     assert!(back.is_shared_with_message(), "the reply was copied");
     // A Vec<u8> peer type reads the same bytes (the wire format is that of Vec<u8>).
     assert_eq!(actor.call(Sink(data.to_vec())).await.unwrap(), 1 << 20);
+}
+
+/// Opens a bulk stream carrying payload `id` of `len` bytes that no frame will ever name.
+fn send_unclaimed(conn: &quinn::Connection, id: u64, len: usize) {
+    let conn = conn.clone();
+    tokio::spawn(async move {
+        let mut send = conn.open_uni().await?;
+        send.write_all(&id.to_le_bytes()).await?;
+        send.write_all(&(len as u64).to_le_bytes()).await?;
+        send.write_all(&vec![7u8; len]).await?;
+        send.finish()?;
+        anyhow::Ok(())
+    });
+}
+
+/// Waits up to 10 s for `cond`.
+async fn eventually(what: &str, cond: impl Fn() -> bool) {
+    for _ in 0..200 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{what}: not within 10 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_15_payloads_announced_and_never_claimed_are_capped_and_reclaimed() {
+    // Small limits for this process's connections (one test per process under nextest).
+    unsafe {
+        std::env::set_var("FERL_BULK_UNCLAIMED_BYTES", (1u64 << 20).to_string());
+        std::env::set_var("FERL_BULK_UNCLAIMED_TIMEOUT_S", "1.5");
+    }
+    let head = common::head(2.0, Duration::from_secs(3)).await;
+    let base = unclaimed_bytes();
+    let closed = |conn: quinn::Connection| async move {
+        let reason = tokio::time::timeout(Duration::from_secs(10), conn.closed()).await;
+        reason.expect("the head closes the connection").to_string()
+    };
+
+    // Over the cap: the second payload is never read while the first holds the room.
+    let conn = common::member_connection(&head).await;
+    send_unclaimed(&conn, 1, 600 << 10);
+    eventually("the first payload arrives", || {
+        unclaimed_bytes() == base + (600 << 10)
+    })
+    .await;
+    send_unclaimed(&conn, 2, 600 << 10);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        unclaimed_bytes(),
+        base + (600 << 10),
+        "admitted beyond the cap"
+    );
+    let reason = closed(conn).await;
+    assert!(reason.contains("FERL_BULK_UNCLAIMED_"), "{reason}");
+    eventually("the bytes are reclaimed", || unclaimed_bytes() == base).await;
+
+    // Under the cap but never claimed: reclaimed after the time-out, with the reason.
+    let conn = common::member_connection(&head).await;
+    send_unclaimed(&conn, 7, 100 << 10);
+    eventually("the payload arrives", || {
+        unclaimed_bytes() == base + (100 << 10)
+    })
+    .await;
+    let reason = closed(conn).await;
+    assert!(
+        reason.contains("bulk payload 7 of 102400 bytes was not claimed"),
+        "{reason}"
+    );
+    eventually("the bytes are reclaimed", || unclaimed_bytes() == base).await;
+
+    // Reclaimed when the peer goes away, too.
+    let conn = common::member_connection(&head).await;
+    send_unclaimed(&conn, 9, 100 << 10);
+    eventually("the payload arrives", || {
+        unclaimed_bytes() == base + (100 << 10)
+    })
+    .await;
+    conn.close(0u32.into(), b"bye");
+    eventually("the bytes are reclaimed on disconnect", || {
+        unclaimed_bytes() == base
+    })
+    .await;
+
+    // The head is unharmed.
+    head.cluster.kv_put("still", vec![1]).await.unwrap();
+    let a = head
+        .cluster
+        .spawn::<Counter>(1, SpawnOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(a.call(Get).await.unwrap(), 1);
 }

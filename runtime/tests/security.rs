@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use ferl_runtime::testbed::*;
@@ -39,22 +38,6 @@ async fn guarantee_7_wrong_token_is_refused_with_a_clear_error() {
     );
 }
 
-async fn member_connection(head: &ferl_runtime::HeadHandle) -> quinn::Connection {
-    let addr = head.cluster.head_address().unwrap();
-    let creds = ferl_runtime::join::join(addr, &head.token, Duration::from_secs(10))
-        .await
-        .unwrap();
-    let cfg = ferl_runtime::tls::client_config(&creds).unwrap();
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
-    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
-    endpoint
-        .connect(addr, ferl_runtime::tls::CLUSTER_SERVER_NAME)
-        .unwrap()
-        .await
-        .unwrap()
-}
-
 async fn closed_reason_after(conn: &quinn::Connection, bytes: &[u8]) -> String {
     let (mut send, _recv) = conn.open_bi().await.unwrap();
     send.write_all(bytes).await.unwrap();
@@ -71,19 +54,19 @@ async fn guarantee_8_garbage_oversized_and_wrong_version_frames_close_only_that_
 
     let mut oversized = (1u32 << 31).to_le_bytes().to_vec();
     oversized.extend_from_slice(&v);
-    let reason = closed_reason_after(&member_connection(&head).await, &oversized).await;
+    let reason = closed_reason_after(&common::member_connection(&head).await, &oversized).await;
     assert!(reason.contains("exceeds the maximum"), "{reason}");
 
     let mut wrong = 10u32.to_le_bytes().to_vec();
     wrong.extend_from_slice(&77u16.to_le_bytes());
     wrong.extend_from_slice(&[0; 8]);
-    let reason = closed_reason_after(&member_connection(&head).await, &wrong).await;
+    let reason = closed_reason_after(&common::member_connection(&head).await, &wrong).await;
     assert!(reason.contains("wire version 77"), "{reason}");
 
     let mut garbage = 66u32.to_le_bytes().to_vec();
     garbage.extend_from_slice(&v);
     garbage.extend_from_slice(&[0xAB; 64]);
-    let reason = closed_reason_after(&member_connection(&head).await, &garbage).await;
+    let reason = closed_reason_after(&common::member_connection(&head).await, &garbage).await;
     assert!(reason.contains("malformed"), "{reason}");
 
     // Without a certificate, anything but the join handshake is refused.

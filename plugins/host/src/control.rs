@@ -19,6 +19,9 @@ pub struct Request {
     pub id: String,
     /// Plugin to reload.
     pub name: String,
+    /// Where the answer goes: the request's path with the extension `response` (also for a file name that is not
+    /// UTF-8, whose `id` is only a lossy spelling of it).
+    response: PathBuf,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -136,9 +139,8 @@ impl ControlDir {
         for p in paths {
             let id = p
                 .file_stem()
-                .and_then(|s| s.to_str())
-                .unwrap_or_default()
-                .to_string();
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
             let parsed = std::fs::read(&p)
                 .ok()
                 .and_then(|b| serde_json::from_slice::<RequestFile>(&b).ok());
@@ -146,6 +148,7 @@ impl ControlDir {
             let req = Request {
                 id,
                 name: String::new(),
+                response: p.with_extension("response"),
             };
             match parsed {
                 Some(r) if r.action == "reload" => out.push(Request {
@@ -178,10 +181,7 @@ impl ControlDir {
             message: message.to_string(),
         })
         .unwrap_or_default();
-        if let Err(e) = write_atomic(
-            &self.requests_dir().join(format!("{}.response", req.id)),
-            &body,
-        ) {
+        if let Err(e) = write_atomic(&req.response, &body) {
             tracing::warn!("cannot answer plugin request {}: {e:#}", req.id);
         }
     }

@@ -19,6 +19,7 @@ pub fn resolve_all(root: &mut Value) -> Result<()> {
         source: root.clone(),
         done: HashMap::new(),
         stack: Vec::new(),
+        copied: 0,
     };
     *root = r.node("", &r.source.clone())?;
     Ok(())
@@ -28,6 +29,28 @@ struct Resolver {
     source: Value,
     done: HashMap<String, Value>,
     stack: Vec<String>,
+    /// Size ([`weight`]) of the values references have copied so far.
+    copied: usize,
+}
+
+/// Most a config's references may copy in all ([`weight`] units, about bytes): references that repeat other
+/// references (`b: ${a}${a}`, `c: ${b}${b}`, ...) grow exponentially and are refused past this.
+const MAX_COPIED: usize = 1 << 20;
+
+/// The size of a value: the bytes of its strings plus one per node.
+fn weight(value: &Value) -> usize {
+    match value {
+        Value::String(s) => 1 + s.len(),
+        Value::Sequence(items) => items.iter().map(weight).sum::<usize>() + 1,
+        Value::Mapping(map) => {
+            map.iter()
+                .map(|(k, v)| weight(k) + weight(v))
+                .sum::<usize>()
+                + 1
+        }
+        Value::Tagged(t) => weight(&t.value) + 1,
+        _ => 1,
+    }
 }
 
 enum Part {
@@ -143,7 +166,28 @@ impl Resolver {
                 display(path)
             );
         };
-        self.node(&target, &value)
+        let resolved = self.node(&target, &value)?;
+        self.copied += weight(&resolved);
+        if self.copied > MAX_COPIED {
+            bail!(
+                "`{}`: interpolations copy more than {MAX_COPIED} bytes (values that repeat references to each \
+                 other grow exponentially)",
+                display(path)
+            );
+        }
+        Ok(resolved)
+    }
+}
+
+/// Escapes every `${` in the strings of `value` as `\${` (mapping keys are left alone), so that printing a resolved
+/// config and loading it again gives the same values.
+pub fn escape(value: &mut Value) {
+    match value {
+        Value::String(s) if s.contains("${") => *s = s.replace("${", "\\${"),
+        Value::Sequence(items) => items.iter_mut().for_each(escape),
+        Value::Mapping(map) => map.iter_mut().for_each(|(_, v)| escape(v)),
+        Value::Tagged(t) => escape(&mut t.value),
+        _ => {}
     }
 }
 
@@ -154,6 +198,10 @@ fn display(path: &str) -> &str {
         path
     }
 }
+
+/// Deepest nesting of braces inside one interpolation (`${oc.env:A,${b}}` is 2); deeper is refused, as each level
+/// is resolved by a recursive call.
+const MAX_NESTING: usize = 16;
 
 /// Splits `s` into literal text and `${...}` interpolations (braces may nest inside one).
 fn split(s: &str) -> Result<Vec<Part>> {
@@ -174,6 +222,9 @@ fn split(s: &str) -> Result<Vec<Part>> {
                     b'{' => depth += 1,
                     b'}' => depth -= 1,
                     _ => {}
+                }
+                if depth > MAX_NESTING {
+                    bail!("interpolations nested more than {MAX_NESTING} deep");
                 }
                 j += 1;
             }
@@ -263,5 +314,34 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("unclosed"));
+    }
+
+    #[test]
+    fn deep_nesting_and_exponential_references_are_refused() {
+        // Found by fuzzing: 20,000 nested `${` overflowed the stack; `b: ${a}${a}`, `c: ${b}${b}`... hung.
+        let deep = format!("a: '{}x{}'", "${".repeat(20_000), "}".repeat(20_000));
+        let err = resolve(&deep).unwrap_err().to_string();
+        assert!(err.contains("nested more than 16 deep"), "{err}");
+        let mut bomb = "k0: xxxxxxxx".to_string();
+        for i in 1..40 {
+            bomb += &format!("\nk{i}: '${{k{}}}${{k{}}}'", i - 1, i - 1);
+        }
+        let err = resolve(&bomb).unwrap_err().to_string();
+        assert!(
+            err.contains("interpolations copy more than 1048576 bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn escaped_values_print_escaped() {
+        let mut v = resolve("a: 'lit \\${x}'\nb: [plain, '\\${y}']").unwrap();
+        escape(&mut v);
+        let again = resolve(&serde_yaml::to_string(&v).unwrap()).unwrap();
+        assert_eq!(tree::get(&again, "a"), Some(&Value::from("lit ${x}")));
+        assert_eq!(
+            tree::get(&again, "b"),
+            Some(&serde_yaml::from_str("[plain, '${y}']").unwrap())
+        );
     }
 }

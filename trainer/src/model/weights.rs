@@ -48,6 +48,15 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .collect();
         files.sort();
         files.dedup();
+        if let Some(bad) = files
+            .iter()
+            .find(|f| Path::new(f).file_name() != Some(std::ffi::OsStr::new(f.as_str())))
+        {
+            bail!(
+                "{}: shard `{bad}` is not a file name in the model folder",
+                index.display()
+            );
+        }
         return Ok(files.into_iter().map(|f| dir.join(f)).collect());
     }
     let single = dir.join("model.safetensors");
@@ -75,12 +84,26 @@ pub fn read_tensors(files: &[PathBuf]) -> Result<HashMap<String, Tensor>> {
                     view.dtype()
                 )
             })?;
-            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-            let t = Tensor::from_data_size(view.data(), &shape, kind).to_kind(Kind::Float);
-            out.insert(name, t);
+            let t = tensor_of(&view, kind)
+                .with_context(|| format!("{}: tensor `{name}`", file.display()))?;
+            out.insert(name, t.to_kind(Kind::Float));
         }
     }
     Ok(out)
+}
+
+/// A CPU tensor holding `view`'s bytes; a dimension beyond `i64` (which libtorch refuses with a panic in tch) is an
+/// error (found by fuzzing, `fuzz/corpus/trainer-safetensors/err-dimension-beyond-i64`).
+fn tensor_of(view: &TensorView, kind: Kind) -> Result<Tensor> {
+    let shape = view
+        .shape()
+        .iter()
+        .map(|&d| {
+            i64::try_from(d)
+                .with_context(|| format!("dimension {d} of shape {:?} is too large", view.shape()))
+        })
+        .collect::<Result<Vec<i64>>>()?;
+    Ok(Tensor::f_from_data_size(view.data(), &shape, kind)?)
 }
 
 /// Loads the layout's tensors from the model folder `dir` as fp32, checking names and shapes.
