@@ -1,6 +1,7 @@
 //! `ferl-bench`: benchmarks that print one figure per line (`name value unit`, or JSON with `--json`), side by side
 //! with the peers they are compared against. One module per suite.
 
+mod chaos;
 mod collectives;
 mod kernels;
 mod report;
@@ -26,6 +27,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Suite {
+    /// Chaos soak on network namespaces: actors calling each other while nodes are killed and restarted and links
+    /// lose packets; calls completed, failed and hung, worst detection time (needs root).
+    Chaos(chaos::ChaosArgs),
+    /// A node agent of the chaos soak (started by `chaos` inside a host's namespace).
+    #[command(hide = true)]
+    ChaosNode(chaos::NodeArgs),
     /// CPU collectives of the TCP backend (2 processes on loopback) beside torch.distributed's gloo.
     Collectives(collectives::CollectivesArgs),
     /// Loss step of the tiny Qwen2 with and without the fused linear + cross-entropy kernel (memory, tokens/s).
@@ -42,6 +49,8 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let mut out = report::Report::new(cli.json);
     match cli.suite {
+        Suite::Chaos(args) => chaos::run(args, &mut out)?,
+        Suite::ChaosNode(args) => chaos::node(args)?,
         Suite::Collectives(args) => collectives::run(args, &mut out)?,
         Suite::Runtime(args) => runtime::run(args, &mut out)?,
         Suite::Kernels(args) => kernels::run(args, &mut out)?,

@@ -15,6 +15,8 @@ use crate::wire::Wire;
 
 /// How long a call waits for a restarting actor to come back.
 const RESTART_WAIT: Duration = Duration::from_secs(120);
+/// How often a request that is not sent yet (its connection still opening) checks whether the actor died meanwhile.
+const FATE_POLL: Duration = Duration::from_millis(50);
 
 /// A typed handle on an actor of type `A`. Cheap to clone; `Send + Sync`.
 pub struct ActorRef<A> {
@@ -170,9 +172,11 @@ impl<A> ActorRef<A> {
         payload: rkyv::util::AlignedVec,
     ) -> Result<ReplyHandle> {
         let target = self.target().await?;
-        let handle = self
+        let request = self
             .process
-            .request(target, self.address.id, msg, kind, payload)
+            .request(target, self.address.id, msg, kind, payload);
+        let handle = self
+            .unless_dead(request)
             .await
             .map_err(|e| self.explain(e))?;
         // A death learned while the request was being queued would otherwise leave it pending.
@@ -186,6 +190,38 @@ impl<A> ActorRef<A> {
             });
         }
         Ok(handle)
+    }
+
+    /// Runs `request`, ending it with `ActorDied` as soon as this process learns that the actor died or is
+    /// restarting (guarantee 5): opening a connection to a process whose host is cut off would otherwise wait for
+    /// the QUIC idle timeout. A request that is ready at once never starts the check's timer.
+    async fn unless_dead<T>(
+        &self,
+        request: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        let mut request = std::pin::pin!(request);
+        if let std::task::Poll::Ready(done) = futures::poll!(&mut request) {
+            return done;
+        }
+        loop {
+            if let Ok(done) = tokio::time::timeout(FATE_POLL, &mut request).await {
+                return done;
+            }
+            let fate = self.process.fates.get(&self.address.id).map(|f| f.clone());
+            let (node, reason) = match fate {
+                None => continue,
+                Some(Fate::Dead { node, reason }) => (node, reason),
+                Some(Fate::Restarting) => (
+                    self.current().node,
+                    "it is restarting; the request was still waiting for a connection".into(),
+                ),
+            };
+            return Err(Error::ActorDied {
+                actor: self.label(),
+                node,
+                reason,
+            });
+        }
     }
 }
 
@@ -221,5 +257,50 @@ impl<A: Actor> ActorRef<A> {
             actor: self.untyped(),
             _item: PhantomData,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Event;
+    use crate::testbed::{Counter, Get};
+    use crate::tls::ClusterCa;
+
+    /// Guarantee 5: a call whose connection is still opening (its host is cut off, nothing answers) fails with
+    /// `ActorDied` as soon as this process learns the actor died, not after the QUIC idle timeout.
+    #[tokio::test]
+    async fn guarantee_5_a_call_still_connecting_fails_when_the_actor_dies() {
+        let creds = ClusterCa::mint().unwrap().issue("driver").unwrap();
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let process = Process::start(creds, bind, Duration::from_secs(30)).unwrap();
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let address = ActorAddress {
+            id: 7,
+            type_name: Counter::NAME.into(),
+            addr: silent.local_addr().unwrap().to_string(),
+            node: "node-9".into(),
+        };
+        let actor = ActorRef::<Counter>::new(address, process.clone());
+        let call = tokio::spawn(async move { actor.call(Get).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!call.is_finished(), "nothing answers, so the call waits");
+        process.apply_event(&Event::ActorDied {
+            id: 7,
+            type_name: Counter::NAME.into(),
+            node: "node-9".into(),
+            reason: "node node-9 missed heartbeats".into(),
+        });
+        let outcome = tokio::time::timeout(Duration::from_secs(2), call)
+            .await
+            .expect("the call still waits for its connection")
+            .unwrap();
+        match outcome {
+            Err(Error::ActorDied { node, reason, .. }) => {
+                assert_eq!(node, "node-9");
+                assert!(reason.contains("missed heartbeats"), "{reason}");
+            }
+            other => panic!("expected ActorDied, got {other:?}"),
+        }
     }
 }
