@@ -187,7 +187,10 @@ pub fn local_ip_for(head: SocketAddr) -> AnyResult<IpAddr> {
 fn parse_addr(address: &str) -> AnyResult<SocketAddr> {
     use std::net::ToSocketAddrs;
     address
-        .to_socket_addrs()?
+        .to_socket_addrs()
+        .with_context(|| {
+            format!("cluster address `{address}`: expected HOST:PORT of a running head")
+        })?
         .next()
         .with_context(|| format!("cluster address `{address}` does not resolve"))
 }

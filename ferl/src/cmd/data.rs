@@ -27,7 +27,13 @@ pub fn run(c: DataCommand) -> anyhow::Result<()> {
     match c {
         DataCommand::Gsm8k(a) => {
             let out = ferl_data::expand_path(&a.local_dir);
-            let s = ferl_data::gsm8k::prepare_gsm8k(&a.input_dir, &out)?;
+            let existed = out.exists();
+            let s = ferl_data::gsm8k::prepare_gsm8k(&a.input_dir, &out).inspect_err(|_| {
+                // A refused input leaves no output folder behind (unless it existed before).
+                if !existed {
+                    let _ = std::fs::remove_dir_all(&out);
+                }
+            })?;
             println!(
                 "wrote {} ({} rows) and {} ({} rows)",
                 out.join("train.parquet").display(),

@@ -1,7 +1,7 @@
 //! `ferl export`: a checkpoint's model as a Hugging Face folder, from a single-process checkpoint or from a sharded
 //! one (`fsdp_meta.json` beside per-rank shards, as `ferl sft --nproc-per-node` writes) at any world size.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferl_fsdp::checkpoint::LoraExport;
 use ferl_trainer::model::lora::CHECKPOINT_ADAPTER_DIR;
@@ -32,14 +32,32 @@ pub struct ExportArgs {
     pub adapter_only: bool,
 }
 
-/// Writes the export.
+/// Writes the export. A refused or failed export leaves no `--out` folder behind (unless it existed before).
 pub fn run(a: ExportArgs) -> Result<()> {
+    let existed = a.out.exists();
+    let result = export(&a);
+    if result.is_err() && !existed {
+        let _ = std::fs::remove_dir_all(&a.out);
+    }
+    result?;
+    println!("exported {} to {}", a.checkpoint.display(), a.out.display());
+    Ok(())
+}
+
+/// Checks the inputs, then exports a sharded checkpoint or a Hugging Face folder.
+fn export(a: &ExportArgs) -> Result<()> {
+    if let Some(dir) = a.copy_from.as_deref().filter(|d| !d.is_dir()) {
+        bail!("--copy-from {}: no such folder", dir.display());
+    }
     let lora = match a.adapter_only {
         true => LoraExport::AdapterOnly,
         false => LoraExport::Merge,
     };
     if a.checkpoint.join("fsdp_meta.json").is_file() {
         let kind = ferl_trainer::checkpoint::export_kind(&a.dtype)?;
+        // Every file the checkpoint's meta.json records must verify: a corrupted shard is not exported.
+        ferl_trainer::checkpoint::verify(&a.checkpoint)
+            .with_context(|| format!("--checkpoint {}", a.checkpoint.display()))?;
         let side: Vec<&Path> = a.copy_from.iter().map(PathBuf::as_path).collect();
         let adapter = a.checkpoint.join(CHECKPOINT_ADAPTER_DIR);
         if a.merge_lora && !adapter.is_dir() {
@@ -49,15 +67,24 @@ pub fn run(a: ExportArgs) -> Result<()> {
                 adapter.display()
             );
         }
-        ferl_fsdp::checkpoint::export_sharded(&a.checkpoint, &a.out, kind, &side, lora)?;
+        ferl_fsdp::checkpoint::export_sharded(&a.checkpoint, &a.out, kind, &side, lora)
     } else if a.merge_lora || a.adapter_only {
         bail!(
             "--merge-lora/--adapter-only: {} is not a sharded ferl checkpoint (no fsdp_meta.json)",
             a.checkpoint.display()
         );
+    } else if !is_hf_folder(&a.checkpoint) {
+        bail!(
+            "--checkpoint {}: not a ferl checkpoint (no fsdp_meta.json) nor a Hugging Face folder (no config.json, \
+             nor a huggingface/ folder with one)",
+            a.checkpoint.display()
+        );
     } else {
-        ferl_trainer::checkpoint::export(&a.checkpoint, &a.out, &a.dtype)?;
+        ferl_trainer::checkpoint::export(&a.checkpoint, &a.out, &a.dtype)
     }
-    println!("exported {} to {}", a.checkpoint.display(), a.out.display());
-    Ok(())
+}
+
+/// Whether `dir` (or its `huggingface/` folder) holds a Hugging Face `config.json`.
+fn is_hf_folder(dir: &Path) -> bool {
+    dir.join("config.json").is_file() || dir.join("huggingface/config.json").is_file()
 }

@@ -101,8 +101,12 @@ impl LoadedPlugin {
     ) -> Result<Self> {
         let shown = file.display();
         // SAFETY: loading a library runs its initialisers; plugins are trusted code the user chose to load.
-        let library = unsafe { libloading::Library::new(copy) }
-            .map_err(|e| anyhow!("plugin {shown}: cannot load the library: {e}"))?;
+        let library = unsafe { libloading::Library::new(copy) }.map_err(|e| {
+            anyhow!(
+                "plugin {shown}: cannot load the library: {}",
+                dl_reason(&e, copy, file)
+            )
+        })?;
         let manifest_fn: ManifestFn = unsafe {
             *library.get::<ManifestFn>(MANIFEST_SYMBOL.as_bytes()).map_err(|_| {
                 anyhow!("plugin {shown}: missing symbol `{MANIFEST_SYMBOL}` (not a ferl plugin, or not exported with ferl_plugin_abi's export macros)")
@@ -318,5 +322,16 @@ impl Drop for LoadedPlugin {
         if let Some(copy) = &self.copy {
             let _ = std::fs::remove_file(copy);
         }
+    }
+}
+
+/// Why `dlopen` failed (the loader's own text, e.g. "invalid ELF header"), naming the user's file rather than the
+/// private copy that was opened.
+fn dl_reason(e: &libloading::Error, copy: &Path, file: &Path) -> String {
+    match std::error::Error::source(e) {
+        Some(why) => {
+            format!("{e}: {why}").replace(&copy.display().to_string(), &file.display().to_string())
+        }
+        None => e.to_string(),
     }
 }
