@@ -295,3 +295,14 @@ pub fn assert_curves_match(what: &str, got: &[StepRecord], want: &[StepRecord], 
         }
     }
 }
+
+/// The value after `prefix` in `text` (what a command printed), up to the next space, comma, `)` or line end.
+pub fn field<'a>(text: &'a str, prefix: &str) -> &'a str {
+    let at = text
+        .find(prefix)
+        .unwrap_or_else(|| panic!("no `{prefix}` in:\n{text}"));
+    text[at + prefix.len()..]
+        .split([' ', '\n', ',', ')'])
+        .next()
+        .unwrap()
+}

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ferl_tests::ferl_binary;
+use ferl_tests::{ferl_binary, field};
 
 /// Whether `pid` runs (a zombie does not).
 fn running(pid: u32) -> bool {
@@ -105,17 +105,6 @@ impl Machine {
         let text = self.ok(&["status", "--address", address, "--json"], &[]);
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("status JSON ({e}):\n{text}"))
     }
-}
-
-/// The value after `prefix` up to the next space, on the line that has it.
-fn field<'a>(text: &'a str, prefix: &str) -> &'a str {
-    let at = text
-        .find(prefix)
-        .unwrap_or_else(|| panic!("no `{prefix}` in:\n{text}"));
-    text[at + prefix.len()..]
-        .split([' ', '\n', ',', ')'])
-        .next()
-        .unwrap()
 }
 
 fn pid_of(started: &str) -> u32 {

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use ferl_actors::sft::{read_summary, RunSummary};
 use ferl_config::SftConfig;
-use ferl_tests::{driver_command, ferl_binary, reference_run, run_path, Fixture, LaunchPath};
+use ferl_tests::{
+    driver_command, ferl_binary, field, reference_run, run_path, Fixture, LaunchPath,
+};
 use ferl_trainer::run::{check, LaunchShape};
 
 const DRIVER: &str = env!("CARGO_BIN_EXE_ferl-sft-driver");
@@ -172,17 +174,6 @@ fn a_killed_rank_restarts_from_the_last_checkpoint_with_the_uninterrupted_losses
             && metrics.contains("\"system/restarts/rank_lost\":1.0"),
         "metrics.jsonl has no restart:\n{metrics}"
     );
-}
-
-/// The value after `prefix` up to the next space, `)` or line end.
-fn field<'a>(text: &'a str, prefix: &str) -> &'a str {
-    let at = text
-        .find(prefix)
-        .unwrap_or_else(|| panic!("no `{prefix}` in:\n{text}"));
-    text[at + prefix.len()..]
-        .split([' ', '\n', ',', ')'])
-        .next()
-        .unwrap()
 }
 
 /// A loopback cluster of this test: a head and one more node agent, one CPU each, with a private session root.

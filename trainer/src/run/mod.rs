@@ -17,7 +17,7 @@ pub mod restart;
 pub use gate::{check, compute_kind, cuda_is_available, device_of, LaunchShape};
 pub use plan::{adamw_config, lr_schedule, RunPlan};
 pub use report::{metric, mfu, peak_flops, step_values, MfuInputs};
-use restart::{replay_from, restart_executor, restart_values, ResumePoints};
+use restart::{restart_executor, restart_values, ResumePoints};
 pub use restart::{RestartPolicy, RestartRecord};
 
 use crate::checkpoint::{read_meta, resume_dir, step_dir, RunMeta};
@@ -253,7 +253,7 @@ impl Loop {
         s.last_checkpoint = (!first)
             .then(|| dir.to_path_buf())
             .or(s.last_checkpoint.take());
-        replay_from(&mut self.points, meta.global_step);
+        self.points.truncate(meta.global_step);
         tracing::info!(checkpoint = %dir.display(), step = meta.global_step, "resumed");
         Ok(())
     }
@@ -269,7 +269,7 @@ impl Loop {
             s.steps.clear();
             s.val_losses.clear();
             s.last_checkpoint = None;
-            replay_from(&mut self.points, 0);
+            self.points.truncate(0);
         }
         while self.step < self.plan.total_steps && !stopped(opts, &self.summary) {
             self.one_step(exec, cfg, opts)?;

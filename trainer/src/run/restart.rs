@@ -20,10 +20,9 @@ use std::time::Duration;
 
 /// Metric names of restarts.
 pub mod restart_metric {
-    /// Restarts of the run so far (logged at the first step after each restart).
+    /// Restarts of the run so far (logged at the first step after each restart); also the prefix of the count per
+    /// cause kind, `system/restarts/<cause>`.
     pub const RESTARTS: &str = "system/restarts";
-    /// Prefix of the restarts per cause kind: `system/restarts/<cause>`.
-    pub const BY_CAUSE: &str = "system/restarts";
     /// Ranks training after the restart.
     pub const WORLD_SIZE: &str = "system/world_size";
 }
@@ -87,7 +86,7 @@ impl ResumePoints {
     }
 
     /// Forgets saves after `step` (they are replayed).
-    fn truncate(&mut self, step: u64) {
+    pub(super) fn truncate(&mut self, step: u64) {
         self.saved.retain(|(s, _)| *s <= step);
     }
 }
@@ -136,11 +135,6 @@ pub(super) fn restart_executor(
     Ok((from, record))
 }
 
-/// Forgets this run's saves after `step`, which the loop replays.
-pub(super) fn replay_from(points: &mut ResumePoints, step: u64) {
-    points.truncate(step);
-}
-
 /// The metric values logged at the first step after a restart (invariant 3).
 pub(super) fn restart_values(records: &[RestartRecord]) -> Vec<(String, f64)> {
     let Some(last) = records.last() else {
@@ -153,7 +147,7 @@ pub(super) fn restart_values(records: &[RestartRecord]) -> Vec<(String, f64)> {
     vec![
         (restart_metric::RESTARTS.to_string(), records.len() as f64),
         (
-            format!("{}/{}", restart_metric::BY_CAUSE, last.cause_kind),
+            format!("{}/{}", restart_metric::RESTARTS, last.cause_kind),
             same as f64,
         ),
         (
