@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ./scripts/setup.sh
 source scripts/env.sh
-# The first-party plugins (loggers `tensorboard` and `csv`, dataset `alpaca`, kernels `liger`) are built with ferl:
-# cargo puts their libraries beside the binary, where `ferl` finds them without FERL_PLUGIN_PATH.
-cargo build --release -p ferl -p ferl-plugin-tensorboard -p ferl-plugin-csv -p ferl-plugin-alpaca -p ferl-plugin-liger
+# The first-party plugins (loggers `tensorboard` and `csv`, dataset `alpaca`, kernels `liger`, reward `gsm8k`) are
+# built with ferl: cargo puts their libraries beside the binary, where `ferl` finds them without FERL_PLUGIN_PATH.
+cargo build --release -p ferl -p ferl-plugin-tensorboard -p ferl-plugin-csv -p ferl-plugin-alpaca -p ferl-plugin-liger \
+  -p ferl-plugin-gsm8k
 ferl="${CARGO_TARGET_DIR:-target}/release/ferl"
 out="${FERL_DEMO_DIR:-runs/demo}"
 mkdir -p "$out"

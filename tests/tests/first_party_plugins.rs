@@ -10,11 +10,12 @@ use std::process::{Command, Output};
 use ferl_tests::*;
 
 /// The first-party plugin packages and their plugin names.
-const FIRST_PARTY: [(&str, &str); 4] = [
+const FIRST_PARTY: [(&str, &str); 5] = [
     ("ferl-plugin-tensorboard", "tensorboard"),
     ("ferl-plugin-csv", "csv"),
     ("ferl-plugin-alpaca", "alpaca"),
     ("ferl-plugin-liger", "liger"),
+    ("ferl-plugin-gsm8k", "gsm8k"),
 ];
 
 /// The file cargo gives package `package`'s cdylib.

@@ -14,6 +14,7 @@
 //! - [`metrics`]: the [`metrics::MetricsLogger`] trait and the registry of logger kinds (`console`, `jsonl`).
 //! - [`run`]: the run loop over a step executor (one process, actor ranks, launcher ranks), its config gate, plan
 //!   and metric names.
+//! - [`rl`]: verl's core_algos as pure tensor functions (GRPO/RLOO advantages, PPO clipped loss, KL, entropy).
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
 
 pub use ferl_config as config;
@@ -28,5 +29,6 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod rl;
 pub mod run;
 pub mod step;

@@ -1,5 +1,8 @@
 //! Template ferl plugin: a logger that appends one JSON object per step, `{"step": 3, "train/loss": 1.25}`, to the
-//! file named by its config string. Copy this crate to write your own plugin.
+//! file named by its config string, and a reward function ([`reward`], exported instead with `--features reward`).
+//! Copy this crate to write your own plugin.
+
+pub mod reward;
 
 use ferl_plugin_abi::logger::LoggerPlugin;
 use ferl_plugin_abi::Plugin;
@@ -68,7 +71,10 @@ impl LoggerPlugin for JsonlLogger {
     }
 }
 
+#[cfg(not(feature = "reward"))]
 ferl_plugin_abi::export_logger!(JsonlLogger);
+#[cfg(feature = "reward")]
+ferl_plugin_abi::export_reward!(reward::ExactMatch);
 
 #[cfg(test)]
 mod tests {

@@ -5,11 +5,12 @@
 //! - [`MANIFEST_SYMBOL`] (`ferl_plugin_manifest`) returning a [`Manifest`]: name, [`PluginKind`], version and the
 //!   [`FERL_PLUGIN_ABI_VERSION`] it was built against;
 //! - the table of its kind: [`DATASET_SYMBOL`] → [`dataset::DatasetVTable`], [`LOGGER_SYMBOL`] →
-//!   [`logger::LoggerVTable`] or [`KERNEL_SYMBOL`] → [`kernel::KernelVTable`].
+//!   [`logger::LoggerVTable`], [`KERNEL_SYMBOL`] → [`kernel::KernelVTable`] or [`REWARD_SYMBOL`] →
+//!   [`reward::RewardVTable`].
 //!
 //! Authors never write these by hand: they implement [`Plugin`] plus one of [`logger::LoggerPlugin`],
-//! [`dataset::DatasetPlugin`] or [`kernel::KernelOpImpl`] and call [`export_logger!`], [`export_dataset!`] or
-//! [`export_kernel!`].
+//! [`dataset::DatasetPlugin`], [`kernel::KernelOpImpl`] or [`reward::RewardPlugin`] and call [`export_logger!`],
+//! [`export_dataset!`], [`export_kernel!`] or [`export_reward!`].
 //!
 //! # Invariants (the host relies on them; tests in `ferl-plugin-host` name them)
 //! 1. **No unwinding crosses the boundary.** Every exported function runs the author's code under `catch_unwind`; a
@@ -25,6 +26,7 @@ pub mod dataset;
 pub mod kernel;
 pub mod logger;
 mod panic;
+pub mod reward;
 pub mod tensor;
 
 pub use panic::{guard, guard_status};
@@ -40,6 +42,8 @@ pub const DATASET_SYMBOL: &str = "ferl_plugin_dataset";
 pub const LOGGER_SYMBOL: &str = "ferl_plugin_logger";
 /// Name of the exported `extern "C" fn() -> *const KernelVTable` of a kernel plugin.
 pub const KERNEL_SYMBOL: &str = "ferl_plugin_kernel";
+/// Name of the exported `extern "C" fn() -> *const RewardVTable` of a reward plugin.
+pub const REWARD_SYMBOL: &str = "ferl_plugin_reward";
 
 /// Success.
 pub const STATUS_OK: i32 = 0;
@@ -58,6 +62,8 @@ pub enum PluginKind {
     Logger = 2,
     /// Replaces model ops ([`kernel`]).
     Kernel = 3,
+    /// Scores responses for RL ([`reward`]).
+    Reward = 4,
 }
 
 impl PluginKind {
@@ -67,6 +73,7 @@ impl PluginKind {
             1 => Some(Self::Dataset),
             2 => Some(Self::Logger),
             3 => Some(Self::Kernel),
+            4 => Some(Self::Reward),
             _ => None,
         }
     }
@@ -77,6 +84,7 @@ impl PluginKind {
             Self::Dataset => "dataset",
             Self::Logger => "logger",
             Self::Kernel => "kernel",
+            Self::Reward => "reward",
         }
     }
 
@@ -86,6 +94,7 @@ impl PluginKind {
             Self::Dataset => DATASET_SYMBOL,
             Self::Logger => LOGGER_SYMBOL,
             Self::Kernel => KERNEL_SYMBOL,
+            Self::Reward => REWARD_SYMBOL,
         }
     }
 }

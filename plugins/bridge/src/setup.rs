@@ -24,11 +24,12 @@ pub const NO_DEFAULT_PLUGINS_ENV: &str = "FERL_NO_DEFAULT_PLUGINS";
 
 /// The first-party plugins, found in the default folders: `(cargo package, plugin name)`. Their files are cargo's
 /// cdylib names of the packages ([`cdylib_file_name`], e.g. `libferl_plugin_tensorboard.so`).
-pub const FIRST_PARTY_PLUGINS: [(&str, &str); 4] = [
+pub const FIRST_PARTY_PLUGINS: [(&str, &str); 5] = [
     ("ferl-plugin-tensorboard", "tensorboard"),
     ("ferl-plugin-csv", "csv"),
     ("ferl-plugin-alpaca", "alpaca"),
     ("ferl-plugin-liger", "liger"),
+    ("ferl-plugin-gsm8k", "gsm8k"),
 ];
 
 /// The default plugin folders, searched for the first-party plugins after the job's own folders and

@@ -7,7 +7,9 @@
 //!   deleted when the last `Arc` goes.
 //! - [`PluginHost`] ([`registry`]): the plugins of a job by name: the current version of each, watched source files,
 //!   reload requests, step-boundary switching.
-//! - Kind wrappers: [`HotLogger`] ([`logger`]), [`DatasetInstance`] ([`dataset`]), [`KernelOpRef`] ([`kernel`]).
+//! - Kind wrappers: [`HotLogger`] ([`logger`]), [`DatasetInstance`] ([`dataset`]), [`KernelOpRef`] ([`kernel`]),
+//!   [`RewardInstance`] and [`HotReward`] ([`reward`]), the latter two implementing [`RewardFn`], the trait rewards
+//!   written in a driver implement too.
 //! - [`control`]: the run-directory control channel `ferl plugin list|reload` talks to; [`store`]: the
 //!   content-addressed cache the runtime ships plugin files through.
 //!
@@ -28,6 +30,7 @@ pub mod kernel;
 pub mod library;
 pub mod logger;
 pub mod registry;
+pub mod reward;
 pub mod store;
 
 pub use dataset::{DatasetExample, DatasetInstance};
@@ -37,6 +40,7 @@ pub use kernel::KernelOpRef;
 pub use library::{LoadedPlugin, PluginInfo};
 pub use logger::{HotLogger, LoggerInstance};
 pub use registry::{PluginHost, PluginStatus, Switch};
+pub use reward::{FnReward, HotReward, RewardFn, RewardInput, RewardInstance, RewardScores};
 pub use store::PluginStore;
 
 /// An error from a call into a plugin: which plugin, which call, what it said, and whether it panicked.

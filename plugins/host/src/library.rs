@@ -5,6 +5,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use ferl_plugin_abi::dataset::DatasetVTable;
 use ferl_plugin_abi::kernel::KernelVTable;
 use ferl_plugin_abi::logger::LoggerVTable;
+use ferl_plugin_abi::reward::RewardVTable;
 use ferl_plugin_abi::{
     ErrorMessage, Manifest, ManifestFn, PluginKind, FERL_PLUGIN_ABI_VERSION, MANIFEST_SYMBOL,
     STATUS_OK, STATUS_PANIC,
@@ -35,6 +36,7 @@ pub(crate) enum KindTable {
     Dataset(&'static DatasetVTable),
     Logger(&'static LoggerVTable),
     Kernel(&'static KernelVTable),
+    Reward(&'static RewardVTable),
 }
 
 /// One version of one plugin, loaded from its own copy of the file. Unloaded (and the copy deleted) on drop.
@@ -141,7 +143,7 @@ impl LoadedPlugin {
         let version = text(&manifest.version, "version")?;
         let description = text(&manifest.description, "description")?;
         let kind = PluginKind::from_raw(manifest.kind)
-            .ok_or_else(|| anyhow!("plugin {shown}: manifest names unknown kind {} (known: 1 dataset, 2 logger, 3 kernel)", manifest.kind))?;
+            .ok_or_else(|| anyhow!("plugin {shown}: manifest names unknown kind {} (known: 1 dataset, 2 logger, 3 kernel, 4 reward)", manifest.kind))?;
         if let Some(want) = expect {
             if want != kind {
                 bail!("plugin {shown}: manifest of `{name}` says kind {}, but a {} plugin was expected", kind.as_str(), want.as_str());
@@ -180,6 +182,13 @@ impl LoadedPlugin {
                     check_kernel_ops(&shown.to_string(), t)?;
                     KindTable::Kernel(t)
                 }
+                PluginKind::Reward => KindTable::Reward(load_table::<RewardVTable>(
+                    &library,
+                    symbol,
+                    &shown,
+                    |t| t.struct_size,
+                    &missing,
+                )?),
             }
         };
         let info = PluginInfo {

@@ -3,6 +3,8 @@
 //! - logger (default): config `PATH[;panic_at=STEP]`; appends `VERSION STEP NAME=VALUE` lines to `PATH` and panics
 //!   when asked to log step `STEP`. Its version is `FERL_TESTKIT_VERSION` at build time, so a test can build v1 and v2.
 //! - `dataset`: config `count=N[;panic_at=I]`; example `i` is the tokens `[i, i+1]` with mask `[0, 1]`; panics on `I`.
+//! - `reward`: config `[panic_at=I][;nan_at=J]`; the score of a row is its response's length in characters, extra
+//!   `gt_chars` the ground truth's; panics at row `I` of a batch, scores row `J` NaN.
 //! - `abi-mismatch`, `missing-table`: broken manifests the host must refuse.
 
 use ferl_plugin_abi::Plugin;
@@ -35,6 +37,7 @@ fn option(config: &str, key: &str) -> Result<Option<u64>, String> {
 
 #[cfg(not(any(
     feature = "dataset",
+    feature = "reward",
     feature = "abi-mismatch",
     feature = "missing-table"
 )))]
@@ -132,6 +135,60 @@ mod dataset {
     }
 
     ferl_plugin_abi::export_dataset!(TestDataset);
+}
+
+#[cfg(feature = "reward")]
+mod reward {
+    use super::*;
+    use ferl_plugin_abi::reward::{RewardInput, RewardPlugin, RewardScore};
+
+    /// Lengths as scores, with panics and NaNs on request.
+    pub struct TestReward {
+        panic_at: Option<u64>,
+        nan_at: Option<u64>,
+    }
+
+    impl Plugin for TestReward {
+        const NAME: &'static str = Testkit::NAME;
+        const VERSION: &'static str = Testkit::VERSION;
+        const DESCRIPTION: &'static str = Testkit::DESCRIPTION;
+    }
+
+    impl RewardPlugin for TestReward {
+        fn open(config: &str) -> Result<Self, String> {
+            Ok(Self {
+                panic_at: option(config, "panic_at")?,
+                nan_at: option(config, "nan_at")?,
+            })
+        }
+
+        fn extra_names(&self) -> Vec<String> {
+            vec!["gt_chars".to_string()]
+        }
+
+        fn score(&mut self, _row: &RewardInput<'_>) -> Result<RewardScore, String> {
+            Err("testkit scores whole batches".to_string())
+        }
+
+        fn score_batch(&mut self, rows: &[RewardInput<'_>]) -> Result<Vec<RewardScore>, String> {
+            let mut out = Vec::with_capacity(rows.len());
+            for (i, row) in rows.iter().enumerate() {
+                if self.panic_at == Some(i as u64) {
+                    panic!("testkit reward was told to panic at row {i}");
+                }
+                let score = if self.nan_at == Some(i as u64) {
+                    f32::NAN
+                } else {
+                    row.response.chars().count() as f32
+                };
+                let extras = vec![row.ground_truth.chars().count() as f32];
+                out.push(RewardScore { score, extras });
+            }
+            Ok(out)
+        }
+    }
+
+    ferl_plugin_abi::export_reward!(TestReward);
 }
 
 #[cfg(feature = "abi-mismatch")]
