@@ -1,6 +1,8 @@
 //! An actor runtime tour: embedded cluster, a typed actor with call / tell / stream, a resource group with a
-//! worker group (broadcast, split-and-gather, rank 0), and the head's key-value store.
+//! worker group (broadcast, one message per rank, split-and-gather, rank 0), a call with a deadline, an object put
+//! once and read by every rank, and the head's key-value store.
 //! Run: `cargo run -p ferl-examples --example actors`
+use ferl::runtime::ObjectRef;
 use ferl::{bundle, Actor, Context, Handler, SpawnOptions, Strategy, WorkerGroup};
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Mutex;
@@ -14,11 +16,13 @@ struct Push(Vec<u64>);
 /// Which rank am I?
 #[derive(Archive, Serialize, Deserialize, Clone)]
 struct Rank;
-ferl::message!(Push => u64; Rank => String);
+/// Sum the bytes of an object.
+#[derive(Archive, Serialize, Deserialize, Clone)]
+struct SumBytes(ObjectRef);
+ferl::message!(Push => u64; Rank => String; SumBytes => u64);
 
 impl Actor for Summer {
     type Args = ();
-    const NAME: &'static str = "examples.Summer";
     async fn start(_: (), _: &Context) -> anyhow::Result<Self> {
         Ok(Summer(Mutex::new(Vec::new())))
     }
@@ -35,7 +39,14 @@ impl Handler<Rank> for Summer {
         Ok(std::env::var("RANK").unwrap_or_default())
     }
 }
-ferl::register_actor!(Summer, calls: [Push, Rank]);
+impl Handler<SumBytes> for Summer {
+    async fn handle(&self, m: SumBytes, ctx: &Context) -> anyhow::Result<u64> {
+        let bytes = ctx.cluster().get(&m.0).await?; // fetched once per node
+        Ok(bytes.iter().map(|b| *b as u64).sum())
+    }
+}
+// Registered as `actors::Summer` (the name is derived as `message!` derives one).
+ferl::register_actor!(Summer, calls: [Push, Rank, SumBytes]);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -62,6 +73,16 @@ async fn main() -> anyhow::Result<()> {
             .await?
     );
     println!("rank 0 = {}", workers.call_rank0(Push(vec![])).await?);
+    let each = workers.call_each(vec![Push(vec![100]), Push(vec![200])]);
+    println!("each = {:?}", each.await?);
+    let late = workers
+        .rank(1)
+        .call(Push(vec![]))
+        .timeout(Duration::from_secs(5));
+    println!("rank 1 within 5 s = {}", late.await?);
+    let batch = cluster.put(vec![1u8; 1 << 20])?; // freed when `batch` (and its clones here) drop
+    let sums = workers.call_all(SumBytes(batch.clone())).await?;
+    println!("object sums = {sums:?}");
 
     cluster
         .kv_put("rendezvous", b"127.0.0.1:29500".to_vec())

@@ -36,12 +36,25 @@ pub trait StreamMessage: Wire {
     const NAME: &'static str;
 }
 
+/// The name [`register_actor!`](crate::register_actor) and [`actor_dispatch!`](crate::actor_dispatch) derive for
+/// an actor type, as [`message!`](crate::message) does for messages: the registering module's path and the type
+/// as written (`my_crate::actors::Summer`). Implemented by those macros only.
+#[diagnostic::on_unimplemented(
+    message = "actor type `{Self}` is not registered",
+    label = "register it with `ferl_runtime::register_actor!({Self}, calls: [...])`"
+)]
+pub trait ActorName {
+    /// The derived name.
+    const DERIVED_NAME: &'static str;
+}
+
 /// An actor type: state built by an async constructor from wire-encoded arguments, living in one process.
-pub trait Actor: Send + Sync + Sized + 'static {
+pub trait Actor: ActorName + Send + Sync + Sized + 'static {
     /// Constructor arguments (sent to the worker process that builds the actor).
     type Args: Wire;
-    /// Name the registry knows this type by.
-    const NAME: &'static str;
+    /// Name the registry knows this type by: by default the name the registration macro derives
+    /// ([`ActorName`]); set it to keep a fixed name (one that does not move with the code).
+    const NAME: &'static str = <Self as ActorName>::DERIVED_NAME;
     /// Builds the actor; re-run on every restart.
     fn start(args: Self::Args, ctx: &Context) -> impl Future<Output = anyhow::Result<Self>> + Send;
 }
@@ -305,6 +318,9 @@ macro_rules! stream_message {
 #[macro_export]
 macro_rules! actor_dispatch {
     ($actor:ty $(, calls: [$($m:ty),* $(,)?])? $(, streams: [$($s:ty),* $(,)?])? $(,)?) => {
+        impl $crate::ActorName for $actor {
+            const DERIVED_NAME: &'static str = concat!(module_path!(), "::", stringify!($actor));
+        }
         impl $crate::Dispatchable for $actor {
             fn dispatch() -> &'static $crate::Dispatch {
                 static TABLE: ::std::sync::OnceLock<$crate::Dispatch> = ::std::sync::OnceLock::new();
@@ -320,7 +336,8 @@ macro_rules! actor_dispatch {
 }
 
 /// Registers an actor type by name with its messages, from any crate:
-/// `ferl_runtime::register_actor!(Counter, calls: [Add, Get], streams: [CountTo]);`
+/// `ferl_runtime::register_actor!(Counter, calls: [Add, Get], streams: [CountTo]);`. The name is derived as
+/// [`message!`](crate::message) derives one (`module_path!()::Counter`) unless the `impl Actor` sets `NAME`.
 #[macro_export]
 macro_rules! register_actor {
     ($actor:ty $(, calls: [$($m:ty),* $(,)?])? $(, streams: [$($s:ty),* $(,)?])? $(,)?) => {

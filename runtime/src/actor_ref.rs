@@ -1,10 +1,15 @@
 //! [`ActorRef`]: a typed handle on an actor anywhere in the cluster. The same code path serves in-process,
 //! cross-process and cross-node actors; only the delivery differs (a local mailbox or a connection).
 
+use std::future::Future;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
 
 use crate::actor::{Actor, Handler, Message, StreamHandler, StreamMessage};
 use crate::error::{Error, Result};
@@ -225,15 +230,64 @@ impl<A> ActorRef<A> {
     }
 }
 
+/// A call on its way: await it for the reply, or give it a deadline with [`Call::timeout`]. Nothing is sent until
+/// it is first polled.
+#[must_use = "a call does nothing until it is awaited"]
+pub struct Call<'a, R> {
+    actor: ActorRef<()>,
+    message: &'static str,
+    reply: BoxFuture<'a, Result<R>>,
+}
+
+impl<R> Future for Call<'_, R> {
+    type Output = Result<R>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<R>> {
+        self.get_mut().reply.as_mut().poll(cx)
+    }
+}
+
+impl<'a, R: Send + 'a> Call<'a, R> {
+    /// The reply, or [`Error::Timeout`] (naming the actor, its node and the message) when none came within
+    /// `after`. The actor may still handle the message; its late reply is dropped.
+    pub async fn timeout(self, after: Duration) -> Result<R> {
+        match tokio::time::timeout(after, self.reply).await {
+            Ok(reply) => reply,
+            Err(_) => Err(Error::Timeout {
+                actor: self.actor.label(),
+                node: self.actor.current().node,
+                message: self.message.to_string(),
+                after,
+            }),
+        }
+    }
+}
+
 impl<A: Actor> ActorRef<A> {
-    /// Sends `msg` and waits for the reply.
-    pub async fn call<M: Message>(&self, msg: M) -> Result<M::Reply>
+    /// Sends `msg` and waits for the reply; `.timeout(d)` bounds the wait ([`Call::timeout`]).
+    pub fn call<M: Message>(&self, msg: M) -> Call<'_, M::Reply>
     where
         A: Handler<M>,
     {
-        let handle = self.send(M::NAME, CallKind::Call, msg.to_wire()?).await?;
-        let bytes = handle.once().await.map_err(|e| self.explain(e))?;
-        Ok(M::Reply::from_wire_owned(bytes)?)
+        let payload = msg.to_wire();
+        Call {
+            actor: self.untyped(),
+            message: M::NAME,
+            reply: Box::pin(async move {
+                let handle = self.send(M::NAME, CallKind::Call, payload?).await?;
+                let bytes = handle.once().await.map_err(|e| self.explain(e))?;
+                Ok(M::Reply::from_wire_owned(bytes)?)
+            }),
+        }
+    }
+
+    /// The node this actor lives on now (it changes when a restart moves it).
+    pub fn node(&self) -> String {
+        self.current().node
+    }
+
+    /// The actor's type and id, as errors name it (`ferl_runtime::testbed::Counter 7`).
+    pub fn name(&self) -> String {
+        self.label()
     }
 
     /// Sends `msg` without waiting for it to be handled (it is queued in order with this sender's other messages).

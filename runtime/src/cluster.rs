@@ -548,6 +548,40 @@ impl Cluster {
             .await
     }
 
+    /// Keeps `bytes` in this process's object store and returns the owner's handle: pass it (or clones) in
+    /// messages, and any actor reads the bytes with [`Cluster::get`], fetched once per node. The bytes are freed
+    /// when the last handle in this process drops (the rule is on [`ObjectRef`](crate::ObjectRef)).
+    pub fn put(&self, bytes: impl Into<crate::SharedBytes>) -> Result<crate::ObjectRef> {
+        crate::objects::put(&self.process, bytes.into())
+    }
+
+    /// The bytes of an object, from this process, its node's cache, or (once per node) its owner.
+    pub async fn get(&self, object: &crate::ObjectRef) -> Result<crate::SharedBytes> {
+        crate::objects::get(&self.process, object).await
+    }
+
+    /// What the object store holds: this process's with `None`, else the node agent's of the node so named.
+    pub async fn object_stats(&self, node: Option<&str>) -> Result<crate::ObjectStats> {
+        let Some(name) = node else {
+            return Ok(crate::objects::stats(&self.process));
+        };
+        let status = self.status().await?;
+        let address = status["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["name"] == name)
+            .and_then(|n| n["address"].as_str())
+            .ok_or_else(|| Error::Cluster(format!("no node named `{name}` in the cluster")))?;
+        let addr: SocketAddr = address
+            .parse()
+            .map_err(|_| Error::Cluster(format!("node `{name}` has a bad address `{address}`")))?;
+        let query = crate::objects::QueryObjects;
+        self.process
+            .call_at(addr, crate::process::OBJECT_ACTOR, &query)
+            .await
+    }
+
     /// Cluster events (node joins and deaths, actor restarts and deaths) from now on.
     pub fn events(&self) -> broadcast::Receiver<Event> {
         self.process.events.subscribe()

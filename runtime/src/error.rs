@@ -48,9 +48,47 @@ pub enum Error {
     /// A control-plane request failed (placement, spawn, lookup...).
     #[error("{0}")]
     Cluster(String),
+    /// A call given a deadline with [`crate::actor_ref::Call::timeout`] had no reply in time (the actor may still
+    /// handle the message; its reply is dropped).
+    #[error("{message} to actor {actor} on {node} had no reply within {after:?}")]
+    Timeout {
+        /// Actor type and id.
+        actor: String,
+        /// Node name.
+        node: String,
+        /// The message type.
+        message: String,
+        /// The deadline.
+        after: std::time::Duration,
+    },
+    /// A call to one rank of a worker group failed ([`crate::WorkerGroup::call_each`]); `cause` is what failed.
+    #[error("rank {rank} ({actor} on {node}): {cause}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// Actor type and id.
+        actor: String,
+        /// Node name.
+        node: String,
+        /// The rank's own error.
+        cause: Box<Error>,
+    },
 }
 
 impl Error {
+    /// The error itself, or for [`Error::Rank`] the rank's own error (what a caller matches on).
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Rank { cause, .. } => cause.root(),
+            other => other,
+        }
+    }
+
+    /// Whether the actor (or its connection) is gone, rather than a handler having failed.
+    pub fn is_actor_death(&self) -> bool {
+        matches!(self.root(), Error::ActorDied { .. } | Error::Lost { .. })
+    }
+
     pub(crate) fn from_remote(actor: u64, error: Option<RemoteError>) -> Self {
         match error {
             Some(RemoteError {

@@ -24,6 +24,7 @@
 //! - a call is routed: [`actor_ref`] → [`process`] (local mailbox or connection) → [`transport`] → [`host`]
 //! - placement: [`placement`] (pure) applied by [`head`]; liveness: [`membership`]; restarts: [`supervision`]
 //! - worker processes: [`node`] starts them, [`worker`] is their side
+//! - objects put once and read on every node: [`objects`] (owner store, node caches, lifetime rule)
 //!
 //! ## A driver
 //! ```no_run
@@ -43,14 +44,16 @@
 //! - start: [`init`] (embedded head + node), [`connect`] (running cluster), [`connect_or_init`] (`FERL_ADDRESS`);
 //! - reserve: [`Cluster::create_group`] with bundles made by [`bundle`] (`{"CPU": 1}` or `{"GPU": 1}`);
 //! - spawn: [`Cluster::spawn`] with [`SpawnOptions::in_bundle`], [`SpawnOptions::env`], `max_restarts`, `name`;
-//! - drive: [`WorkerGroup::spawn`], [`WorkerGroup::call_all`], [`WorkerGroup::call_split`],
-//!   [`WorkerGroup::call_rank0`];
+//! - drive: [`WorkerGroup::spawn`], [`WorkerGroup::call_all`], [`WorkerGroup::call_each`],
+//!   [`WorkerGroup::call_split`], [`WorkerGroup::call_rank0`]; a deadline: [`Call::timeout`];
+//! - share large inputs: [`Cluster::put`] → [`ObjectRef`], read anywhere with [`Cluster::get`] (once per node);
 //! - rendezvous: [`Cluster::kv_put`], [`Cluster::kv_get`], [`Cluster::kv_wait`] (also from inside an actor through
 //!   [`Context::cluster`]);
-//! - failures: [`Error::ActorDied`], [`Cluster::events`].
+//! - failures: [`Error::ActorDied`], [`Error::Rank`], [`Error::Timeout`], [`Cluster::events`].
 //!
 //! Message types from other crates: derive `rkyv::{Archive, Serialize, Deserialize}`, then
-//! `ferl_runtime::message!(MyMsg => MyReply);` and `ferl_runtime::register_actor!(MyActor, calls: [MyMsg]);`.
+//! `ferl_runtime::message!(MyMsg => MyReply);` and `ferl_runtime::register_actor!(MyActor, calls: [MyMsg]);` (both name
+//! the type `module_path::Type`; an `impl Actor` that sets `NAME` keeps that name).
 
 pub mod actor;
 pub mod actor_ref;
@@ -64,6 +67,7 @@ pub mod host;
 pub mod join;
 pub mod membership;
 pub mod node;
+pub mod objects;
 pub mod placement;
 pub mod process;
 pub mod protocol;
@@ -79,10 +83,10 @@ pub mod worker;
 pub mod worker_group;
 
 pub use actor::{
-    call_entry, lookup, register, registered_names, stream_entry, Actor, ActorFactory, Context,
-    Dispatch, Dispatchable, Handler, ItemSink, Message, StreamHandler, StreamMessage,
+    call_entry, lookup, register, registered_names, stream_entry, Actor, ActorFactory, ActorName,
+    Context, Dispatch, Dispatchable, Handler, ItemSink, Message, StreamHandler, StreamMessage,
 };
-pub use actor_ref::{ActorRef, ReplyStream};
+pub use actor_ref::{ActorRef, Call, ReplyStream};
 pub use binary::file_chunks_served;
 pub use blobs::{shipped_file, shipped_files};
 pub use cluster::{
@@ -92,6 +96,7 @@ pub use cluster::{
 pub use error::{Error, Result};
 pub use head::JOBS_PREFIX;
 pub use inventory;
+pub use objects::{ObjectRef, ObjectStats};
 pub use protocol::{ActorAddress, Event, Resources, Strategy};
 pub use shared_bytes::SharedBytes;
 pub use wire::Wire;

@@ -100,6 +100,8 @@ impl NodeAgent {
             .expect("agent not shared yet")
             .name = name.clone();
         process.host(NODE_ACTOR, agent.clone(), 1024, 4096);
+        let _ = process.node.set((process.addr, name.clone()));
+        crate::objects::host_service(process);
         tracing::info!(node = %name, addr = %process.addr, "node agent registered");
         let beat = agent.clone();
         tokio::spawn(async move {

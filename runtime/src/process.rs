@@ -26,6 +26,8 @@ pub const HEAD_ACTOR: u64 = 1;
 pub const NODE_ACTOR: u64 = 2;
 /// Well-known actor id of the binary server (in each driver process).
 pub const BINARY_ACTOR: u64 = 3;
+/// Well-known actor id of the object service (in owners of objects and in each node agent; `objects.rs`).
+pub const OBJECT_ACTOR: u64 = 4;
 /// Ids of actors hosted only in-process start here (head-assigned ids are small).
 const LOCAL_ID_BASE: u64 = 1 << 62;
 
@@ -51,6 +53,10 @@ pub struct Process {
     pub(crate) moved: DashMap<u64, ActorAddress>,
     pub(crate) events: broadcast::Sender<Event>,
     pub(crate) head: OnceLock<SocketAddr>,
+    /// The node agent this process belongs to (address, node name); its own address in a node agent.
+    pub(crate) node: OnceLock<(SocketAddr, String)>,
+    /// Objects this process owns or (in a node agent) caches.
+    pub(crate) objects: crate::objects::ObjectStore,
     join: OnceLock<JoinHandler>,
     next_local: AtomicU64,
 }
@@ -70,6 +76,8 @@ impl Process {
             moved: DashMap::new(),
             events: broadcast::channel(1024).0,
             head: OnceLock::new(),
+            node: OnceLock::new(),
+            objects: Default::default(),
             join: OnceLock::new(),
             next_local: AtomicU64::new(LOCAL_ID_BASE),
         });

@@ -9,6 +9,7 @@ use anyhow::{bail, Result};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::actor::{Actor, Context, Handler, ItemSink, StreamHandler};
+use crate::objects::ObjectRef;
 use crate::shared_bytes::SharedBytes;
 
 /// A counter: adds, reports, records the order of tagged messages, and can crash or sleep on request.
@@ -59,6 +60,9 @@ pub struct Pid;
 /// Fail with an error message.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct Fail(pub String);
+/// Read an object from the store; replies with its length and sha256 (hex).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ObjectDigest(pub ObjectRef);
 /// Stream the numbers `0..n`.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct CountTo(pub u64);
@@ -76,12 +80,12 @@ crate::message! {
     GetEnv => Option<String>;
     Pid => u32;
     Fail => ();
+    ObjectDigest => (u64, String);
 }
 crate::stream_message!(CountTo => u64);
 
 impl Actor for Counter {
     type Args = u64;
-    const NAME: &'static str = "ferl.testbed.Counter";
     async fn start(start: u64, _: &Context) -> Result<Self> {
         if start == u64::MAX {
             bail!("refusing to start at u64::MAX (constructor failure test)");
@@ -103,7 +107,8 @@ impl Counter {
     }
 }
 
-crate::register_actor!(Counter, calls: [Add, Get, Record, Recorded, Sleep, Echo, Sink, SinkShared, EchoShared, GetEnv, Pid, Fail],
+crate::register_actor!(Counter, calls: [Add, Get, Record, Recorded, Sleep, Echo, Sink, SinkShared, EchoShared, GetEnv, Pid, Fail,
+    ObjectDigest],
     streams: [CountTo]);
 
 impl Handler<Add> for Counter {
@@ -166,6 +171,16 @@ impl Handler<Pid> for Counter {
 impl Handler<Fail> for Counter {
     async fn handle(&self, m: Fail, _: &Context) -> Result<()> {
         bail!("asked to fail: {}", m.0)
+    }
+}
+impl Handler<ObjectDigest> for Counter {
+    async fn handle(&self, m: ObjectDigest, ctx: &Context) -> Result<(u64, String)> {
+        use sha2::Digest;
+        let bytes = ctx.cluster().get(&m.0).await?;
+        Ok((
+            bytes.len() as u64,
+            hex::encode(sha2::Sha256::digest(&bytes)),
+        ))
     }
 }
 impl StreamHandler<CountTo> for Counter {

@@ -95,6 +95,9 @@ async fn run(id: String) -> Result<()> {
         Duration::from_secs(10),
     )?;
     let _ = process.head.set(head);
+    let _ = process
+        .node
+        .set((node, var(env::NODE_NAME).unwrap_or_default()));
     let spec = process
         .call_at(
             node,

@@ -2,12 +2,12 @@
 //! index); the driver broadcasts a call, splits a batch across ranks and gathers replies in rank order, or calls
 //! rank 0 only.
 
-use futures::future::try_join_all;
+use futures::future::{join_all, try_join_all};
 
 use crate::actor::{Actor, Handler, Message};
 use crate::actor_ref::ActorRef;
 use crate::cluster::{Cluster, ResourceGroup, SpawnOptions};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// N actors of type `A`, one per bundle, in rank order.
 pub struct WorkerGroup<A> {
@@ -81,6 +81,31 @@ impl<A: Actor> WorkerGroup<A> {
         try_join_all(self.members.iter().map(|m| m.call(msg.clone()))).await
     }
 
+    /// Sends message `i` to rank `i`, all at once (ranks that meet in collectives need each other), and gathers the
+    /// replies in rank order. Every call runs to its end; when some fail, the error is [`Error::Rank`] naming the
+    /// rank, its actor and node, and a rank whose actor died is preferred over the others, whose failures (a
+    /// collective that lost its peer) are its consequence. Fails at once, sending nothing, unless there is exactly
+    /// one message per rank.
+    pub async fn call_each<M: Message>(&self, messages: Vec<M>) -> Result<Vec<M::Reply>>
+    where
+        A: Handler<M>,
+    {
+        if messages.len() != self.members.len() {
+            return Err(Error::Cluster(format!(
+                "call_each got {} messages of {} for a group of {} ranks",
+                messages.len(),
+                M::NAME,
+                self.members.len()
+            )));
+        }
+        let calls = self
+            .members
+            .iter()
+            .zip(messages)
+            .map(|(m, msg)| m.call(msg));
+        gather(&self.members, join_all(calls).await)
+    }
+
     /// Splits `items` evenly by rank, builds one message per chunk, and gathers replies in rank order.
     pub async fn call_split<T, M: Message>(
         &self,
@@ -108,6 +133,28 @@ impl<A: Actor> WorkerGroup<A> {
     {
         self.members[0].call(msg).await
     }
+}
+
+/// Replies in rank order, or the error of the first rank whose actor died, else of the first rank that failed.
+fn gather<A: Actor, R>(members: &[ActorRef<A>], replies: Vec<Result<R>>) -> Result<Vec<R>> {
+    let failed = replies
+        .iter()
+        .position(|r| r.as_ref().is_err_and(Error::is_actor_death))
+        .or_else(|| replies.iter().position(Result::is_err));
+    let Some(rank) = failed else {
+        return replies.into_iter().collect();
+    };
+    let cause = replies
+        .into_iter()
+        .nth(rank)
+        .and_then(Result::err)
+        .expect("an error");
+    Err(Error::Rank {
+        rank,
+        actor: members[rank].name(),
+        node: members[rank].node(),
+        cause: Box::new(cause),
+    })
 }
 
 #[cfg(test)]

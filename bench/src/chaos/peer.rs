@@ -182,6 +182,8 @@ pub fn error_name(e: &ferl::Error) -> &'static str {
         ferl::Error::Codec(_) => "codec",
         ferl::Error::Transport(_) => "transport",
         ferl::Error::Cluster(_) => "cluster",
+        ferl::Error::Timeout { .. } => "timeout",
+        ferl::Error::Rank { cause, .. } => error_name(cause),
     }
 }
 
