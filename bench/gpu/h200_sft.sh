@@ -16,8 +16,9 @@
 #
 # Knobs (environment): STEPS (default 20), BATCH (samples per step, default 16), MICRO (micro-batch, default 8),
 # CKPT=1 (gradient checkpointing; off by default — 80 GB+ of HBM fits micro-batch 8 x 2048 without it), SEQ (2048),
-# PEAK_TFLOPS (989), PYTHON (an interpreter with torch), SKIP_FSDP=1.
-# A dry run on a CPU machine: DEVICE=cpu SHAPE=test SEQ=64 STEPS=2 BATCH=2 MICRO=1 bench/gpu/h200_sft.sh
+# PEAK_TFLOPS (989), PYTHON (an interpreter with torch), SKIP_FSDP=1, PACKED_LEN (8192: the packed attention rows,
+# GSM8K sequences in one row, ms of forward + backward by torch's variable-length kernel beside the dense mask).
+# A dry run on a CPU machine: DEVICE=cpu SHAPE=test SEQ=64 STEPS=2 BATCH=2 MICRO=1 PACKED_LEN=512 bench/gpu/h200_sft.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -71,4 +72,7 @@ if [ "${SKIP_FSDP:-0}" != 1 ]; then
     timeout 180 "$BIN" "${args[@]}" --steps $(( STEPS < 6 ? STEPS : 6 )) --store fsdp \
         || fail "the FULL_SHARD run failed (exit $?)"
 fi
+echo "== packed attention (use_remove_padding): varlen kernel beside the dense T x T mask it replaced =="
+timeout 120 "$BIN" train --packed-attention --packed-len "${PACKED_LEN:-8192}" --device "$DEVICE" --dtype bf16 \
+    || fail "the packed attention run failed (exit $?)"
 echo "H200 SFT BENCH DONE"

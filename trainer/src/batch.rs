@@ -2,8 +2,9 @@
 //! flat row indices whose next token is a training target (only those rows ever reach the output projection).
 
 use crate::model::layers::Attention;
+use crate::model::varlen::Varlen;
 use anyhow::{bail, Result};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 /// One tokenized sample: `loss_mask[t]` means token `t` is a target, predicted from position `t - 1`.
 #[derive(Clone, Copy, Debug)]
@@ -36,7 +37,7 @@ pub struct MicroBatch {
     pub input_ids: Tensor,
     /// `[B, T]` position ids (restart at 0 per sample).
     pub positions: Tensor,
-    /// Causal, or a packed block-diagonal mask.
+    /// Causal for padded rows; the packed sequences' boundaries for a packed row.
     pub attention: Attention,
     /// `[N]` indices into the flattened `[B * T]` positions whose next token is a target.
     pub target_rows: Tensor,
@@ -73,7 +74,6 @@ impl MicroBatch {
         };
         let mut ids = vec![0i64; rows * width];
         let mut pos = vec![0i64; rows * width];
-        let mut segment = vec![-1i64; rows * width];
         let mut target_rows = Vec::new();
         let mut target_ids = Vec::new();
         let mut offset = 0usize;
@@ -86,7 +86,6 @@ impl MicroBatch {
             for (t, (&id, &m)) in s.input_ids.iter().zip(s.loss_mask).enumerate() {
                 ids[start + t] = id;
                 pos[start + t] = t as i64;
-                segment[start + t] = i as i64;
                 if t > 0 && m {
                     target_rows.push((start + t - 1) as i64);
                     target_ids.push(id);
@@ -97,16 +96,8 @@ impl MicroBatch {
         let attention = match layout {
             Layout::Padded => Attention::Causal,
             Layout::Packed => {
-                let seg = Tensor::from_slice(&segment).to_device(device);
-                let same = seg.unsqueeze(1).eq_tensor(&seg.unsqueeze(0));
-                let causal =
-                    Tensor::ones([width as i64, width as i64], (Kind::Bool, device)).tril(0);
-                Attention::Masked(same.logical_and(&causal).view([
-                    1,
-                    1,
-                    width as i64,
-                    width as i64,
-                ]))
+                let lens: Vec<i64> = samples.iter().map(|s| s.input_ids.len() as i64).collect();
+                Attention::Varlen(Varlen::new(&lens, device)?)
             }
         };
         Ok(Self {

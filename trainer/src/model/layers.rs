@@ -7,14 +7,15 @@
 use super::config::ModelConfig;
 use super::layout::DecoderParam;
 use super::lora::Proj;
+use super::varlen::Varlen;
 use tch::{Kind, Tensor};
 
 /// How tokens of one micro-batch may attend to each other.
 pub enum Attention {
     /// Right-padded rows: plain causal attention (real tokens never see the padding after them).
     Causal,
-    /// Several sequences packed in one row: a `[1, 1, T, T]` boolean mask, true where attention is allowed.
-    Masked(Tensor),
+    /// Several sequences packed in one row (`[1, T]`), each attending causally to itself only.
+    Varlen(Varlen),
 }
 
 /// Cosine and sine tables of rotary embeddings for the given positions, `[B, T, head_dim]` in `kind`.
@@ -108,9 +109,7 @@ pub fn attention(
         Attention::Causal => {
             Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, gqa)
         }
-        Attention::Masked(mask) => {
-            Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, gqa)
-        }
+        Attention::Varlen(packed) => packed.attend(&q, &k, &v, gqa),
     };
     let o = o
         .transpose(1, 2)

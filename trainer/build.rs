@@ -1,0 +1,21 @@
+//! Compiles `csrc/varlen_attention.cpp` (torch's variable-length attention kernels, which tch does not expose)
+//! against the libtorch headers of the libtorch torch-sys links (its `links = "tch"` metadata names the folder).
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=csrc/varlen_attention.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
+        .expect("torch-sys did not export the libtorch folder (DEP_TCH_LIBTORCH_LIB)");
+    let include = std::path::Path::new(&lib).join("../include");
+    let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".into());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .file("csrc/varlen_attention.cpp")
+        .compile("ferl_varlen_attention");
+}
