@@ -5,7 +5,7 @@
 
 use anyhow::{Context as _, Result};
 use ferl_config::SftConfig;
-use ferl_data::{rank_shard, steps_per_epoch, SftDataset};
+use ferl_data::{rank_shard, steps_per_epoch, Batching, RankMicroBatches, SftDataset};
 use ferl_plugin_bridge::plugin_dataset;
 use ferl_plugin_host::PluginHost;
 use ferl_runtime::{Actor, Context, Handler};
@@ -23,6 +23,46 @@ pub fn split_samples(dataset: &SftDataset, indices: &[usize], world: usize) -> V
                 .collect()
         })
         .collect()
+}
+
+/// The micro-batches of every rank for the global batch `indices` of `dataset`, as `batching` plans them.
+pub fn plan_batch(
+    dataset: &SftDataset,
+    indices: &[usize],
+    world: usize,
+    batching: Batching,
+) -> Result<Vec<RankMicroBatches>> {
+    let lengths: Vec<usize> = indices.iter().map(|&i| dataset.get(i).len()).collect();
+    batching.plan(indices, &lengths, world)
+}
+
+/// One rank's share of the global batch `indices` of `dataset` in its planned micro-batches `micro`: the samples,
+/// micro-batch after micro-batch, and the size of each micro-batch.
+pub fn rank_share(
+    dataset: &SftDataset,
+    indices: &[usize],
+    micro: &RankMicroBatches,
+) -> (Vec<Sample>, Vec<u64>) {
+    let samples = micro
+        .iter()
+        .flatten()
+        .map(|&p| Sample::from(dataset.get(indices[p])))
+        .collect();
+    (samples, micro.iter().map(|m| m.len() as u64).collect())
+}
+
+/// Every rank's share of the global batch `indices` of `dataset` ([`plan_batch`], [`rank_share`]).
+pub fn plan_shares(
+    dataset: &SftDataset,
+    indices: &[usize],
+    world: usize,
+    batching: Batching,
+) -> Result<Vec<(Vec<Sample>, Vec<u64>)>> {
+    let plan = plan_batch(dataset, indices, world, batching)?;
+    Ok(plan
+        .iter()
+        .map(|m| rank_share(dataset, indices, m))
+        .collect())
 }
 
 /// Loads the training set (and the validation set when files are given: the last step always validates); with
@@ -89,6 +129,7 @@ pub struct DataLoader {
     val: Option<SftDataset>,
     world: usize,
     batch: usize,
+    batching: Batching,
 }
 
 impl Actor for DataLoader {
@@ -98,6 +139,7 @@ impl Actor for DataLoader {
         let cfg = SftConfig::from_yaml(&args.config_yaml, &[])
             .context("data loader: reading the config")?;
         let batch = cfg.data.train_batch_size;
+        let batching = Batching::from_config(&cfg);
         let (train, val) = tokio::task::spawn_blocking(move || load_datasets(&cfg))
             .await
             .context("data loader: tokenizing task")??;
@@ -106,6 +148,7 @@ impl Actor for DataLoader {
             val,
             world: (args.world_size as usize).max(1),
             batch,
+            batching,
         })
     }
 }
@@ -129,7 +172,8 @@ impl Handler<BatchOf> for DataLoader {
                 self.train.len()
             );
         }
-        let shards = split_samples(&self.train, &indices, self.world);
+        let shares = plan_shares(&self.train, &indices, self.world, self.batching)?;
+        let (shards, micro_sizes): (Vec<_>, Vec<_>) = shares.into_iter().unzip();
         let global_targets = shards.iter().flatten().map(Sample::num_targets).sum();
         let tokens = shards
             .iter()
@@ -138,6 +182,7 @@ impl Handler<BatchOf> for DataLoader {
             .sum();
         Ok(GlobalBatch {
             shards,
+            micro_sizes,
             global_targets,
             tokens,
         })

@@ -31,43 +31,24 @@ pub struct ClusterExecutor {
 }
 
 impl ClusterExecutor {
-    /// Sends rank `r` message `r` at once (the ranks meet in collectives) and gathers the replies in rank order.
+    /// Sends rank `r` message `r` at once (the ranks meet in collectives) and gathers the replies in rank order
+    /// ([`ferl_runtime::WorkerGroup::call_each`]: a rank that died is named before the collateral failures).
     fn each<M>(&self, what: &str, messages: Vec<M>) -> Result<Vec<M::Reply>>
     where
         M: ferl_runtime::Message,
         TrainerRank: ferl_runtime::Handler<M>,
     {
-        let calls = self
-            .actors
-            .ranks
-            .members()
-            .iter()
-            .zip(messages)
-            .map(|(r, m)| r.call(m));
-        let replies = self.handle.block_on(futures::future::join_all(calls));
-        // A rank that died is the cause; the others' failed collectives are its consequence.
-        let died = replies.iter().position(|r| {
-            matches!(
-                r,
-                Err(ferl_runtime::Error::ActorDied { .. } | ferl_runtime::Error::Lost { .. })
-            )
-        });
-        let mut out = Vec::with_capacity(replies.len());
-        let mut first_error = None;
-        for (rank, r) in replies.into_iter().enumerate() {
-            match r {
-                Ok(v) => out.push(v),
-                Err(e) if first_error.is_none() || Some(rank) == died => {
-                    first_error =
-                        Some(anyhow::Error::new(e).context(format!("{what}: trainer rank {rank}")));
-                }
-                Err(_) => {}
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(out),
-        }
+        let replies = self.handle.block_on(self.actors.ranks.call_each(messages));
+        replies.map_err(|e| match e {
+            ferl_runtime::Error::Rank {
+                rank,
+                actor,
+                node,
+                cause,
+            } => anyhow::Error::new(*cause)
+                .context(format!("{what}: trainer rank {rank} ({actor} on {node})")),
+            other => anyhow::Error::new(other).context(what.to_string()),
+        })
     }
 
     fn all<M>(&self, what: &str, message: M) -> Result<Vec<M::Reply>>
@@ -95,8 +76,10 @@ impl StepExecutor for ClusterExecutor {
         let messages = b
             .shards
             .into_iter()
-            .map(|samples| TrainStep {
+            .zip(b.micro_sizes)
+            .map(|(samples, micro_sizes)| TrainStep {
                 samples,
+                micro_sizes,
                 global_targets: targets,
             })
             .collect();

@@ -51,8 +51,10 @@ pub struct RankStep {
 /// Trainer rank: train on these samples (this rank's share of one global batch).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct TrainStep {
-    /// This rank's samples, in global-batch order.
+    /// This rank's samples, micro-batch after micro-batch.
     pub samples: Vec<Sample>,
+    /// Samples in each micro-batch, in order (every rank gets as many micro-batches).
+    pub micro_sizes: Vec<u64>,
     /// Targets in the whole global batch (all ranks): the loss denominator.
     pub global_targets: i64,
 }
@@ -126,8 +128,10 @@ pub struct BatchOf {
 /// One global batch, split by data-parallel rank.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct GlobalBatch {
-    /// Per rank: its contiguous share of the batch.
+    /// Per rank: its share of the batch ([`crate::data_loader::plan_shares`]), micro-batch after micro-batch.
     pub shards: Vec<Vec<Sample>>,
+    /// Per rank: samples in each of its micro-batches.
+    pub micro_sizes: Vec<Vec<u64>>,
     /// Targets in the whole batch.
     pub global_targets: i64,
     /// Real tokens in the whole batch.

@@ -182,11 +182,25 @@ impl RankState {
         self.stepper.engine.store_mut().all_reduce_sum(values)
     }
 
-    /// Trains on this rank's share of one global batch whose target count is `global_targets`.
+    /// Trains on this rank's share of one global batch whose target count is `global_targets`, in micro-batches of
+    /// `data.micro_batch_size_per_gpu` samples.
     pub fn train_step(&mut self, samples: &[Sample], global_targets: i64) -> Result<RankStep> {
-        let stats = self
-            .stepper
-            .step_with_global_targets(&sample_refs(samples), global_targets)?;
+        let micro = self.stepper.micro_batch_size.max(1);
+        let sizes: Vec<usize> = samples.chunks(micro).map(<[_]>::len).collect();
+        self.train_micro_batches(samples, &sizes, global_targets)
+    }
+
+    /// [`Self::train_step`] in the micro-batches `sizes` (samples in each, in order: a
+    /// [`ferl_data::Batching`] plan).
+    pub fn train_micro_batches(
+        &mut self,
+        samples: &[Sample],
+        sizes: &[usize],
+        global_targets: i64,
+    ) -> Result<RankStep> {
+        let stats =
+            self.stepper
+                .step_in_micro_batches(&sample_refs(samples), sizes, global_targets)?;
         Ok(RankStep {
             loss_share: stats.loss,
             grad_norm: stats.grad_norm,

@@ -8,12 +8,13 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _, Result};
 use ferl_collective::{Communicator, GroupOptions, MemoryRendezvous};
 use ferl_config::expand_path;
-use ferl_data::{rank_shard, SftDataset};
+use ferl_data::{rank_shard, Batching, SftDataset};
 use ferl_trainer::checkpoint::{commit, RunMeta, HF_DIR};
 use ferl_trainer::metrics::LoggerRegistry;
 use ferl_trainer::run::{RestartPolicy, StepExecutor, StepOutcome};
 use tch::Device;
 
+use crate::data_loader::{plan_batch, rank_share};
 use crate::messages::Sample;
 use crate::rank::{micro_batches, RankState};
 
@@ -90,10 +91,17 @@ impl StepExecutor for SpmdExecutor {
             batch.iter().map(|&i| self.train.get(i)).collect();
         let global_targets = samples.iter().map(|s| s.num_targets() as i64).sum();
         let tokens = samples.iter().map(|s| s.input_ids.len() as i64).sum();
-        let mine = my_samples(&self.train, batch, rank, world);
+        let plan = plan_batch(
+            &self.train,
+            batch,
+            world,
+            Batching::from_config(&self.state.cfg),
+        )?;
+        let (mine, sizes) = rank_share(&self.train, batch, &plan[rank]);
+        let sizes: Vec<usize> = sizes.iter().map(|&n| n as usize).collect();
         let out = self
             .state
-            .train_step(&mine, global_targets)
+            .train_micro_batches(&mine, &sizes, global_targets)
             .with_context(|| format!("rank {rank}"))?;
         // One all-reduce carries the loss shares and every rank's peak memory.
         let mut shares = vec![0.0; 1 + world];

@@ -120,7 +120,8 @@ impl Actor for TrainerRank {
 impl Handler<TrainStep> for TrainerRank {
     async fn handle(&self, m: TrainStep, _: &Context) -> Result<RankStep> {
         self.with_state("train step", move |s| {
-            s.train_step(&m.samples, m.global_targets)
+            let sizes: Vec<usize> = m.micro_sizes.iter().map(|&n| n as usize).collect();
+            s.train_micro_batches(&m.samples, &sizes, m.global_targets)
         })
         .await
     }

@@ -25,16 +25,22 @@
 //! ferl's sides train through `--store local` (`LocalParams`, the default) or `--store fsdp` (`ferl-fsdp`'s
 //! FULL_SHARD at world size 1, the store a one-rank `ferl sft` trains through), full fine-tuning and LoRA alike.
 //!
-//! Two more modes share the prepared data and settings ([`common`]):
+//! Four more modes share the prepared data and settings ([`common`]):
 //! - `--nproc-per-node N` ([`fsdp`]): sharded training at world size 1 and N, ferl's FULL_SHARD trainer ranks beside
 //!   PyTorch FSDP2 (`fully_shard`, gloo), rows `fsdp_wW_*`.
+//! - `--token-budget N` ([`budget`]): token-budget micro-batches (`data.use_dynamic_bsz`) beside fixed ones, padded
+//!   and packed, rows `train_{fixed,budget}_*` and `train_budget_vs_fixed_*`.
+//! - `--packed-attention` ([`varlen`]): the attention op of a packed micro-batch at `--packed-len` tokens of GSM8K
+//!   sequences, the engine's varlen path beside the dense mask it replaced (ms and peak memory), rows `packed_attn_*`.
 //! - `--model-shape SHAPE --device cpu|cuda` without `--lora-rank` ([`shape`]): bf16 steps of a random-init model of a
 //!   named shape (e.g. Qwen2.5-0.5B at seq 2048) on synthetic tokens, with tokens/s and MFU — the GPU benchmark
 //!   `bench/gpu/h200_sft.sh`.
 
+mod budget;
 mod common;
 mod fsdp;
 mod shape;
+mod varlen;
 
 use crate::report::Report;
 use anyhow::{bail, Context, Result};
@@ -114,6 +120,24 @@ pub struct TrainArgs {
     /// GSM8K jsonl (question/answer columns).
     #[arg(long, default_value = "assets/data/gsm8k/train.jsonl")]
     data: PathBuf,
+    /// Instead: the packed-attention micro-bench (varlen beside the dense mask it replaced) at this packed length.
+    #[arg(long)]
+    packed_attention: bool,
+    /// Tokens of the packed row of --packed-attention.
+    #[arg(long, default_value_t = 8192)]
+    packed_len: i64,
+    /// Internal: run one form (varlen or dense) of --packed-attention over --packed-lens.
+    #[arg(long, hide = true)]
+    packed_attention_child: Option<String>,
+    /// Internal: the packed sequence lengths of --packed-attention-child.
+    #[arg(long, hide = true, value_delimiter = ',')]
+    packed_lens: Vec<i64>,
+    /// Instead: token-budget micro-batches of this many tokens beside fixed --micro-batch ones (padded and packed).
+    #[arg(long)]
+    token_budget: Option<usize>,
+    /// Internal: one run (FORM,LAYOUT) of --token-budget on the prepared folder of --child.
+    #[arg(long, hide = true)]
+    budget_child: Option<String>,
     /// Internal: run ferl's side in this process on the prepared folder.
     #[arg(long, hide = true)]
     child: Option<PathBuf>,
@@ -128,11 +152,23 @@ pub struct TrainArgs {
 /// Runs the suite: the single-process comparison, or (`--nproc-per-node`) the sharded one, or (`--model-shape`) the
 /// synthetic-shape run; internally also one side's child process.
 pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
+    if let (Some(spec), Some(dir)) = (&a.budget_child, &a.child) {
+        return budget::child(&a, spec, a.token_budget.unwrap_or(0), dir);
+    }
     if let Some(dir) = &a.child {
         return child(&a, dir);
     }
     if let Some(dir) = &a.rank_child {
         return fsdp::rank_child(&a, dir);
+    }
+    if let Some(form) = &a.packed_attention_child {
+        return varlen::child(&a, form);
+    }
+    if a.packed_attention {
+        return varlen::run(&a, out);
+    }
+    if let Some(budget) = a.token_budget {
+        return budget::run(&a, budget, out);
     }
     match (&a.model_shape, a.lora_rank, a.nproc_per_node) {
         (Some(shape), None, _) => return shape::run(&a, shape, out),

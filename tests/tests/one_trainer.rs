@@ -28,6 +28,8 @@ fn run(fx: &Fixture, path: LaunchPath, overrides: &[String], tag: &str) -> RunSu
 const KEYS: &[(&str, &str, bool)] = &[
     ("data.train_batch_size", "8", true),
     ("data.micro_batch_size_per_gpu", "1", true),
+    ("data.use_dynamic_bsz", "true", true),
+    ("data.max_token_len_per_gpu", "4096", true),
     ("data.train_files", "x.parquet", true),
     ("data.val_files", "y.parquet", true),
     ("data.train_max_samples", "10", true),

@@ -60,13 +60,37 @@ impl<P: ParamStore> Stepper<P> {
         samples: &[SampleRef<'_>],
         targets: i64,
     ) -> Result<StepStats> {
+        let sizes: Vec<usize> = samples
+            .chunks(self.micro_batch_size.max(1))
+            .map(<[_]>::len)
+            .collect();
+        self.step_in_micro_batches(samples, &sizes, targets)
+    }
+
+    /// [`Self::step_with_global_targets`] with the micro-batches given: `samples` in order, `sizes[j]` of them in
+    /// micro-batch `j` (a token-budget plan, `ferl_data::Batching`). Every rank must pass as many micro-batches.
+    pub fn step_in_micro_batches(
+        &mut self,
+        samples: &[SampleRef<'_>],
+        sizes: &[usize],
+        targets: i64,
+    ) -> Result<StepStats> {
         if samples.is_empty() {
             bail!("a training step needs at least one sample");
+        }
+        if sizes.contains(&0) || sizes.iter().sum::<usize>() != samples.len() {
+            bail!(
+                "micro-batch sizes {sizes:?} do not cover the step's {} samples",
+                samples.len()
+            );
         }
         let tokens: i64 = samples.iter().map(|s| s.input_ids.len() as i64).sum();
         self.engine.store_mut().zero_grads();
         let mut loss_sum = 0.0;
-        for chunk in samples.chunks(self.micro_batch_size.max(1)) {
+        let mut rest = samples;
+        for &n in sizes {
+            let (chunk, tail) = rest.split_at(n);
+            rest = tail;
             let mb = MicroBatch::new(chunk, self.layout, self.device)?;
             loss_sum += self.engine.forward_backward(&mb, targets)?;
         }

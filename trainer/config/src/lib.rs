@@ -142,6 +142,11 @@ impl SftConfig {
         );
         need(d.max_length >= 2, "data.max_length", "must be at least 2");
         need(
+            d.max_token_len_per_gpu >= 1,
+            "data.max_token_len_per_gpu",
+            "must be at least 1",
+        );
+        need(
             !d.train_files.as_slice().is_empty(),
             "data.train_files",
             "needs at least one file",

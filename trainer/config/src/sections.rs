@@ -21,6 +21,13 @@ pub struct DataConfig {
     pub micro_batch_size: Option<usize>,
     /// Samples per forward/backward on one rank; also the validation batch size. verl: 4.
     pub micro_batch_size_per_gpu: usize,
+    /// verl's engine trainer: form each rank's training micro-batches to the token budget `max_token_len_per_gpu`
+    /// (balanced over the ranks) instead of `micro_batch_size_per_gpu` samples each. The legacy trainer has no such
+    /// key, so ferl's default is false (verl's engine trainer: true).
+    pub use_dynamic_bsz: bool,
+    /// With `use_dynamic_bsz`: tokens per micro-batch on one rank (padded positions when `use_remove_padding` is
+    /// off); at least `max_length`. verl: 8192.
+    pub max_token_len_per_gpu: usize,
     /// Training files (parquet or jsonl): one path or a list. `~/` is expanded by the reader.
     pub train_files: StringList,
     /// Validation files (parquet or jsonl): one path or a list.
@@ -72,6 +79,8 @@ impl Default for DataConfig {
             train_batch_size: 256,
             micro_batch_size: None,
             micro_batch_size_per_gpu: 4,
+            use_dynamic_bsz: false,
+            max_token_len_per_gpu: 8192,
             train_files: StringList::one("~/data/gsm8k/train.parquet"),
             val_files: StringList::one("~/data/gsm8k/test.parquet"),
             train_max_samples: -1,

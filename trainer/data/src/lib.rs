@@ -36,6 +36,7 @@
 //! - Multi-turn: loss on every assistant message's tokens and the EOS closing it; none elsewhere.
 //! - `data.truncation`: `error` (names file and row), `left` (keep the end), `right` (keep the start).
 
+pub mod balance;
 pub mod batch;
 pub mod dataset;
 pub mod gsm8k;
@@ -46,6 +47,7 @@ pub mod source;
 pub mod template;
 pub mod tokenizer;
 
+pub use balance::{Batching, RankMicroBatches};
 pub use batch::{
     collate_packed, collate_padded, epoch_order, global_batch, rank_shard, steps_per_epoch,
     PackedBatch, PaddedBatch,

@@ -42,6 +42,8 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
             "data.train_batch_size",
             "data.micro_batch_size",
             "data.micro_batch_size_per_gpu",
+            "data.use_dynamic_bsz",
+            "data.max_token_len_per_gpu",
             "data.train_files",
             "data.val_files",
             "data.train_max_samples",
@@ -203,7 +205,7 @@ fn check_contents(cfg: &SftConfig) -> Result<()> {
 }
 
 /// Every rank must run the same number of micro-batches per step, so the global batch splits evenly over the ranks
-/// (verl requires the same), and micro-batches are whole.
+/// (verl requires the same), and micro-batches are whole; a token budget holds at least one longest sample.
 fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
     let (batch, micro) = (cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu);
     if world == 0 || !batch.is_multiple_of(world) {
@@ -213,6 +215,14 @@ fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
     }
     if micro == 0 {
         bail!("data.micro_batch_size_per_gpu must be at least 1");
+    }
+    let (budget, max_length) = (cfg.data.max_token_len_per_gpu, cfg.data.max_length);
+    if cfg.data.use_dynamic_bsz && budget < max_length {
+        bail!(
+            "data.max_token_len_per_gpu={budget} is smaller than data.max_length={max_length}: with \
+             data.use_dynamic_bsz=true one sample of up to max_length tokens must fit a micro-batch (raise the \
+             budget to at least {max_length})"
+        );
     }
     Ok(())
 }
