@@ -15,6 +15,7 @@ use serde_json::Value;
 
 use crate::source::{DataSource, Origin, Prompt, RawExample, SourcedExample};
 
+mod bounded;
 mod footer;
 
 /// Which columns make an example, taken from `data.*`.

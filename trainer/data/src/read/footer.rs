@@ -51,7 +51,8 @@ fn check(bytes: &[u8]) -> Result<()> {
         bytes: &bytes[start..bytes.len() - 8],
         at: 0,
     };
-    walker.strukt(0)
+    walker.strukt(0)?;
+    super::bounded::check(&bytes[start..bytes.len() - 8])
 }
 
 struct Walker<'a> {
@@ -196,10 +197,32 @@ mod tests {
             err.to_string().contains("a string of 133 elements"),
             "{err}"
         );
-        // Field 1 = i32 5, field 2 = a list of two strings, end.
-        check(&file(&[
-            0x15, 0x0a, 0x19, 0x28, 0x01, b'a', 0x01, b'b', 0x00,
-        ]))
+        // Field 1 = i32 5, field 2 = a list of two strings, end: well formed thrift (not a whole FileMetaData).
+        let bytes = [0x15, 0x0a, 0x19, 0x28, 0x01, b'a', 0x01, b'b', 0x00];
+        Walker {
+            bytes: &bytes,
+            at: 0,
+        }
+        .strukt(0)
         .unwrap();
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_read_as_a_list_is_refused() {
+        // Field 4 (`row_groups`, a list) sent as an i32 varint: the walker skips a varint, parquet's generated code
+        // reads the same bytes as a list header announcing 2^24 - 1 row groups.
+        let footer = [0x45, 0xfc, 0xff, 0xff, 0xff, 0x07, 0x00];
+        Walker {
+            bytes: &footer,
+            at: 0,
+        }
+        .strukt(0)
+        .unwrap();
+        let err = check(&file(&footer)).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("a list of 16777215 elements with 1 bytes left"),
+            "{err}"
+        );
     }
 }
