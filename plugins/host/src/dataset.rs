@@ -53,17 +53,7 @@ impl DatasetInstance {
                 plugin.info().kind.as_str()
             ));
         };
-        let mut err = ErrorMessage::new();
-        let mut inst: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `config` outlives the call; out-pointers are valid.
-        let status = unsafe { (table.open)(FerlStr::new(config), &mut inst, err.as_mut_ptr()) };
-        plugin.check(format!("open({config})"), status, &err)?;
-        if inst.is_null() {
-            return Err(anyhow!(
-                "plugin {}: open returned no instance",
-                plugin.label()
-            ));
-        }
+        let inst = plugin.open_instance(table.open, format!("open({config})"), config)?;
         let mut me = Self {
             plugin,
             table,
@@ -71,7 +61,7 @@ impl DatasetInstance {
             len: 0,
             poisoned: None,
         };
-        let mut len = 0u64;
+        let (mut len, mut err) = (0u64, ErrorMessage::new());
         // SAFETY: the instance is open.
         let status = unsafe { (table.len)(inst, &mut len, err.as_mut_ptr()) };
         me.plugin.check("len", status, &err)?;

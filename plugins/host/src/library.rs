@@ -7,8 +7,8 @@ use ferl_plugin_abi::kernel::KernelVTable;
 use ferl_plugin_abi::logger::LoggerVTable;
 use ferl_plugin_abi::reward::RewardVTable;
 use ferl_plugin_abi::{
-    ErrorMessage, Manifest, ManifestFn, PluginKind, FERL_PLUGIN_ABI_VERSION, MANIFEST_SYMBOL,
-    STATUS_OK, STATUS_PANIC,
+    ErrorMessage, FerlStr, Manifest, ManifestFn, PluginKind, FERL_PLUGIN_ABI_VERSION,
+    MANIFEST_SYMBOL, STATUS_OK, STATUS_PANIC,
 };
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -261,6 +261,25 @@ impl LoadedPlugin {
         }
     }
 
+    /// Opens an instance with `config` through a table's `open` (the same signature in every kind), checking the
+    /// status (`call` names it in errors) and refusing a null instance.
+    pub(crate) fn open_instance(
+        &self,
+        open: OpenFn,
+        call: impl Into<String>,
+        config: &str,
+    ) -> anyhow::Result<*mut std::ffi::c_void> {
+        let mut err = ErrorMessage::new();
+        let mut inst: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: `config` outlives the call; `inst` and `err` are valid out-pointers.
+        let status = unsafe { open(FerlStr::new(config), &mut inst, err.as_mut_ptr()) };
+        self.check(call, status, &err)?;
+        if inst.is_null() {
+            bail!("plugin {}: open returned no instance", self.label());
+        }
+        Ok(inst)
+    }
+
     /// `Ok` for [`STATUS_OK`], else the call's error.
     pub(crate) fn check(
         &self,
@@ -275,6 +294,13 @@ impl LoadedPlugin {
         }
     }
 }
+
+/// The `open` function of every instance kind's table (dataset, logger, reward).
+pub(crate) type OpenFn = unsafe extern "C" fn(
+    config: FerlStr,
+    out: *mut *mut std::ffi::c_void,
+    err: *mut ferl_plugin_abi::ErrorBuf,
+) -> i32;
 
 /// Calls the table function `symbol` of `library` and checks its answer: not null, and at least as large as this
 /// host's `T` (`struct_size` reads the size the plugin declares in the table).

@@ -30,17 +30,7 @@ impl LoggerInstance {
                 plugin.info().kind.as_str()
             ));
         };
-        let mut err = ErrorMessage::new();
-        let mut inst: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `config` outlives the call; `inst`/`err` are valid out-pointers.
-        let status = unsafe { (table.open)(FerlStr::new(config), &mut inst, err.as_mut_ptr()) };
-        plugin.check("open", status, &err)?;
-        if inst.is_null() {
-            return Err(anyhow!(
-                "plugin {}: open returned no instance",
-                plugin.label()
-            ));
-        }
+        let inst = plugin.open_instance(table.open, "open", config)?;
         Ok(Self {
             plugin,
             table,

@@ -96,14 +96,7 @@ impl RewardInstance {
                 plugin.info().kind.as_str()
             );
         };
-        let mut err = ErrorMessage::new();
-        let mut inst: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `config` outlives the call; out-pointers are valid.
-        let status = unsafe { (table.open)(FerlStr::new(config), &mut inst, err.as_mut_ptr()) };
-        plugin.check(format!("open({config})"), status, &err)?;
-        if inst.is_null() {
-            bail!("plugin {}: open returned no instance", plugin.label());
-        }
+        let inst = plugin.open_instance(table.open, format!("open({config})"), config)?;
         let mut me = Self {
             plugin,
             table,
