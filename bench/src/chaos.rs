@@ -108,7 +108,7 @@ pub fn node(args: NodeArgs) -> Result<()> {
         let opts = NodeOptions {
             num_cpus: Some(1.0),
             num_gpus: Some(0),
-            resources: ferl::runtime::resources::parse_pairs(&[args.resources])?,
+            resources: ferl::runtime::parse_resources(&[args.resources])?,
             heartbeat_bound: Duration::from_millis(args.heartbeat_ms),
         };
         let node = ferl::runtime::start_node(&args.address, None, opts, None).await?;

@@ -16,20 +16,44 @@
 //!   `MASTER_ADDR`/`MASTER_PORT` and, for GPU bundles, `CUDA_VISIBLE_DEVICES`. A [`WorkerGroup`] spawns one actor
 //!   per bundle and broadcasts, splits-and-gathers, or calls rank 0.
 //! - Every byte between processes is QUIC (quinn) with TLS trusted from the cluster: the head mints a CA and a
-//!   certificate per member after a token handshake ([`join`]). Messages are rkyv, validated on receipt ([`wire`]).
+//!   certificate per member after a token handshake. Messages are rkyv, validated on receipt ([`Wire`], from the
+//!   `ferl-wire` crate, which message-only crates can depend on alone).
 //!
 //! The runtime's guarantees are listed in `runtime/README.md`; tests are named after them.
 //!
-//! ## Where things happen
-//! - a call is routed: [`actor_ref`] → [`process`] (local mailbox or connection) → [`transport`] → [`host`]
-//! - placement: [`placement`] (pure) applied by [`head`]; liveness: [`membership`]; restarts: [`supervision`]
-//! - worker processes: [`node`] starts them, [`worker`] is their side
-//! - objects put once and read on every node: [`objects`] (owner store, node caches, lifetime rule)
+//! ## Layers
+//! The source is seven layers, each using only those below it (design decision 15; `tests/layers.rs` checks every
+//! `use crate::` against the table). All modules are private; this page is the whole API.
+//!
+//! | layer | where | what |
+//! |---|---|---|
+//! | codec | `ferl-wire` | rkyv [`Wire`], frames, buffer pool, [`SharedBytes`], the [`Message`] traits |
+//! | protocol | `ferl-wire` | what crosses the wire, as data ([`ActorAddress`], [`Event`], frames, control messages) |
+//! | security | `src/security` | cluster CA, member credentials, private session files |
+//! | transport | `src/transport` | bytes between processes: QUIC, same-host lanes and rings, bulk streams; no actor type |
+//! | actor | `src/actor` | typed actors, mailboxes, dispatch, the process, [`ActorRef`] |
+//! | control | `src/control` | pure placement, membership, supervision; the head and node agents, join, shipping, objects |
+//! | cluster | `src/cluster` | the driver's API: [`Cluster`], [`WorkerGroup`] |
+//!
+//! Test actors (`testbed`) and test hooks (`testing`) exist only with the `testing` feature.
 //!
 //! ## A driver
 //! ```no_run
-//! use ferl_runtime::testbed::{Add, Counter};
-//! use ferl_runtime::{bundle, Strategy, SpawnOptions, WorkerGroup};
+//! use ferl_runtime::{bundle, Actor, Context, Handler, SpawnOptions, Strategy, WorkerGroup};
+//! #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Clone)]
+//! struct Add(u64);
+//! ferl_runtime::message!(Add => u64);
+//! struct Counter(std::sync::atomic::AtomicU64);
+//! impl Actor for Counter {
+//!     type Args = u64;
+//!     async fn start(start: u64, _: &Context) -> anyhow::Result<Self> { Ok(Counter(start.into())) }
+//! }
+//! impl Handler<Add> for Counter {
+//!     async fn handle(&self, Add(n): Add, _: &Context) -> anyhow::Result<u64> {
+//!         Ok(self.0.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n)
+//!     }
+//! }
+//! ferl_runtime::register_actor!(Counter, calls: [Add]);
 //! # async fn run() -> anyhow::Result<()> {
 //! ferl_runtime::enter_worker_mode_if_spawned(); // first line of main: workers re-run this binary
 //! let cluster = ferl_runtime::init(Default::default()).await?;          // embedded head + node, like ray.init()
@@ -55,56 +79,81 @@
 //! `ferl_runtime::message!(MyMsg => MyReply);` and `ferl_runtime::register_actor!(MyActor, calls: [MyMsg]);` (both name
 //! the type `module_path::Type`; an `impl Actor` that sets `NAME` keeps that name).
 
-pub mod actor;
-pub mod actor_ref;
-mod binary;
-pub mod blobs;
-pub mod bulk;
-pub mod cluster;
-pub mod error;
-pub mod head;
-pub mod host;
-pub mod join;
-pub mod membership;
-pub mod node;
-pub mod objects;
-pub mod placement;
-pub mod process;
-pub mod protocol;
-pub mod resources;
-pub mod session;
-pub mod shared_bytes;
-pub mod supervision;
-pub mod testbed;
-pub mod tls;
-pub mod transport;
-pub mod wire;
-pub mod worker;
-pub mod worker_group;
+// The layers, bottom up (see "Layers" above). Every module is private: what drivers and other crates use is the
+// `pub use` list below.
+use ferl_wire::{codec, protocol};
 
+mod actor;
+mod cluster;
+mod control;
+mod security;
+#[cfg(feature = "testing")]
+pub mod testbed;
+#[cfg(feature = "testing")]
+pub mod testing;
+mod transport;
+
+/// The session folders of this machine's head and node agents (token, address, pid files), for the commands that
+/// start, find and stop them (`ferl start/status/stop`).
+pub mod session {
+    pub use crate::security::session::{
+        detach, is_running, local_address, local_token, resolve_token, root, stop_local,
+    };
+}
+
+pub use actor::actor_ref::{ActorRef, Call, ReplyStream};
 pub use actor::{
     call_entry, lookup, register, registered_names, stream_entry, Actor, ActorFactory, ActorName,
-    Context, Dispatch, Dispatchable, Handler, ItemSink, Message, StreamHandler, StreamMessage,
+    AnyActor, CallFn, ConstructFn, Context, Dispatch, Dispatchable, Handler, ItemSink, StreamFn,
+    StreamHandler,
 };
-pub use actor_ref::{ActorRef, Call, ReplyStream};
-pub use binary::file_chunks_served;
-pub use blobs::{shipped_file, shipped_files};
+pub use cluster::worker_group::{split_even, WorkerGroup};
 pub use cluster::{
-    bundle, connect, connect_or_init, init, start_head, start_node, Cluster, HeadHandle,
-    HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
+    bundle, connect, connect_or_init, init, local_ip_for, start_head, start_node, Cluster,
+    HeadHandle, HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
 };
-pub use error::{Error, Result};
-pub use head::JOBS_PREFIX;
+pub use control::blobs::{shipped_file, shipped_files, SHIPPED_FILES_ENV};
+pub use control::head::JOBS_PREFIX;
+pub use control::objects::{ObjectRef, ObjectStats};
+pub use control::resources::parse_pairs as parse_resources;
+pub use ferl_wire::protocol::{ActorAddress, Event, Resources, Strategy};
+pub use ferl_wire::{
+    message, stream_message, Message, SharedBytes, StreamMessage, Wire, WireError,
+};
 pub use inventory;
-pub use objects::{ObjectRef, ObjectStats};
-pub use protocol::{ActorAddress, Event, Resources, Strategy};
-pub use shared_bytes::SharedBytes;
-pub use wire::Wire;
-pub use worker_group::{split_even, WorkerGroup};
+pub use transport::delivery::RawSink;
+pub use transport::error::{Error, Result};
+
+/// Counters of this process's runtime, for tests, benchmarks and monitoring ([`stats`]). New fields may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RuntimeStats {
+    /// Same-host lanes this process has opened as a caller (guarantee 13).
+    pub lanes_opened: u64,
+    /// Bytes this process has received through same-host shared-memory rings (guarantee 13).
+    pub shm_bytes_received: u64,
+    /// Bytes of QUIC bulk payloads this process holds (or is receiving) that no frame has claimed yet, over all
+    /// connections (guarantee 15).
+    pub bulk_unclaimed_bytes: u64,
+    /// File chunks this process's file server has sent (binaries and shipped files; each transfer sends at least
+    /// one).
+    pub file_chunks_served: u64,
+}
+
+/// This process's [`RuntimeStats`], read now.
+pub fn stats() -> RuntimeStats {
+    RuntimeStats {
+        lanes_opened: transport::lanes_opened(),
+        shm_bytes_received: transport::bulk::shm_bytes_received(),
+        bulk_unclaimed_bytes: transport::bulk::unclaimed_bytes(),
+        file_chunks_served: control::binary::file_chunks_served(),
+    }
+}
 
 /// If this process was started as a worker, host its actor and never return; otherwise return at once. Call it
 /// first thing in `main` of every binary that spawns actors.
 pub fn enter_worker_mode_if_spawned() {
+    #[cfg(feature = "testing")]
     testbed::ensure_linked();
-    worker::enter_worker_mode_if_spawned();
+    control::worker::enter_worker_mode_if_spawned();
 }

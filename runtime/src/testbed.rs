@@ -9,8 +9,8 @@ use anyhow::{bail, Result};
 use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::actor::{Actor, Context, Handler, ItemSink, StreamHandler};
-use crate::objects::ObjectRef;
-use crate::shared_bytes::SharedBytes;
+use crate::codec::SharedBytes;
+use crate::control::objects::ObjectRef;
 
 /// A counter: adds, reports, records the order of tagged messages, and can crash or sleep on request.
 pub struct Counter {

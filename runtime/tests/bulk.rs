@@ -5,9 +5,15 @@ mod common;
 
 use std::time::Duration;
 
-use ferl_runtime::bulk::{shm_bytes_received, unclaimed_bytes};
 use ferl_runtime::testbed::*;
 use ferl_runtime::SpawnOptions;
+
+fn shm_bytes_received() -> u64 {
+    ferl_runtime::stats().shm_bytes_received
+}
+fn unclaimed_bytes() -> u64 {
+    ferl_runtime::stats().bulk_unclaimed_bytes
+}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)

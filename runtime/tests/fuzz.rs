@@ -3,14 +3,14 @@
 //! inputs): no panic, no hang, every refusal an error, and no joiner ever admitted without the token.
 
 use ferl_fuzz::{Answer, Expect, Target};
-use ferl_runtime::join::{head_exchange, joiner_exchange};
-use ferl_runtime::protocol::{
+use ferl_runtime::testing::{head_exchange, joiner_exchange};
+use ferl_runtime::testing::{join_proof, Credentials};
+use ferl_runtime::{ActorAddress, Wire};
+use ferl_wire::protocol::{
     Body, CallKind, Event, Frame, JoinMsg, KvPut, RegisterNode, RemoteError, RemoteErrorKind,
     SpawnSpec,
 };
-use ferl_runtime::tls::{join_proof, Credentials};
-use ferl_runtime::wire::{encode_frame, read_frame, FrameError, WIRE_VERSION};
-use ferl_runtime::{ActorAddress, Wire};
+use ferl_wire::{encode_frame, read_frame, FrameError, WIRE_VERSION};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use rkyv::util::AlignedVec;

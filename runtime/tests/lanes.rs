@@ -2,7 +2,9 @@
 
 mod common;
 
-use ferl_runtime::transport::lanes_opened;
+fn lanes_opened() -> u64 {
+    ferl_runtime::stats().lanes_opened
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_13_calls_to_a_process_on_the_same_host_take_a_lane() {

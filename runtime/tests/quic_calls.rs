@@ -3,7 +3,9 @@
 
 mod common;
 
-use ferl_runtime::transport::lanes_opened;
+fn lanes_opened() -> u64 {
+    ferl_runtime::stats().lanes_opened
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_13_with_lanes_off_calls_streams_and_order_hold_on_quic() {

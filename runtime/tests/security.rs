@@ -50,7 +50,7 @@ async fn closed_reason_after(conn: &quinn::Connection, bytes: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_8_garbage_oversized_and_wrong_version_frames_close_only_that_connection() {
     let head = common::head(2.0, Duration::from_secs(3)).await;
-    let v = ferl_runtime::wire::WIRE_VERSION.to_le_bytes();
+    let v = ferl_wire::WIRE_VERSION.to_le_bytes();
 
     let mut oversized = (1u32 << 31).to_le_bytes().to_vec();
     oversized.extend_from_slice(&v);
@@ -71,7 +71,7 @@ async fn guarantee_8_garbage_oversized_and_wrong_version_frames_close_only_that_
 
     // Without a certificate, anything but the join handshake is refused.
     let endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    let join_cfg = ferl_runtime::transport::join_client_config(Duration::from_secs(5)).unwrap();
+    let join_cfg = ferl_runtime::testing::join_client_config(Duration::from_secs(5)).unwrap();
     let conn = endpoint
         .connect_with(
             join_cfg,

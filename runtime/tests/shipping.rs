@@ -32,15 +32,15 @@ async fn shipped_file_reaches_a_remote_worker_once_and_is_verified() {
             .ship_file("weights", &src)
     };
 
-    let before = ferl_runtime::file_chunks_served();
+    let before = ferl_runtime::stats().file_chunks_served;
     let a = head.cluster.spawn::<Counter>(1, opts()).await.unwrap();
     assert_eq!(
-        ferl_runtime::file_chunks_served() - before,
+        ferl_runtime::stats().file_chunks_served - before,
         2,
         "5 MiB in 4 MiB chunks"
     );
     let listing = a
-        .call(GetEnv(ferl_runtime::blobs::SHIPPED_FILES_ENV.into()))
+        .call(GetEnv(ferl_runtime::SHIPPED_FILES_ENV.into()))
         .await
         .unwrap()
         .expect("the worker was told where its files are");
@@ -51,10 +51,10 @@ async fn shipped_file_reaches_a_remote_worker_once_and_is_verified() {
     let stamp = std::fs::metadata(&local).unwrap().modified().unwrap();
 
     // A second actor on that node: found in the cache, nothing is sent.
-    let before = ferl_runtime::file_chunks_served();
+    let before = ferl_runtime::stats().file_chunks_served;
     let b = head.cluster.spawn::<Counter>(2, opts()).await.unwrap();
     assert_eq!(b.call(Get).await.unwrap(), 2);
-    assert_eq!(ferl_runtime::file_chunks_served(), before);
+    assert_eq!(ferl_runtime::stats().file_chunks_served, before);
     assert_eq!(
         std::fs::metadata(&local).unwrap().modified().unwrap(),
         stamp

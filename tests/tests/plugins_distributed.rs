@@ -270,12 +270,12 @@ async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process()
 
     let dist = overrides(&fx, "dist", &["data.plugin=alpaca".into()]);
     let cfg = SftConfig::load(None, &dist).unwrap();
-    let served_before = ferl::runtime::file_chunks_served();
+    let served_before = ferl::runtime::stats().file_chunks_served;
     let first = ferl::actors::sft::train_on_cluster(&head.cluster, &cfg, 2)
         .await
         .unwrap();
     assert_eq!(first.world_size, 2);
-    let served_first = ferl::runtime::file_chunks_served() - served_before;
+    let served_first = ferl::runtime::stats().file_chunks_served - served_before;
 
     // Each node holds the liger plugin (its trainer rank used it) under the file's sha256, with nothing else but
     // what its actors used; the dataset plugin went only where the data loader ran.
@@ -321,12 +321,12 @@ async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process()
     // A second run on the same nodes: every file is found in the node caches, nothing travels again.
     let again = overrides(&fx, "dist-again", &["data.plugin=alpaca".into()]);
     let cfg2 = SftConfig::load(None, &again).unwrap();
-    let served_before = ferl::runtime::file_chunks_served();
+    let served_before = ferl::runtime::stats().file_chunks_served;
     let second = ferl::actors::sft::train_on_cluster(&head.cluster, &cfg2, 2)
         .await
         .unwrap();
     assert_eq!(
-        ferl::runtime::file_chunks_served(),
+        ferl::runtime::stats().file_chunks_served,
         served_before,
         "a cached plugin was sent again"
     );

@@ -76,7 +76,7 @@ fn node_options(a: &StartArgs) -> Result<NodeOptions> {
     Ok(NodeOptions {
         num_cpus: a.num_cpus,
         num_gpus: a.num_gpus,
-        resources: ferl_runtime::resources::parse_pairs(&a.resources)?,
+        resources: ferl_runtime::parse_resources(&a.resources)?,
         heartbeat_bound: Duration::from_millis(a.heartbeat_ms),
     })
 }

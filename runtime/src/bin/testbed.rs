@@ -24,7 +24,7 @@ fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
             .unwrap_or(0),
     );
     if let Some(r) = flag(args, "--resources") {
-        opts.resources = ferl_runtime::resources::parse_pairs(&[r])?;
+        opts.resources = ferl_runtime::parse_resources(&[r])?;
     }
     if let Some(ms) = flag(args, "--heartbeat-ms") {
         opts.heartbeat_bound = Duration::from_millis(ms.parse().context("--heartbeat-ms")?);

@@ -23,8 +23,8 @@ use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
 use super::Inbound;
-use crate::bulk::BulkInbox;
 use crate::protocol::Frame;
+use crate::transport::bulk::BulkInbox;
 
 const NONCE_LEN: usize = 32;
 /// Set to `0` to keep every call stream on QUIC (`FERL_LANES`).
@@ -225,7 +225,7 @@ pub(crate) async fn connect(pid: u32, name: &str, nonce: &[u8]) -> Result<UnixSt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::Envelope;
+    use crate::transport::delivery::Envelope;
     use futures::future::BoxFuture;
 
     struct Nobody;

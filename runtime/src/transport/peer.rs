@@ -15,11 +15,11 @@ use tokio::sync::{mpsc, oneshot, OnceCell};
 use super::lane;
 use super::streams::{BodyReader, Got};
 use super::{close, next_frame, Outbox, StreamEnd, LANE_ASK, LANE_GRACE};
-use crate::bulk::{self, BulkInbox};
-use crate::error::Error;
+use crate::codec::{encode_frame, read_frame};
 use crate::protocol::{ArchivedFrame, Body, CallKind, Frame, RemoteError};
-use crate::tls;
-use crate::wire::{encode_frame, read_frame};
+use crate::security::tls;
+use crate::transport::bulk::{self, BulkInbox};
+use crate::transport::error::Error;
 
 /// A caller waiting for an answer.
 enum Pending {

@@ -9,9 +9,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use super::{Outbox, BULK_THRESHOLD};
-use crate::bulk::{self, BulkInbox, RecvRing, SendRing};
+use crate::codec::{encode_frame, FrameError};
 use crate::protocol::{ArchivedFrame, Body, Frame};
-use crate::wire::{encode_frame, FrameError};
+use crate::transport::bulk::{self, BulkInbox, RecvRing, SendRing};
 
 const WRITE_BATCH: usize = 256 << 10;
 

@@ -110,15 +110,15 @@ pub async fn exercise_call_paths(cluster: &Cluster) {
 /// that can then send anything).
 pub async fn member_connection(head: &HeadHandle) -> quinn::Connection {
     let addr = head.cluster.head_address().unwrap();
-    let creds = ferl_runtime::join::join(addr, &head.token, Duration::from_secs(10))
+    let creds = ferl_runtime::testing::join(addr, &head.token, Duration::from_secs(10))
         .await
         .unwrap();
-    let cfg = ferl_runtime::tls::client_config(&creds).unwrap();
+    let cfg = ferl_runtime::testing::client_config(&creds).unwrap();
     let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
     let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     endpoint.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(quic)));
     endpoint
-        .connect(addr, ferl_runtime::tls::CLUSTER_SERVER_NAME)
+        .connect(addr, ferl_runtime::testing::CLUSTER_SERVER_NAME)
         .unwrap()
         .await
         .unwrap()

@@ -1,0 +1,633 @@
+//! The driver's API: start an embedded cluster ([`init`], like `ray.init()`), join a running one ([`connect`]), or
+//! run the long-lived head and node processes ([`start_head`], [`start_node`]) that `ferl start` uses. A [`Cluster`]
+//! spawns actors, reserves resource groups, and reads and writes the head's key-value store.
+
+pub(crate) mod worker_group;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result as AnyResult};
+use tokio::sync::broadcast;
+
+use crate::actor::actor_ref::ActorRef;
+use crate::actor::process::Process;
+use crate::actor::{Actor, Dispatchable};
+use crate::codec::Wire;
+use crate::control::binary::BinaryServer;
+use crate::control::head::Head;
+use crate::control::join::{join, JoinService};
+use crate::control::node::{NodeAgent, NodeConfig};
+use crate::protocol::*;
+use crate::security::session::{self, Session};
+use crate::security::tls::{self, ClusterCa};
+use crate::transport::error::{Error, Result};
+
+/// Environment variable: heartbeat bound in milliseconds (default 3000).
+pub const HEARTBEAT_BOUND_ENV: &str = "FERL_HEARTBEAT_BOUND_MS";
+
+/// Settings of a head or an embedded cluster.
+#[derive(Debug, Clone)]
+pub struct HeadOptions {
+    /// IP to bind and advertise.
+    pub ip: IpAddr,
+    /// UDP port (0 = any).
+    pub port: u16,
+    /// Resources of the head's own node agent.
+    pub node: NodeOptions,
+    /// Binary workers run (default: this executable).
+    pub worker_binary: Option<PathBuf>,
+    /// Cluster token to use (default: a fresh random one).
+    pub token: Option<String>,
+}
+
+/// Settings of a node agent.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    /// CPUs to declare (default: detected).
+    pub num_cpus: Option<f64>,
+    /// GPUs to declare (default: detected with nvidia-smi).
+    pub num_gpus: Option<u32>,
+    /// Custom resources.
+    pub resources: Resources,
+    /// A node is declared dead after this long without heartbeats (default: `FERL_HEARTBEAT_BOUND_MS`, else 3 s).
+    pub heartbeat_bound: Duration,
+}
+
+fn default_bound() -> Duration {
+    let ms = std::env::var(HEARTBEAT_BOUND_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
+    Duration::from_millis(ms)
+}
+
+impl Default for NodeOptions {
+    fn default() -> Self {
+        Self {
+            num_cpus: None,
+            num_gpus: None,
+            resources: Resources::new(),
+            heartbeat_bound: default_bound(),
+        }
+    }
+}
+
+impl Default for HeadOptions {
+    fn default() -> Self {
+        Self {
+            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: 0,
+            node: NodeOptions::default(),
+            worker_binary: None,
+            token: None,
+        }
+    }
+}
+
+fn idle_timeout(bound: Duration) -> Duration {
+    (bound * 3).max(Duration::from_secs(10))
+}
+
+/// A running head (with its own node agent), as `ferl start --head` or [`init`] make it.
+pub struct HeadHandle {
+    /// The cluster as seen from the head process.
+    pub cluster: Cluster,
+    /// The head's session folder (token, address, logs).
+    pub session: Session,
+    /// The cluster token.
+    pub token: String,
+}
+
+/// Starts a head and a node agent in this process.
+pub async fn start_head(opts: HeadOptions) -> AnyResult<HeadHandle> {
+    let session = Session::create("head")?;
+    let ca = ClusterCa::mint()?;
+    let creds = ca.issue("head")?;
+    let token = opts.token.clone().unwrap_or_else(tls::new_token);
+    session.save_token(&token)?;
+    let bound = opts.node.heartbeat_bound;
+    let process = Process::start(
+        creds.clone(),
+        SocketAddr::new(opts.ip, opts.port),
+        idle_timeout(bound),
+    )?;
+    let service = Arc::new(JoinService {
+        token: token.clone(),
+        ca,
+        head_cert: creds.cert_der,
+    });
+    process.accept_joins(Arc::new(move |conn| Box::pin(service.clone().serve(conn))));
+    Head::start(&process, bound);
+    session.save_address(&process.addr.to_string())?;
+    let resources = crate::control::resources::node_resources(
+        opts.node.num_cpus,
+        opts.node.num_gpus,
+        opts.node.resources.clone(),
+    );
+    let node = NodeAgent::start(
+        &process,
+        process.addr,
+        NodeConfig {
+            resources,
+            log_dir: session.logs(),
+            ip: opts.ip.to_string(),
+            heartbeat_interval: bound / 4,
+        },
+    )
+    .await?;
+    let cluster = Cluster::new(process, Some(node));
+    if let Some(bin) = opts.worker_binary {
+        cluster.set_worker_binary(bin)?;
+    }
+    Ok(HeadHandle {
+        cluster,
+        session,
+        token,
+    })
+}
+
+/// Starts an embedded local cluster (head and node agent in this process), like `ray.init()`.
+pub async fn init(opts: HeadOptions) -> AnyResult<Cluster> {
+    Ok(start_head(opts).await?.cluster)
+}
+
+/// Environment variable naming a running cluster's head (`HOST:PORT`) for [`connect_or_init`].
+pub const ADDRESS_ENV: &str = "FERL_ADDRESS";
+
+/// Joins the cluster named by `FERL_ADDRESS` when it is set (token from `FERL_TOKEN` or the local head), else starts
+/// an embedded one with `opts`.
+pub async fn connect_or_init(opts: HeadOptions) -> AnyResult<Cluster> {
+    match std::env::var(ADDRESS_ENV) {
+        Ok(address) if !address.is_empty() => {
+            let cluster = connect(&address, opts.token.clone()).await?;
+            if let Some(bin) = opts.worker_binary {
+                cluster.set_worker_binary(bin)?;
+            }
+            Ok(cluster)
+        }
+        _ => init(opts).await,
+    }
+}
+
+/// The IP this machine uses to reach `head` (no packet is sent).
+pub fn local_ip_for(head: SocketAddr) -> AnyResult<IpAddr> {
+    if head.ip().is_loopback() {
+        return Ok(head.ip());
+    }
+    let sock = std::net::UdpSocket::bind(if head.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })?;
+    sock.connect(head)?;
+    Ok(sock.local_addr()?.ip())
+}
+
+fn parse_addr(address: &str) -> AnyResult<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    address
+        .to_socket_addrs()
+        .with_context(|| {
+            format!("cluster address `{address}`: expected HOST:PORT of a running head")
+        })?
+        .next()
+        .with_context(|| format!("cluster address `{address}` does not resolve"))
+}
+
+/// Joins the cluster at `address` as a driver. The token is `token`, else `FERL_TOKEN`, else the local head's.
+pub async fn connect(address: &str, token: Option<String>) -> AnyResult<Cluster> {
+    let head = parse_addr(address)?;
+    let token = session::resolve_token(token)?;
+    let creds = join(head, &token, idle_timeout(default_bound())).await?;
+    let process = Process::start(
+        creds,
+        SocketAddr::new(local_ip_for(head)?, 0),
+        idle_timeout(default_bound()),
+    )?;
+    let _ = process.head.set(head);
+    process.follow_head_events().await?;
+    Ok(Cluster::new(process, None))
+}
+
+/// A node agent joined to a cluster (`ferl start --address`).
+pub struct NodeHandle {
+    /// The node's session folder (logs).
+    pub session: Session,
+    /// The node's name given by the head.
+    pub name: String,
+    agent: NodeAgent,
+    process: Arc<Process>,
+}
+
+impl NodeHandle {
+    /// Waits until the head forgets this node or the connection to it is lost.
+    pub async fn wait(&self) -> AnyResult<()> {
+        let head = self.process.head_addr()?;
+        let conn = self.process.conns.get(head).await?;
+        conn.closed().await;
+        self.agent.stop_all();
+        anyhow::bail!("lost the connection to the head at {head}")
+    }
+}
+
+/// Starts a node agent in this process and joins the head at `address`.
+pub async fn start_node(
+    address: &str,
+    token: Option<String>,
+    opts: NodeOptions,
+    ip: Option<IpAddr>,
+) -> AnyResult<NodeHandle> {
+    let head = parse_addr(address)?;
+    let token = session::resolve_token(token)?;
+    let idle = idle_timeout(opts.heartbeat_bound);
+    let creds = join(head, &token, idle).await?;
+    let ip = match ip {
+        Some(ip) => ip,
+        None => local_ip_for(head)?,
+    };
+    let process = Process::start(creds, SocketAddr::new(ip, 0), idle)?;
+    let _ = process.head.set(head);
+    let session = Session::create("node")?;
+    let resources =
+        crate::control::resources::node_resources(opts.num_cpus, opts.num_gpus, opts.resources);
+    let agent = NodeAgent::start(
+        &process,
+        head,
+        NodeConfig {
+            resources,
+            log_dir: session.logs(),
+            ip: ip.to_string(),
+            heartbeat_interval: opts.heartbeat_bound / 4,
+        },
+    )
+    .await?;
+    Ok(NodeHandle {
+        session,
+        name: agent.name().to_string(),
+        agent,
+        process,
+    })
+}
+
+/// A reserved resource group: its bundles and the node each landed on.
+#[derive(Debug, Clone)]
+pub struct ResourceGroup {
+    /// Group id.
+    pub id: u64,
+    /// Bundles as requested.
+    pub bundles: Vec<Resources>,
+    /// Node of each bundle.
+    pub nodes: Vec<String>,
+}
+
+impl ResourceGroup {
+    /// Number of bundles.
+    pub fn len(&self) -> usize {
+        self.bundles.len()
+    }
+    /// Whether the group has no bundles (never true for a created group).
+    pub fn is_empty(&self) -> bool {
+        self.bundles.is_empty()
+    }
+}
+
+/// Builds a bundle: `bundle(&[("CPU", 1.0)])`.
+pub fn bundle(pairs: &[(&str, f64)]) -> Resources {
+    pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+/// How to spawn an actor.
+#[derive(Debug, Clone)]
+pub struct SpawnOptions {
+    spec: SpawnSpec,
+}
+
+impl Default for SpawnOptions {
+    fn default() -> Self {
+        Self {
+            spec: SpawnSpec {
+                max_concurrency: 1,
+                mailbox: 1024,
+                namespace: "default".into(),
+                ..Default::default()
+            },
+        }
+    }
+}
+
+impl SpawnOptions {
+    /// Defaults: no group, no reserved resources, concurrency 1, mailbox 1024, no restarts.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Place the actor in bundle `index` of `group` (it gets the rank environment of that bundle).
+    pub fn in_bundle(mut self, group: &ResourceGroup, index: usize) -> Self {
+        self.spec.bundle = Some((group.id, index as u32));
+        self
+    }
+    /// Reserve these resources for the actor (outside any group).
+    pub fn resources(mut self, resources: Resources) -> Self {
+        self.spec.resources = resources;
+        self
+    }
+    /// Set an environment variable in the worker process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.spec.env.push((key.into(), value.into()));
+        self
+    }
+    /// Name the actor within a namespace (find it with [`Cluster::get_actor`]).
+    pub fn name(mut self, namespace: &str, name: &str) -> Self {
+        self.spec.namespace = namespace.into();
+        self.spec.name = Some(name.into());
+        self
+    }
+    /// Re-run the constructor up to `n` times after the worker dies.
+    pub fn max_restarts(mut self, n: u32) -> Self {
+        self.spec.max_restarts = n;
+        self
+    }
+    /// Handle up to `n` messages at once (default 1: strictly in order).
+    pub fn max_concurrency(mut self, n: u32) -> Self {
+        self.spec.max_concurrency = n.max(1);
+        self
+    }
+    /// Mailbox capacity; senders wait when it is full.
+    pub fn mailbox(mut self, n: u32) -> Self {
+        self.spec.mailbox = n.max(1);
+        self
+    }
+    /// Ship the file at `path` to the actor's node before its worker starts (by sha256, cached on the node, so it
+    /// travels at most once per node); the actor finds its local copy with [`crate::shipped_file`]`(name)`.
+    pub fn ship_file(mut self, name: &str, path: impl Into<PathBuf>) -> Self {
+        self.spec.files.push(crate::control::blobs::ShippedFile {
+            name: name.into(),
+            driver_path: path.into().display().to_string(),
+            ..Default::default()
+        });
+        self
+    }
+    /// Keep the actor alive after this driver's [`Cluster::shutdown`].
+    pub fn detached(mut self) -> Self {
+        self.spec.detached = true;
+        self
+    }
+}
+
+/// A handle on a cluster, from a driver, a worker (see [`crate::Context::cluster`]) or a head.
+#[derive(Clone)]
+pub struct Cluster {
+    process: Arc<Process>,
+    node: Option<NodeAgent>,
+    binary: Arc<OnceLock<BinarySpec>>,
+    owned: Arc<Mutex<Vec<u64>>>,
+}
+
+/// The cluster layer gives an actor's [`Context`](crate::actor::Context) its handle on the cluster (the actor layer
+/// below knows no `Cluster`).
+impl crate::actor::Context {
+    /// A handle on the cluster this actor runs in (KV store, spawning, lookups).
+    pub fn cluster(&self) -> Cluster {
+        Cluster::from_process(self.process.clone())
+    }
+}
+
+impl Cluster {
+    fn new(process: Arc<Process>, node: Option<NodeAgent>) -> Self {
+        Self {
+            process,
+            node,
+            binary: Arc::new(OnceLock::new()),
+            owned: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    pub(crate) fn from_process(process: Arc<Process>) -> Self {
+        Self::new(process, None)
+    }
+
+    /// Workers run this binary instead of the current executable (it must call
+    /// [`crate::enter_worker_mode_if_spawned`] first and register the actor types).
+    pub fn set_worker_binary(&self, path: PathBuf) -> AnyResult<()> {
+        let spec = BinaryServer::host(&self.process, path)?;
+        self.binary
+            .set(spec)
+            .map_err(|_| anyhow::anyhow!("the worker binary is already set"))
+    }
+
+    fn binary_spec(&self) -> Result<BinarySpec> {
+        if let Some(b) = self.binary.get() {
+            return Ok(b.clone());
+        }
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::Cluster(format!("finding this executable: {e}")))?;
+        let spec =
+            BinaryServer::host(&self.process, exe).map_err(|e| Error::Cluster(format!("{e:#}")))?;
+        Ok(self.binary.get_or_init(|| spec).clone())
+    }
+
+    /// The head's address.
+    pub fn head_address(&self) -> Result<SocketAddr> {
+        self.process.head_addr()
+    }
+
+    /// Spawns an actor of type `A` in a new worker process.
+    pub async fn spawn<A: Actor>(&self, args: A::Args, opts: SpawnOptions) -> Result<ActorRef<A>> {
+        let mut spec = opts.spec;
+        spec.type_name = A::NAME.to_string();
+        spec.args = args.to_wire()?.to_vec();
+        spec.binary = self.binary_spec()?;
+        crate::control::binary::offer_files(&spec.binary.server, &mut spec.files)
+            .map_err(|e| Error::Cluster(format!("{e:#}")))?;
+        let detached = spec.detached;
+        let address = self.process.call_head(&SpawnActor { spec }).await?;
+        if !detached {
+            self.owned.lock().expect("owned lock").push(address.id);
+        }
+        Ok(ActorRef::new(address, self.process.clone()))
+    }
+
+    /// Hosts `actor` in this process (no worker); calls go through the same mailbox and codec.
+    pub fn spawn_local<A: Dispatchable>(&self, actor: A, opts: SpawnOptions) -> ActorRef<A> {
+        let id = self.process.local_id();
+        self.process.host(
+            id,
+            actor,
+            opts.spec.max_concurrency as usize,
+            opts.spec.mailbox as usize,
+        );
+        let address = ActorAddress {
+            id,
+            type_name: A::NAME.into(),
+            addr: self.process.addr.to_string(),
+            node: "local".into(),
+        };
+        ActorRef::new(address, self.process.clone())
+    }
+
+    /// A handle on the actor at `address` that another process passed on (e.g. one it hosts with
+    /// [`Cluster::spawn_local`]); calls from here go through this process's own connections.
+    pub fn actor_ref<A: Actor>(&self, address: ActorAddress) -> ActorRef<A> {
+        ActorRef::new(address, self.process.clone())
+    }
+
+    /// Stops an actor (no restart); calls to it fail with `ActorDied`.
+    pub async fn kill<A>(&self, actor: &ActorRef<A>) -> Result<()> {
+        if actor.id() >= (1 << 62) {
+            self.process.unhost(actor.id());
+            return Ok(());
+        }
+        self.process.call_head(&KillActor { id: actor.id() }).await
+    }
+
+    /// Finds a named actor.
+    pub async fn get_actor<A: Actor>(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<ActorRef<A>>> {
+        let found = self
+            .process
+            .call_head(&LookupActor {
+                namespace: namespace.into(),
+                name: name.into(),
+            })
+            .await?;
+        match found {
+            Some(a) if a.type_name != A::NAME => Err(Error::Cluster(format!(
+                "actor `{name}` in `{namespace}` is a {}, not a {}",
+                a.type_name,
+                A::NAME
+            ))),
+            Some(a) => Ok(Some(ActorRef::new(a, self.process.clone()))),
+            None => Ok(None),
+        }
+    }
+
+    /// Reserves bundles all-or-nothing; fails at once if infeasible, waits up to `timeout` while busy.
+    pub async fn create_group(
+        &self,
+        bundles: Vec<Resources>,
+        strategy: Strategy,
+        timeout: Duration,
+    ) -> Result<ResourceGroup> {
+        let placed = self
+            .process
+            .call_head(&CreateGroup {
+                bundles: bundles.clone(),
+                strategy,
+                timeout_ms: timeout.as_millis() as u64,
+            })
+            .await?;
+        Ok(ResourceGroup {
+            id: placed.group,
+            bundles,
+            nodes: placed.nodes,
+        })
+    }
+
+    /// Frees a group's resources and stops its actors.
+    pub async fn remove_group(&self, group: &ResourceGroup) -> Result<()> {
+        self.process
+            .call_head(&RemoveGroup { group: group.id })
+            .await
+    }
+
+    /// Stores `value` under `key` on the head.
+    pub async fn kv_put(&self, key: &str, value: Vec<u8>) -> Result<()> {
+        self.process
+            .call_head(&KvPut {
+                key: key.into(),
+                value,
+            })
+            .await
+    }
+
+    /// Reads `key` from the head.
+    pub async fn kv_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.process.call_head(&KvGet { key: key.into() }).await
+    }
+
+    /// Waits until `key` exists (up to `timeout`), then reads it.
+    pub async fn kv_wait(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.process
+            .call_head(&KvWait {
+                key: key.into(),
+                timeout_ms: timeout.as_millis() as u64,
+            })
+            .await
+    }
+
+    /// Keeps `bytes` in this process's object store and returns the owner's handle: pass it (or clones) in
+    /// messages, and any actor reads the bytes with [`Cluster::get`], fetched once per node. The bytes are freed
+    /// when the last handle in this process drops (the rule is on [`ObjectRef`](crate::control::objects::ObjectRef)).
+    pub fn put(
+        &self,
+        bytes: impl Into<crate::codec::SharedBytes>,
+    ) -> Result<crate::control::objects::ObjectRef> {
+        crate::control::objects::put(&self.process, bytes.into())
+    }
+
+    /// The bytes of an object, from this process, its node's cache, or (once per node) its owner.
+    pub async fn get(
+        &self,
+        object: &crate::control::objects::ObjectRef,
+    ) -> Result<crate::codec::SharedBytes> {
+        crate::control::objects::get(&self.process, object).await
+    }
+
+    /// What the object store holds: this process's with `None`, else the node agent's of the node so named.
+    pub async fn object_stats(
+        &self,
+        node: Option<&str>,
+    ) -> Result<crate::control::objects::ObjectStats> {
+        let Some(name) = node else {
+            return Ok(crate::control::objects::stats(&self.process));
+        };
+        let status = self.status().await?;
+        let address = status["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["name"] == name)
+            .and_then(|n| n["address"].as_str())
+            .ok_or_else(|| Error::Cluster(format!("no node named `{name}` in the cluster")))?;
+        let addr: SocketAddr = address
+            .parse()
+            .map_err(|_| Error::Cluster(format!("node `{name}` has a bad address `{address}`")))?;
+        let query = crate::control::objects::QueryObjects;
+        self.process
+            .call_at(addr, crate::actor::process::OBJECT_ACTOR, &query)
+            .await
+    }
+
+    /// Cluster events (node joins and deaths, actor restarts and deaths) from now on.
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.process.events.subscribe()
+    }
+
+    /// The cluster's state as JSON (what `ferl status --json` prints: `nodes`, `actors`, `groups`).
+    pub async fn status(&self) -> Result<serde_json::Value> {
+        let text = self.process.call_head(&Status).await?;
+        serde_json::from_str(&text).map_err(|e| Error::Codec(format!("status JSON: {e}")))
+    }
+
+    /// Stops the cluster's processes (head, node agents, workers).
+    pub async fn shutdown_cluster(&self) -> Result<()> {
+        self.process.call_head(&Shutdown).await
+    }
+
+    /// Kills the non-detached actors this handle spawned; an embedded cluster also stops its workers and endpoint.
+    pub async fn shutdown(self) {
+        let owned: Vec<u64> = std::mem::take(&mut *self.owned.lock().expect("owned lock"));
+        for id in owned {
+            let _ = self.process.call_head(&KillActor { id }).await;
+        }
+        if let Some(node) = &self.node {
+            node.stop_all();
+        }
+        self.process.close();
+    }
+}

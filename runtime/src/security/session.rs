@@ -1,0 +1,248 @@
+//! Session folders: where a head or node keeps its token, address, logs and pid files.
+//!
+//! The root is `$FERL_TMPDIR` or `/tmp/ferl`; each head or node agent makes `session_<time>_<pid>/` under it, and a
+//! head points `session_latest` at its own, so commands on the head's machine find the token and address by
+//! themselves.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+
+/// Environment variable overriding the session root.
+pub const ROOT_ENV: &str = "FERL_TMPDIR";
+/// Environment variable holding the cluster token.
+pub const TOKEN_ENV: &str = "FERL_TOKEN";
+
+/// The session root folder.
+pub fn root() -> PathBuf {
+    std::env::var_os(ROOT_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp/ferl"))
+}
+
+/// Creates the session root `root` private to this user (mode 0700), or checks that an existing one belongs to this
+/// user (and makes it private); a root owned by another user is refused, since its owner could read tokens or plant
+/// files there.
+pub fn ensure_private_root(root: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(root)
+        .with_context(|| format!("creating {}", root.display()))?;
+    let meta =
+        std::fs::symlink_metadata(root).with_context(|| format!("reading {}", root.display()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me {
+        anyhow::bail!(
+            "the session folder {} is not a directory of yours (owner uid {}, you are uid {me}); set {ROOT_ENV} to a \
+             folder you own",
+            root.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("making {} private", root.display()))?;
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path` with mode 0600 (created or truncated).
+pub fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// A session folder of this process.
+#[derive(Debug, Clone)]
+pub struct Session {
+    /// The folder.
+    pub dir: PathBuf,
+}
+
+impl Session {
+    /// Makes a fresh session folder (`kind` is `head` or `node`); a head also becomes `session_latest`.
+    pub fn create(kind: &str) -> Result<Self> {
+        let root = root();
+        ensure_private_root(&root)?;
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let dir = root.join(format!(
+            "session_{}_{}_{}_{}",
+            kind,
+            stamp.as_secs(),
+            stamp.subsec_millis(),
+            std::process::id()
+        ));
+        std::fs::create_dir_all(dir.join("logs"))
+            .with_context(|| format!("creating {}", dir.display()))?;
+        if kind == "head" {
+            let latest = root.join("session_latest");
+            // Unique per call: two heads started at once in one process (tests) must not share the temporary link.
+            let tmp = root.join(format!(
+                ".session_latest_{}_{:016x}",
+                std::process::id(),
+                rand::random::<u64>()
+            ));
+            let _ = std::fs::remove_file(&tmp);
+            std::os::unix::fs::symlink(&dir, &tmp)?;
+            std::fs::rename(&tmp, &latest)
+                .with_context(|| format!("updating {}", latest.display()))?;
+        }
+        Ok(Self { dir })
+    }
+
+    /// The folder for worker logs.
+    pub fn logs(&self) -> PathBuf {
+        self.dir.join("logs")
+    }
+
+    /// Stores the token (0600) and prints nothing.
+    pub fn save_token(&self, token: &str) -> Result<()> {
+        write_private(&self.dir.join("token"), token.as_bytes())
+    }
+
+    /// Stores the head address.
+    pub fn save_address(&self, addr: &str) -> Result<()> {
+        std::fs::write(self.dir.join("address"), addr).context("writing the session address file")
+    }
+
+    /// Records this process's pid so `ferl stop` can find it.
+    pub fn save_pid(&self) -> Result<()> {
+        std::fs::write(self.dir.join("pid"), std::process::id().to_string())
+            .context("writing the pid file")
+    }
+}
+
+/// The token of the head on this machine (`session_latest/token`), if any.
+pub fn local_token() -> Option<String> {
+    std::fs::read_to_string(root().join("session_latest").join("token"))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// The address of the head on this machine, if any.
+pub fn local_address() -> Option<String> {
+    std::fs::read_to_string(root().join("session_latest").join("address"))
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// The token to join with: the one given, else `FERL_TOKEN`, else the local head's.
+pub fn resolve_token(given: Option<String>) -> Result<String> {
+    given
+        .or_else(|| std::env::var(TOKEN_ENV).ok())
+        .or_else(local_token)
+        .with_context(|| {
+            format!(
+                "no cluster token: pass --token or set {TOKEN_ENV} (on the head's machine it is read from {})",
+                root().join("session_latest/token").display()
+            )
+        })
+}
+
+/// Makes `cmd` start in a new session, detached from the terminal (for `ferl start` without `--block`).
+pub fn detach(cmd: &mut std::process::Command) {
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, || {
+            libc::setsid();
+            Ok(())
+        });
+    }
+}
+
+/// Stops every head or node process that `ferl start` recorded under the session root: SIGTERM, then SIGKILL for
+/// any still running after `grace`. A pid file whose process is gone, or is no longer a `start` command (the pid
+/// was reused), is only removed. Returns the pids that were stopped; none of them runs when this returns.
+pub fn stop_local(grace: Duration) -> Vec<i32> {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let mut stopped = Vec::new();
+    for entry in std::fs::read_dir(root()).into_iter().flatten().flatten() {
+        let pid_file = entry.path().join("pid");
+        let Some(pid) = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if is_start_command(pid) && kill(Pid::from_raw(pid), Signal::SIGTERM).is_ok() {
+            stopped.push(pid);
+        }
+        let _ = std::fs::remove_file(pid_file);
+    }
+    let deadline = Instant::now() + grace;
+    while stopped.iter().any(|p| is_running(*p)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for pid in stopped.iter().filter(|p| is_running(**p)) {
+        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+    }
+    while stopped.iter().any(|p| is_running(*p)) && Instant::now() < deadline + grace {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stopped
+}
+
+/// Whether `pid` runs (a zombie waiting for its parent to reap it does not).
+pub fn is_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may itself hold spaces or parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// Whether `pid` is a `ferl start ...` process (its command line has a `start` argument).
+fn is_start_command(pid: i32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| c.split(|b| *b == 0).any(|arg| arg == b"start"))
+        .unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    #[test]
+    fn the_session_root_is_private_and_another_users_root_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fresh = tmp.path().join("a/ferl");
+        ensure_private_root(&fresh).unwrap();
+        assert_eq!(std::fs::metadata(&fresh).unwrap().mode() & 0o777, 0o700);
+        let loose = tmp.path().join("loose");
+        std::fs::create_dir(&loose).unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o777)).unwrap();
+        ensure_private_root(&loose).unwrap();
+        assert_eq!(std::fs::metadata(&loose).unwrap().mode() & 0o777, 0o700);
+        let theirs = tmp.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        if std::os::unix::fs::chown(&theirs, Some(65534), None).is_err() {
+            println!("SKIP the foreign-owner case: this user cannot chown");
+            return;
+        }
+        let err = ensure_private_root(&theirs).unwrap_err().to_string();
+        assert!(
+            err.contains("not a directory of yours") && err.contains(ROOT_ENV),
+            "{err}"
+        );
+    }
+}

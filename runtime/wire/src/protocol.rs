@@ -1,0 +1,562 @@
+//! Every message type the runtime itself puts on the wire, as data: transport frames, the join handshake, and the
+//! control messages handled by the head and node agents (which are actors like any other, in the runtime's control
+//! layer). Nothing here does anything; the runtime's layers above give these types their behaviour.
+
+use std::collections::BTreeMap;
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::codec::{Message, StreamMessage};
+
+/// How a call expects its answer.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// No reply (`tell`).
+    Tell,
+    /// One reply (`call`).
+    Call,
+    /// Zero or more items, then an end marker (`stream`).
+    Stream,
+}
+
+/// Kinds of failure a remote side reports.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteErrorKind {
+    /// The target actor is not (or no longer) hosted where the call went.
+    NoSuchActor,
+    /// The actor has no handler for the message type.
+    NoSuchHandler,
+    /// The handler returned an error or panicked.
+    Handler,
+    /// The message could not be decoded.
+    Decode,
+}
+
+/// A failure reported by the remote side of a call.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct RemoteError {
+    /// What went wrong.
+    pub kind: RemoteErrorKind,
+    /// A message naming the actor and message type.
+    pub message: String,
+}
+
+/// Where the payload of a [`Frame`] is.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body {
+    /// Its `len` raw bytes follow the frame on the same stream.
+    Inline(u64),
+    /// It arrives on the bulk stream with this id (QUIC, for payloads over the transport's bulk threshold).
+    Bulk(u64),
+    /// It lies in the sender's shared-memory ring, which the receiver mapped after a [`Frame::ShmOffer`]
+    /// (same-host bulk path).
+    Shared {
+        /// Offset of the first byte in the ring's data area.
+        offset: u64,
+        /// Length in bytes.
+        len: u64,
+    },
+}
+
+/// A frame on a call stream. Inline payloads are not inside the frame: their raw bytes follow it on the stream
+/// (`Body::Inline`), or lie in the same-host ring or on a bulk stream; large arguments are neither re-serialised nor
+/// re-validated by the transport: the receiver copies them once
+/// into an aligned buffer and validates them when the handler decodes its message.
+#[derive(Archive, Serialize, Deserialize, Debug)]
+pub enum Frame {
+    /// A request to an actor hosted by the receiving process.
+    Call {
+        /// Request id, unique per connection.
+        req: u64,
+        /// Target actor id.
+        actor: u64,
+        /// Message type name.
+        msg: String,
+        /// Reply expectation.
+        kind: CallKind,
+        /// Where the encoded message is.
+        body: Body,
+    },
+    /// The single reply to a call.
+    Reply {
+        /// Request id.
+        req: u64,
+        /// Where the encoded reply is.
+        body: Body,
+    },
+    /// One item of a streaming reply.
+    Item {
+        /// Request id.
+        req: u64,
+        /// Where the encoded item is.
+        body: Body,
+    },
+    /// End of a streaming reply (or a failed call).
+    End {
+        /// Request id.
+        req: u64,
+        /// Set when the call failed.
+        error: Option<RemoteError>,
+    },
+    /// The sender offers its shared-memory ring for the payloads it sends on this stream: a sealed memfd that the
+    /// receiver opens as `/proc/<pid>/fd/<fd>` and recognises by `nonce` (same host, same user only).
+    ShmOffer {
+        /// Sender's process id.
+        pid: u32,
+        /// The memfd's descriptor number in the sender.
+        fd: i32,
+        /// Bytes in the ring's data area.
+        capacity: u64,
+        /// Random bytes written in the ring's header.
+        nonce: Vec<u8>,
+    },
+    /// Answer to the peer's [`Frame::ShmOffer`]: whether its ring was mapped (else payloads stay on QUIC).
+    ShmAnswer {
+        /// The ring is mapped and verified.
+        accepted: bool,
+        /// Why not, when refused.
+        reason: String,
+    },
+    /// The callee queued a tell beyond `actor`'s waiting line: the caller holds its further tells to that actor
+    /// until the matching [`Frame::Resume`] (guarantee 3).
+    Pause {
+        /// The actor whose line is full.
+        actor: u64,
+        /// Counts the actor's pauses, so a resume that overtakes its pause is recognised.
+        epoch: u64,
+    },
+    /// The actor's line has room again: tells held since pause `epoch` (or earlier) may go.
+    Resume {
+        /// The actor.
+        actor: u64,
+        /// The latest pause this resume ends.
+        epoch: u64,
+    },
+    /// A caller's first frame on a new connection: asks for a same-host lane (see `transport::lane`).
+    LaneAsk,
+    /// The answer to [`Frame::LaneAsk`]: the callee's abstract Unix socket and the bytes that open it for this
+    /// connection; an empty `name` offers nothing.
+    LaneOffer {
+        /// The callee's process id (checked against the socket's peer credentials).
+        pid: u32,
+        /// The abstract socket's name.
+        name: String,
+        /// Random bytes the caller sends first on the socket.
+        nonce: Vec<u8>,
+    },
+}
+
+impl Frame {
+    /// Validates a received frame body (bytecheck, in place, no copy) and returns its archived form: what the
+    /// transport runs on every frame it reads. `bytes` must be 16-byte aligned, as [`crate::codec::read_frame`]
+    /// leaves them.
+    pub fn access(bytes: &[u8]) -> Result<&ArchivedFrame, crate::codec::WireError> {
+        rkyv::access::<ArchivedFrame, rkyv::rancor::Error>(bytes)
+            .map_err(|e| crate::codec::WireError::Malformed(format!("frame: {e}")))
+    }
+
+    /// The payload placement of a frame that carries one.
+    pub fn body_mut(&mut self) -> Option<&mut Body> {
+        match self {
+            Frame::Call { body, .. } | Frame::Reply { body, .. } | Frame::Item { body, .. } => {
+                Some(body)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl ArchivedBody {
+    /// The placement as a native value.
+    pub fn to_native(&self) -> Body {
+        match self {
+            ArchivedBody::Inline(len) => Body::Inline(len.to_native()),
+            ArchivedBody::Bulk(id) => Body::Bulk(id.to_native()),
+            ArchivedBody::Shared { offset, len } => Body::Shared {
+                offset: offset.to_native(),
+                len: len.to_native(),
+            },
+        }
+    }
+}
+
+/// Messages of the join handshake, on the first stream of a connection without a cluster certificate.
+///
+/// Both sides prove they know the cluster token without sending it: `proof = sha256(token, label, nonce,
+/// sha256(head certificate))`, so a man in the middle (with another certificate) can neither learn nor relay it.
+#[derive(Archive, Serialize, Deserialize, Debug)]
+pub enum JoinMsg {
+    /// Joiner → head: a fresh nonce.
+    Hello {
+        /// Joiner's nonce.
+        nonce: Vec<u8>,
+    },
+    /// Head → joiner: the head's nonce and its proof over the joiner's nonce.
+    Challenge {
+        /// Head's nonce.
+        nonce: Vec<u8>,
+        /// Head's proof.
+        proof: Vec<u8>,
+    },
+    /// Joiner → head: the joiner's proof over the head's nonce.
+    Proof {
+        /// Joiner's proof.
+        proof: Vec<u8>,
+    },
+    /// Head → joiner: cluster credentials.
+    Accepted {
+        /// The cluster CA certificate (DER).
+        ca_der: Vec<u8>,
+        /// A certificate minted for the joiner (DER).
+        cert_der: Vec<u8>,
+        /// Its private key (PKCS#8 DER).
+        key_der: Vec<u8>,
+    },
+    /// Head → joiner: refusal with the reason.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// A resource amount per name (`CPU`, `GPU`, `memory`, custom names).
+pub type Resources = BTreeMap<String, f64>;
+
+/// How the bundles of a resource group are spread over nodes.
+#[derive(
+    Archive,
+    Serialize,
+    Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub enum Strategy {
+    /// As few nodes as possible, but may use several.
+    Pack,
+    /// As many nodes as possible, but may share.
+    Spread,
+    /// All bundles on one node, or fail.
+    StrictPack,
+    /// Every bundle on a different node, or fail.
+    StrictSpread,
+}
+
+/// Where a new actor goes and how it runs.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default)]
+pub struct SpawnSpec {
+    /// Registered actor type name.
+    pub type_name: String,
+    /// Encoded constructor arguments.
+    pub args: Vec<u8>,
+    /// Resource group and bundle index, if any.
+    pub bundle: Option<(u64, u32)>,
+    /// Resources the actor reserves when not in a bundle.
+    pub resources: Resources,
+    /// Extra environment variables for the worker process.
+    pub env: Vec<(String, String)>,
+    /// Optional name, unique within `namespace`.
+    pub name: Option<String>,
+    /// Namespace for `name`.
+    pub namespace: String,
+    /// How many times the constructor is re-run after the worker dies.
+    pub max_restarts: u32,
+    /// How many messages may be handled at once (1 = strictly in order).
+    pub max_concurrency: u32,
+    /// Mailbox capacity (senders wait when it is full).
+    pub mailbox: u32,
+    /// Survive the driver that created it.
+    pub detached: bool,
+    /// The binary workers run.
+    pub binary: BinarySpec,
+    /// Files the node fetches (by sha256, cached) before starting the worker (`SpawnOptions::ship_file` in the runtime).
+    pub files: Vec<ShippedFile>,
+}
+
+/// One file a spawn ships to the actor's node.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq, Eq)]
+pub struct ShippedFile {
+    /// The name the actor looks the file up by.
+    pub name: String,
+    /// The file's path on the driver.
+    pub driver_path: String,
+    /// The driver-side file name (its extension is kept in the cache).
+    pub file_name: String,
+    /// sha256 (hex) of the bytes.
+    pub sha256: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Address of the driver process that serves it.
+    pub server: String,
+}
+
+/// The driver's binary, found locally by path (same size and mtime) or fetched from the driver by content hash.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Default)]
+pub struct BinarySpec {
+    /// Absolute path on the driver's machine.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time (ns since the epoch).
+    pub mtime_ns: u64,
+    /// Address of the driver process that serves the binary.
+    pub server: String,
+}
+
+/// Where an actor lives; enough to call it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ActorAddress {
+    /// Cluster-unique actor id.
+    pub id: u64,
+    /// Actor type name.
+    pub type_name: String,
+    /// Address of the hosting process.
+    pub addr: String,
+    /// Node name (e.g. `node-2`).
+    pub node: String,
+}
+
+/// Something that happened in the cluster; drivers subscribe with `Cluster::events`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A node joined.
+    NodeJoined {
+        /// Node name.
+        node: String,
+    },
+    /// A node missed heartbeats beyond the bound (or left).
+    NodeDied {
+        /// Node name.
+        node: String,
+        /// Why.
+        reason: String,
+    },
+    /// An actor's worker died and the actor will be restarted.
+    ActorRestarting {
+        /// Actor id.
+        id: u64,
+        /// Node name.
+        node: String,
+        /// Why.
+        reason: String,
+        /// Restart attempt (1-based).
+        attempt: u32,
+    },
+    /// An actor is running again at a new address.
+    ActorRestarted {
+        /// New address.
+        actor: ActorAddress,
+    },
+    /// An actor is gone for good.
+    ActorDied {
+        /// Actor id.
+        id: u64,
+        /// Actor type name.
+        type_name: String,
+        /// Node name.
+        node: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+macro_rules! control {
+    ($($(#[$m:meta])* $name:ident => $reply:ty),* $(,)?) => {$(
+        $(#[$m])*
+        impl Message for $name {
+            type Reply = $reply;
+            const NAME: &'static str = concat!("ferl.", stringify!($name));
+        }
+    )*};
+}
+
+/// Node agent → head: join the cluster.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct RegisterNode {
+    /// Address of the node agent.
+    pub addr: String,
+    /// Reachable IP of the node.
+    pub ip: String,
+    /// Declared resources.
+    pub resources: Resources,
+    /// Folder holding worker logs.
+    pub log_dir: String,
+}
+/// Node agent → head: still alive.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Heartbeat {
+    /// Node name.
+    pub node: String,
+}
+/// Create a resource group.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct CreateGroup {
+    /// Bundles.
+    pub bundles: Vec<Resources>,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// How long to wait for busy resources (ms).
+    pub timeout_ms: u64,
+}
+/// Remove a resource group, stopping its actors.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct RemoveGroup {
+    /// Group id.
+    pub group: u64,
+}
+/// Placement of a created group: node of each bundle.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct GroupPlaced {
+    /// Group id.
+    pub group: u64,
+    /// Node name per bundle.
+    pub nodes: Vec<String>,
+}
+/// Spawn an actor (driver → head).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct SpawnActor {
+    /// What to spawn.
+    pub spec: SpawnSpec,
+}
+/// Stop an actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KillActor {
+    /// Actor id.
+    pub id: u64,
+}
+/// Look an actor up by name.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct LookupActor {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+/// Current address of an actor id (waits while it restarts).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ResolveActor {
+    /// Actor id.
+    pub id: u64,
+}
+/// Store a value.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KvPut {
+    /// Key.
+    pub key: String,
+    /// Value.
+    pub value: Vec<u8>,
+}
+/// Read a value.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KvGet {
+    /// Key.
+    pub key: String,
+}
+/// Wait until a key exists (up to a timeout), then read it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct KvWait {
+    /// Key.
+    pub key: String,
+    /// Timeout (ms).
+    pub timeout_ms: u64,
+}
+/// Subscribe to cluster events (a streaming message).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Subscribe;
+/// Cluster state as JSON (what `ferl status --json` prints).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Status;
+/// Node agent → head: a worker process exited.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct WorkerExited {
+    /// Actor id it hosted.
+    pub id: u64,
+    /// Exit description.
+    pub reason: String,
+}
+/// Ask the head to shut the cluster down (`ferl stop`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct Shutdown;
+
+/// Head → node agent: start a worker hosting one actor.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct StartWorker {
+    /// Actor id.
+    pub id: u64,
+    /// What to run.
+    pub spec: SpawnSpec,
+    /// Environment computed by the head (ranks, devices, rendezvous).
+    pub env: Vec<(String, String)>,
+}
+/// Head → node agent: kill a worker.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct StopWorker {
+    /// Actor id.
+    pub id: u64,
+}
+/// Head → node agent: a free TCP port on that node (for `MASTER_PORT`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct FreePort;
+/// Worker → node agent: ready to host the actor; returns what to construct.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct WorkerHello {
+    /// Actor id.
+    pub id: u64,
+    /// The worker's listen address.
+    pub addr: String,
+}
+/// Worker → node agent: construction finished (`error` set when the constructor failed).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct WorkerReady {
+    /// Actor id.
+    pub id: u64,
+    /// Constructor error, if any.
+    pub error: Option<String>,
+}
+/// Node agent → driver: the sha256 (hex) of the binary workers run.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct BinaryDigest;
+/// Node agent → driver: send me your binary.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct FetchBinary;
+/// The driver's binary and its sha256 (hex).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct BinaryBlob {
+    /// sha256 of `bytes`, hex.
+    pub sha256: String,
+    /// The file.
+    pub bytes: Vec<u8>,
+}
+
+control! {
+    RegisterNode => String,
+    Heartbeat => bool,
+    CreateGroup => GroupPlaced,
+    RemoveGroup => (),
+    SpawnActor => ActorAddress,
+    KillActor => (),
+    LookupActor => Option<ActorAddress>,
+    ResolveActor => ActorAddress,
+    KvPut => (),
+    KvGet => Option<Vec<u8>>,
+    KvWait => Vec<u8>,
+    Status => String,
+    WorkerExited => (),
+    Shutdown => (),
+    StartWorker => (String, u32),
+    StopWorker => (),
+    FreePort => u16,
+    WorkerHello => SpawnSpec,
+    WorkerReady => (),
+    BinaryDigest => String,
+    FetchBinary => BinaryBlob,
+}
+
+impl StreamMessage for Subscribe {
+    type Item = Event;
+    const NAME: &'static str = "ferl.Subscribe";
+}
