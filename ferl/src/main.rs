@@ -1,5 +1,5 @@
-//! The `ferl` command line: cluster bootstrap (`start`, `status`, `stop`), SFT (`sft`, `data`, `model`, `export`) and
-//! plugins (`plugin`). Each subcommand lives in its own module under `cmd/`.
+//! The `ferl` command line: cluster bootstrap (`start`, `status`, `stop`), SFT (`sft`, `data`, `model`, `export`),
+//! generation (`generate`) and plugins (`plugin`). Each subcommand lives in its own module under `cmd/`.
 
 mod cmd;
 
@@ -36,6 +36,8 @@ enum Command {
     Model(cmd::model::ModelCommand),
     /// Export a checkpoint as a Hugging Face folder.
     Export(cmd::export::ExportArgs),
+    /// Generate responses to a parquet of chat prompts (verl's main_generation).
+    Generate(cmd::generate::GenerateArgs),
     /// List and reload plugins.
     #[command(subcommand)]
     Plugin(cmd::plugin::PluginCommand),
@@ -54,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Command::Data(c) => cmd::data::run(c),
         Command::Model(c) => cmd::model::run(c),
         Command::Export(a) => cmd::export::run(a),
+        Command::Generate(a) => cmd::generate::run(a),
         Command::Plugin(c) => cmd::plugin::run(c),
     }
 }

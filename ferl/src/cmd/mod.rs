@@ -3,6 +3,7 @@
 pub mod cluster;
 pub mod data;
 pub mod export;
+pub mod generate;
 pub mod model;
 pub mod plugin;
 pub mod sft;

@@ -46,6 +46,7 @@ pub mod sample;
 pub mod source;
 pub mod template;
 pub mod tokenizer;
+pub mod write;
 
 pub use balance::{Batching, RankMicroBatches};
 pub use batch::{
