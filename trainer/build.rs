@@ -1,9 +1,11 @@
-//! Compiles `csrc/varlen_attention.cpp` (torch's variable-length attention kernels, which tch does not expose)
-//! against the libtorch headers of the libtorch torch-sys links (its `links = "tch"` metadata names the folder).
+//! Compiles `csrc/varlen_attention.cpp` (torch's variable-length attention kernels, which tch does not expose) and
+//! `csrc/storage.cpp` (freeing and refilling a tensor's storage in place, for FULL_SHARD) against the libtorch headers
+//! of the libtorch torch-sys links (its `links = "tch"` metadata names the folder).
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=csrc/varlen_attention.cpp");
+    println!("cargo:rerun-if-changed=csrc/storage.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")
         .expect("torch-sys did not export the libtorch folder (DEP_TCH_LIBTORCH_LIB)");
@@ -17,5 +19,6 @@ fn main() {
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .file("csrc/varlen_attention.cpp")
+        .file("csrc/storage.cpp")
         .compile("ferl_varlen_attention");
 }

@@ -26,8 +26,16 @@ pub trait ParamStore {
     /// Adds `grads` (same order as `gather`; undefined tensors mean zero) into the stored gradients
     /// (FSDP: reduce-scatter into the local shard's gradient).
     fn accumulate_grads(&mut self, stage: Stage, grads: &[Tensor]) -> Result<()>;
-    /// The stage's full parameters are no longer needed (FSDP: free the gathered copy). Default: nothing to do.
+    /// The stage's full parameters are no longer needed (FSDP FULL_SHARD: free the gathered copy's bytes, even where
+    /// an autograd graph still refers to them). The tensors `gather` handed out for the stage must not be read again
+    /// until the stage is gathered or [`ParamStore::regather`]ed. Default: nothing to do.
     fn release(&mut self, _stage: Stage) {}
+    /// Makes the parameters handed out by the last `gather` of `stage` valid again, for the backward of an autograd
+    /// graph the forward kept (no gradient checkpointing) after `release` (FSDP FULL_SHARD: all-gather into the buffer
+    /// `release` freed, so the kept graph sees its parameters again). Default: nothing to do.
+    fn regather(&mut self, _stage: Stage) -> Result<()> {
+        Ok(())
+    }
     /// The locally held master tensors and their gradients, for the optimizer (FSDP: the shards).
     fn master_and_grads(&mut self) -> (&mut [Tensor], &mut [Tensor]);
     /// Squared L2 norm of all gradients of the model (FSDP: sum of local squares all-reduced across ranks).

@@ -10,7 +10,8 @@
 //!   presence marks a complete checkpoint.
 //!
 //! The files are the same whatever the strategy (a NO_SHARD rank writes its slice of its replica), and loading works
-//! at any world size and strategy: each rank reads only the old slices overlapping its new range and reslices them.
+//! at any world size and strategy: each rank reads only the bytes of the old slices overlapping its new range (the
+//! files' headers, then those byte ranges) and reslices them.
 
 use crate::store::{local_range, ShardedParams};
 use crate::units::{FlatUnit, UnitPlan};
@@ -22,9 +23,8 @@ use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::model::lora::{
     merge, write_adapter, LoraSpec, ADAPTER_CONFIG, CHECKPOINT_ADAPTER_DIR,
 };
-use ferl_trainer::model::weights::{save_hf_folder, write_safetensors};
+use ferl_trainer::model::weights::{save_hf_folder, write_safetensors, SafetensorsFile};
 use ferl_trainer::optim::{AdamW, AdamWConfig};
-use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -191,15 +191,33 @@ pub fn read_meta(dir: &Path) -> Result<CheckpointMeta> {
     Ok(meta)
 }
 
-/// Reads ranges of units out of one kind of shard file, keeping each file's bytes once read.
+/// Reads ranges of units out of one kind of shard file: each file's header once, then only the bytes asked for.
 struct ShardReader<'a> {
     dir: &'a Path,
     meta: &'a CheckpointMeta,
     file: fn(&Path, usize, usize) -> PathBuf,
-    bytes: HashMap<usize, Vec<u8>>,
+    open: HashMap<usize, SafetensorsFile>,
 }
 
 impl ShardReader<'_> {
+    fn new<'a>(
+        dir: &'a Path,
+        meta: &'a CheckpointMeta,
+        file: fn(&Path, usize, usize) -> PathBuf,
+    ) -> ShardReader<'a> {
+        ShardReader {
+            dir,
+            meta,
+            file,
+            open: HashMap::new(),
+        }
+    }
+
+    /// Tensor bytes read so far from every file opened.
+    fn bytes_read(&self) -> u64 {
+        self.open.values().map(SafetensorsFile::bytes_read).sum()
+    }
+
     /// Elements `[lo, hi)` of unit `u`'s unpadded flat buffer, for tensor `name` of the shard files (fp32, CPU).
     fn range(&mut self, u: usize, name: &str, lo: i64, hi: i64) -> Result<Tensor> {
         let out = Tensor::zeros([hi - lo], (Kind::Float, Device::Cpu));
@@ -209,27 +227,22 @@ impl ShardReader<'_> {
             let k = (pos / shard) as usize;
             let end = hi.min((k as i64 + 1) * shard);
             let path = (self.file)(self.dir, self.meta.world_size, k);
-            let bytes = match self.bytes.entry(k) {
+            let file = match self.open.entry(k) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => e.insert(
-                    std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
-                ),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(SafetensorsFile::open(&path)?)
+                }
             };
-            let st = SafeTensors::deserialize(bytes)
-                .with_context(|| format!("parsing {}", path.display()))?;
-            let view = st
-                .tensor(name)
-                .with_context(|| format!("{}: tensor `{name}` missing", path.display()))?;
-            if view.dtype() != safetensors::Dtype::F32 || view.shape() != [shard as usize] {
-                bail!(
-                    "{}: tensor `{name}` is {:?} {:?}, expected F32 [{shard}]",
-                    path.display(),
-                    view.dtype(),
-                    view.shape()
-                );
+            match file.shape(name) {
+                None => bail!("{}: tensor `{name}` missing", path.display()),
+                Some(s) if s != [shard] => bail!(
+                    "{}: tensor `{name}` has shape {s:?}, expected [{shard}]",
+                    path.display()
+                ),
+                Some(_) => {}
             }
-            let t = Tensor::from_data_size(view.data(), &[shard], Kind::Float);
-            let src = t.narrow(0, pos - k as i64 * shard, end - pos);
+            let at = k as i64 * shard;
+            let src = file.read_range(name, pos - at, end - at)?;
             out.narrow(0, pos - lo, end - pos).copy_(&src);
             pos = end;
         }
@@ -263,10 +276,12 @@ pub struct LoadedShards {
     pub optimizer: AdamW,
     /// The checkpoint's metadata (`global_step` = steps completed).
     pub meta: CheckpointMeta,
+    /// Tensor bytes this rank read from the shard files: only the elements of its new range (headers aside).
+    pub bytes_read: u64,
 }
 
 /// Loads the checkpoint in `dir` into a store over `comm` (any world size, any strategy): each rank reads only the
-/// old slices overlapping its new range.
+/// bytes of its new range from the old slices overlapping it.
 pub fn load_sharded(
     dir: &Path,
     layout: ModelLayout,
@@ -284,14 +299,10 @@ pub fn load_sharded(
         .map(|u| local_range(opts.strategy, u.shard_len(world), rank, world))
         .collect();
     // Reads the local range of every unit for tensor names `name(unit)`: real elements from the files, padding zero.
+    let bytes_read = std::cell::Cell::new(0u64);
     let read_all =
         |file: fn(&Path, usize, usize) -> PathBuf, suffix: &str| -> Result<Vec<Tensor>> {
-            let mut reader = ShardReader {
-                dir,
-                meta: &meta,
-                file,
-                bytes: HashMap::new(),
-            };
+            let mut reader = ShardReader::new(dir, &meta, file);
             let mut out = Vec::new();
             for (u, unit) in plan.units.iter().enumerate() {
                 if unit.frozen && suffix.starts_with(".exp_avg") {
@@ -308,6 +319,7 @@ pub fn load_sharded(
                 }
                 out.push(local);
             }
+            bytes_read.set(bytes_read.get() + reader.bytes_read());
             Ok(out)
         };
     let masters = read_all(model_file, "")?;
@@ -326,18 +338,14 @@ pub fn load_sharded(
         store,
         optimizer,
         meta,
+        bytes_read: bytes_read.get(),
     })
 }
 
 /// The full, unsharded fp32 tensors of a sharded checkpoint, in the model layout's order, with their names.
 pub fn assemble_full(dir: &Path) -> Result<(CheckpointMeta, Vec<(String, Tensor)>)> {
     let meta = read_meta(dir)?;
-    let mut reader = ShardReader {
-        dir,
-        meta: &meta,
-        file: model_file,
-        bytes: HashMap::new(),
-    };
+    let mut reader = ShardReader::new(dir, &meta, model_file);
     let mut named: Vec<(usize, String, Tensor)> = Vec::new();
     for (u, unit) in meta.units.iter().enumerate() {
         let flat = reader.range(u, &unit.name, 0, unit.numel)?;

@@ -12,11 +12,13 @@
 //! # use std::sync::Arc;
 //! # fn demo(comm: Arc<dyn ferl_collective::Communicator>) -> anyhow::Result<()> {
 //! use ferl_fsdp::{FsdpOptions, ShardedParams, ShardingStrategy};
-//! use ferl_trainer::model::load_model;
-//! let model = load_model(std::path::Path::new("assets/models/tiny-qwen2"))?;
+//! use ferl_trainer::model::{config::ModelConfig, layout::ModelLayout, weights::WeightReader};
+//! let dir = std::path::Path::new("assets/models/tiny-qwen2");
+//! let layout = ModelLayout::new(&ModelConfig::from_file(&dir.join("config.json"))?);
 //! let opts = FsdpOptions::new(ShardingStrategy::FullShard, tch::Kind::Float, tch::Device::Cpu);
-//! // Every rank passes the same full tensors; each keeps only its shard.
-//! let store = ShardedParams::new(model.layout.clone(), &model.params, comm, opts)?;
+//! // Each rank reads only its shard's bytes from the safetensors files (`ShardedParams::new` takes full tensors).
+//! let mut files = WeightReader::open(dir, &layout)?;
+//! let store = ShardedParams::from_source(layout, &mut files, comm, opts)?;
 //! // Build `Engine::new(cfg, store, kind, ..)`, `AdamW::new(cfg, store.trainable_masters())`, a `Stepper`, then call
 //! // `ferl_fsdp::global_step(&mut stepper, &my_slice_of_the_global_batch)` every step on every rank.
 //! # Ok(()) }
@@ -28,8 +30,11 @@
 //!
 //! # Modules
 //! - [`units`]: the flat unit layout (who owns which elements).
-//! - [`store`]: [`ShardedParams`] — gather (all-gather + prefetch), reduce-scatter, release, norms.
+//! - [`store`]: [`ShardedParams`] — gather (all-gather + prefetch), reduce-scatter, release (FULL_SHARD frees the
+//!   gathered bytes even where a kept autograd graph refers to them, and `regather` fills them again), norms, and
+//!   [`MemoryStats`], the bytes a rank holds.
 //! - [`checkpoint`]: sharded checkpoints that load at any world size, and assembly of full tensors.
+//! - [`load`]: building a rank's store from the model's files, reading only its shard ([`ParamSource`]).
 //! - [`global`]: the exact token-mean over the global batch across ranks.
 //! - `worker`: the thread that runs the collectives in order while the main thread computes.
 
@@ -37,6 +42,7 @@
 
 pub mod checkpoint;
 pub mod global;
+pub mod load;
 pub mod store;
 pub mod units;
 mod worker;
@@ -46,7 +52,8 @@ pub use checkpoint::{
     CheckpointMeta, LoadedShards, ShardSnapshot,
 };
 pub use global::global_step;
-pub use store::{CommStats, ShardedParams};
+pub use load::{ParamSource, WithTensors};
+pub use store::{CommStats, MemoryStats, ShardedParams};
 pub use units::{FlatUnit, UnitPlan};
 
 use anyhow::{bail, Result};

@@ -7,14 +7,17 @@
 //!    *sum over ranks* of every gradient accumulated since `zero_grads`, restricted to this rank's range.
 //! 3. Gathered copies never outlive a change of the masters: every cache and prefetch is dropped before the optimizer
 //!    sees the masters, and gathers read copies of the shards, never the masters themselves.
+//!    Within a step, `full[u]` keeps the handle of every buffer gathered for unit `u` until `drop_gathered`: FULL_SHARD's
+//!    `release` frees its bytes ([`ferl_trainer::storage::free_storage`]) instead of dropping it, since an autograd
+//!    graph kept without checkpointing may still refer to it, and the next gather (or `regather`) of the unit fills
+//!    that same storage again. So a rank holds gathered bytes only for the units marked `resident`, and
+//!    [`ShardedParams::memory_stats`] counts them by their storages, the graphs' references included.
 //! 4. Which stage is prefetched depends only on the sequence of `gather` calls, which is the same on every rank, so
 //!    every rank submits the same collectives in the same order.
-//! 5. A *shared* unit — one that several stages use, i.e. the embedding unit holding a tied output matrix — is
-//!    gathered once and kept until the step's gradients are finished (FSDP2 keeps its root unit the same way), and
-//!    its gradients are summed locally in a full-size fp32 buffer and reduce-scattered once per step, in
-//!    `finish_grads`, after every per-stage reduction (so the collective order is still the same on every rank).
-//!    Per micro-batch that saves two all-gathers and two reduce-scatters of what is, in a small model with a large
-//!    vocabulary, most of the parameters.
+//! 5. A unit several stages use — the embedding unit holding a tied output matrix — is sharded, gathered, freed and
+//!    reduced like any other (design note 14): gathered for the embedding's forward, for the head and for the
+//!    embedding's backward, freed after each, and each stage's gradient of it reduce-scattered at once, so no
+//!    full-size gradient buffer of it lives through the step.
 //! 6. A frozen unit (LoRA's base) is gathered like any other but hands out leaves that do not require grad; it has
 //!    no gradient buffer (an empty tensor), no reduction and no optimizer state: [`ParamStore::master_and_grads`]
 //!    returns only the trainable units, which come first in the plan.
@@ -26,6 +29,7 @@ use anyhow::{bail, Context, Result};
 use ferl_collective::Communicator;
 use ferl_trainer::model::layout::{ModelLayout, Stage};
 use ferl_trainer::params::{ParamStore, StageParams};
+use ferl_trainer::storage::{free_storage, refill_storage, storage_nbytes};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,6 +51,26 @@ pub struct CommStats {
     pub gather_wait: Duration,
 }
 
+/// What one rank's store holds, in bytes (see [`ShardedParams::memory_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// The local fp32 masters (shards, or whole buffers for NO_SHARD).
+    pub master_bytes: i64,
+    /// The local fp32 gradients (empty for frozen units).
+    pub grad_bytes: i64,
+    /// Gathered full parameters held now, by the bytes of their storages (what autograd graphs keep included).
+    pub gathered_bytes: i64,
+    /// Output buffers of all-gathers in flight (prefetches).
+    pub inflight_gather_bytes: i64,
+    /// Full-size gradient buffers submitted for reduction and not yet applied (an upper bound: the communication
+    /// thread frees each input once its collective ran).
+    pub reducing_bytes: i64,
+    /// The largest `gathered_bytes + inflight_gather_bytes` seen since the last [`ShardedParams::reset_peak`].
+    pub peak_gathered_bytes: i64,
+    /// The largest `gathered_bytes + inflight_gather_bytes + reducing_bytes` seen since the last reset.
+    pub peak_transient_bytes: i64,
+}
+
 /// Parameters sharded over a group of ranks; see the crate docs for the constructor contract.
 pub struct ShardedParams {
     layout: ModelLayout,
@@ -59,8 +83,7 @@ pub struct ShardedParams {
     master: Vec<Tensor>,
     grads: Vec<Tensor>,
     full: Vec<Option<Tensor>>,
-    shared: Vec<bool>,
-    deferred_grads: Vec<Option<Tensor>>,
+    resident: Vec<bool>,
     inflight: Vec<(usize, Pending)>,
     pending_reductions: VecDeque<(usize, Pending)>,
     dirty: bool,
@@ -68,6 +91,8 @@ pub struct ShardedParams {
     last: Option<Stage>,
     next_of: HashMap<(Option<Stage>, Stage), Stage>,
     stats: CommStats,
+    peak_gathered: i64,
+    peak_transient: i64,
 }
 
 impl ShardedParams {
@@ -94,24 +119,8 @@ impl ShardedParams {
                 );
             }
         }
-        let plan = UnitPlan::new(&layout);
-        let world = comm.world_size();
-        let rank = comm.rank();
-        let locals = plan
-            .units
-            .iter()
-            .map(|u| {
-                let parts: Vec<Option<&Tensor>> = u
-                    .entries
-                    .iter()
-                    .map(|e| Some(&full[e.layout_index]))
-                    .collect();
-                let flat = u.flatten(&parts, world, Kind::Float, Device::Cpu);
-                let (start, len) = local_range(opts.strategy, u.shard_len(world), rank, world);
-                flat.narrow(0, start, len).copy()
-            })
-            .collect();
-        Self::from_local_masters(layout, plan, locals, comm, opts)
+        let mut source = full;
+        Self::from_source(layout, &mut source, comm, opts)
     }
 
     /// A store from this rank's local master buffers (one per unit of `plan`, as invariant 1 describes).
@@ -162,14 +171,7 @@ impl ShardedParams {
             })
             .collect();
         let full = (0..master.len()).map(|_| None).collect();
-        let mut uses = vec![0usize; master.len()];
-        for units in plan.stage_units.values() {
-            for &u in units {
-                uses[u] += 1;
-            }
-        }
-        let shared = uses.iter().map(|&n| n > 1).collect();
-        let deferred_grads = (0..master.len()).map(|_| None).collect();
+        let resident = vec![false; master.len()];
         Ok(Self {
             layout,
             plan,
@@ -181,8 +183,7 @@ impl ShardedParams {
             master,
             grads,
             full,
-            shared,
-            deferred_grads,
+            resident,
             inflight: Vec::new(),
             pending_reductions: VecDeque::new(),
             dirty: false,
@@ -190,6 +191,8 @@ impl ShardedParams {
             last: None,
             next_of: HashMap::new(),
             stats: CommStats::default(),
+            peak_gathered: 0,
+            peak_transient: 0,
         })
     }
 
@@ -211,6 +214,57 @@ impl ShardedParams {
     /// Communication counters since the store was built.
     pub fn comm_stats(&self) -> CommStats {
         self.stats
+    }
+
+    /// Bytes this rank's store holds now, with the peaks since [`Self::reset_peak`]. AdamW's moments live in the
+    /// optimizer: `2 * master_bytes` of the trainable units (see [`Self::trainable_masters`]).
+    pub fn memory_stats(&self) -> MemoryStats {
+        let bytes = |ts: &[Tensor]| ts.iter().map(|t| t.numel() as i64 * 4).sum::<i64>();
+        let (gathered, inflight, reducing) = self.transient_bytes();
+        MemoryStats {
+            master_bytes: bytes(&self.master),
+            grad_bytes: bytes(&self.grads),
+            gathered_bytes: gathered,
+            inflight_gather_bytes: inflight,
+            reducing_bytes: reducing,
+            peak_gathered_bytes: self.peak_gathered.max(gathered + inflight),
+            peak_transient_bytes: self.peak_transient.max(gathered + inflight + reducing),
+        }
+    }
+
+    /// Starts the peaks of [`Self::memory_stats`] again from what is held now.
+    pub fn reset_peak(&mut self) {
+        self.peak_gathered = 0;
+        self.peak_transient = 0;
+        self.note_peak();
+    }
+
+    /// (gathered, all-gathers in flight, reductions not yet applied), in bytes.
+    fn transient_bytes(&self) -> (i64, i64, i64) {
+        let gathered = if self.sharded() {
+            self.full.iter().flatten().map(storage_nbytes).sum()
+        } else {
+            0 // NO_SHARD's full buffers are the masters (or cast copies of them), counted as masters
+        };
+        let padded =
+            |u: usize, kind: Kind| self.plan.units[u].padded(self.world) * elem_bytes(kind);
+        let inflight = self
+            .inflight
+            .iter()
+            .map(|(u, _)| padded(*u, self.opts.compute_kind))
+            .sum();
+        let reducing = self
+            .pending_reductions
+            .iter()
+            .map(|(u, _)| padded(*u, self.opts.reduce_kind))
+            .sum();
+        (gathered, inflight, reducing)
+    }
+
+    fn note_peak(&mut self) {
+        let (g, i, r) = self.transient_bytes();
+        self.peak_gathered = self.peak_gathered.max(g + i);
+        self.peak_transient = self.peak_transient.max(g + i + r);
     }
 
     /// Where unit `u`'s local master starts inside its padded flat buffer, and how long it is.
@@ -306,7 +360,7 @@ impl ShardedParams {
 
     /// Submits the all-gather of unit `u` unless it is cached or in flight.
     fn start_gather(&mut self, u: usize) {
-        if self.full[u].is_some() || self.inflight.iter().any(|(i, _)| *i == u) {
+        if self.resident[u] || self.inflight.iter().any(|(i, _)| *i == u) {
             return;
         }
         let shard = self.master[u]
@@ -316,11 +370,13 @@ impl ShardedParams {
         self.stats.all_gathers += 1;
         let p = self.worker.all_gather(shard);
         self.inflight.push((u, p));
+        self.note_peak();
     }
 
-    /// Makes `full[u]` present: the master itself or a cast copy (NO_SHARD), or the finished all-gather.
+    /// Makes `full[u]` resident: the master itself or a cast copy (NO_SHARD), or the finished all-gather — moved
+    /// into the storage of the unit's freed buffer when it has one (invariant 3), so kept graphs see it.
     fn materialise(&mut self, u: usize) -> Result<()> {
-        if self.full[u].is_some() {
+        if self.resident[u] {
             return Ok(());
         }
         let t = if self.sharded() {
@@ -343,8 +399,30 @@ impl ShardedParams {
                 .to_device(self.opts.device)
                 .to_kind(self.opts.compute_kind)
         };
-        self.full[u] = Some(t);
+        match &self.full[u] {
+            Some(freed) if self.sharded() => {
+                refill_storage(freed, t)
+                    .with_context(|| format!("unit `{}`", self.plan.units[u].name))?;
+            }
+            _ => self.full[u] = Some(t),
+        }
+        self.resident[u] = true;
+        self.note_peak();
         Ok(())
+    }
+
+    /// Frees the bytes of unit `u`'s gathered buffer, keeping its handle for the next gather (invariant 3).
+    fn free_gathered(&mut self, u: usize) {
+        if !self.resident[u] {
+            return;
+        }
+        self.resident[u] = false;
+        if let Some(t) = &self.full[u] {
+            if let Err(e) = free_storage(t) {
+                tracing::warn!(unit = %self.plan.units[u].name, "dropping a gathered buffer: {e:#}");
+                self.full[u] = None;
+            }
+        }
     }
 
     fn prefetch(&mut self, next: Stage, current: Stage) {
@@ -377,15 +455,6 @@ impl ShardedParams {
     /// Waits for every gradient reduction in flight and, for NO_SHARD, all-reduces the accumulated gradients; drops
     /// gathered copies and prefetches. Idempotent; `grad_sq_norm` calls it.
     pub fn finish_grads(&mut self) -> Result<()> {
-        for u in 0..self.deferred_grads.len() {
-            if let Some(full) = self.deferred_grads[u].take() {
-                self.stats.reductions += 1;
-                let p = self
-                    .worker
-                    .reduce_scatter(full.to_kind(self.opts.reduce_kind));
-                self.pending_reductions.push_back((u, p));
-            }
-        }
         while let Some((u, p)) = self.pending_reductions.pop_front() {
             self.apply_reduction(u, p)?;
         }
@@ -421,6 +490,42 @@ impl ShardedParams {
         for f in &mut self.full {
             *f = None;
         }
+        self.resident.fill(false);
+    }
+
+    /// Gathers every unit of `stage` into `full` (prefetching the predicted next stage) and returns its units.
+    fn gather_stage(&mut self, stage: Stage) -> Result<Vec<usize>> {
+        let units = self
+            .plan
+            .stage_units
+            .get(&stage)
+            .with_context(|| format!("stage {stage:?} is not part of the model layout"))?
+            .clone();
+        let next = self.observe(stage);
+        if self.sharded() {
+            for &u in &units {
+                if self.inflight.iter().any(|(i, _)| *i == u) {
+                    self.stats.prefetch_hits += 1;
+                }
+                self.start_gather(u);
+            }
+        }
+        if let Some(next) = next {
+            self.prefetch(next, stage);
+        }
+        for &u in &units {
+            self.materialise(u)?;
+        }
+        Ok(units)
+    }
+}
+
+/// Bytes per element of `kind` (the dtypes the store gathers and reduces in).
+fn elem_bytes(kind: Kind) -> i64 {
+    match kind {
+        Kind::Double | Kind::Int64 => 8,
+        Kind::Half | Kind::BFloat16 => 2,
+        _ => 4,
     }
 }
 
@@ -443,27 +548,7 @@ impl ParamStore for ShardedParams {
     }
 
     fn gather(&mut self, stage: Stage) -> Result<StageParams> {
-        let units = self
-            .plan
-            .stage_units
-            .get(&stage)
-            .with_context(|| format!("stage {stage:?} is not part of the model layout"))?
-            .clone();
-        let next = self.observe(stage);
-        if self.sharded() {
-            for &u in &units {
-                if self.inflight.iter().any(|(i, _)| *i == u) {
-                    self.stats.prefetch_hits += 1;
-                }
-                self.start_gather(u);
-            }
-        }
-        if let Some(next) = next {
-            self.prefetch(next, stage);
-        }
-        for &u in &units {
-            self.materialise(u)?;
-        }
+        self.gather_stage(stage)?;
         let refs = &self.plan.stage_refs[&stage];
         let tensors = refs
             .iter()
@@ -491,20 +576,6 @@ impl ParamStore for ShardedParams {
             if unit.frozen {
                 continue;
             }
-            if self.sharded() && self.shared[u] {
-                // Invariant 5: summed here, reduce-scattered once in `finish_grads`.
-                let padded = unit.padded(self.world);
-                let device = self.opts.device;
-                let acc = self.deferred_grads[u]
-                    .get_or_insert_with(|| Tensor::zeros([padded], (Kind::Float, device)));
-                let _g = tch::no_grad_guard();
-                for (k, &(ru, e)) in refs.iter().enumerate() {
-                    if ru == u && grads[k].defined() {
-                        let _ = unit.view(acc, e).g_add_(&grads[k]);
-                    }
-                }
-                continue;
-            }
             let mut parts: Vec<Option<&Tensor>> = vec![None; unit.entries.len()];
             for (k, &(ru, e)) in refs.iter().enumerate() {
                 if ru == u {
@@ -517,6 +588,7 @@ impl ParamStore for ShardedParams {
                 self.stats.reductions += 1;
                 let p = self.worker.reduce_scatter(flat);
                 self.pending_reductions.push_back((u, p));
+                self.note_peak();
             } else {
                 let flat = unit.flatten(&parts, self.world, Kind::Float, self.master_device);
                 let _g = tch::no_grad_guard();
@@ -538,11 +610,17 @@ impl ParamStore for ShardedParams {
             .predicted()
             .map(|n| self.plan.stage_units[&n].clone())
             .unwrap_or_default();
-        for &u in &self.plan.stage_units[&stage] {
-            if !keep.contains(&u) && !self.shared[u] {
-                self.full[u] = None;
+        for u in self.plan.stage_units[&stage].clone() {
+            if !keep.contains(&u) {
+                self.free_gathered(u);
             }
         }
+    }
+
+    /// Gathers `stage` again into the buffers its kept graph refers to (invariant 3); NO_SHARD and SHARD_GRAD_OP never
+    /// freed them, so this only keeps the prefetch prediction in step.
+    fn regather(&mut self, stage: Stage) -> Result<()> {
+        self.gather_stage(stage).map(drop)
     }
 
     /// Finishes pending reductions first (see [`ShardedParams::finish_grads`]); panics if a collective fails there,
@@ -576,9 +654,6 @@ impl ParamStore for ShardedParams {
             }
         }
         self.dirty = false;
-        for d in &mut self.deferred_grads {
-            *d = None;
-        }
         let _g = tch::no_grad_guard();
         for g in &mut self.grads {
             let _ = g.zero_();

@@ -59,6 +59,24 @@ fn resume(
     let mut curves = run_ranks(world, move |rank, comm| {
         let layout = ferl_trainer::model::layout::ModelLayout::new(&cfg);
         let loaded = load_sharded(&dir, layout, comm, opts(strategy), adam()).unwrap();
+        // Design note 14: a rank reads only its new range, never whole old shards: at most the bytes of its own
+        // masters and AdamW moments (all units train here), a world-th of the checkpoint when sharded.
+        let own = loaded.store.memory_stats().master_bytes as u64 * 3;
+        let saved: u64 = loaded
+            .meta
+            .units
+            .iter()
+            .map(|u| u.padded(4) as u64 * 12)
+            .sum();
+        assert!(
+            loaded.bytes_read <= own,
+            "{strategy:?} world {world} rank {rank}: read {} bytes, its own state is {own}",
+            loaded.bytes_read
+        );
+        eprintln!(
+            "{strategy:?} world {world} rank {rank}: read {} of the checkpoint's {saved} tensor bytes",
+            loaded.bytes_read
+        );
         assert_eq!(loaded.meta.global_step, SAVE_AT as i64);
         assert_eq!(loaded.optimizer.step, SAVE_AT as i64);
         let mut s = stepper(

@@ -148,6 +148,141 @@ fn tensor_of(view: &TensorView, kind: Kind) -> Result<Tensor> {
     Ok(Tensor::f_from_data_size(view.data(), &shape, kind)?)
 }
 
+/// One safetensors file opened to read parts of its tensors: the validated header only, no tensor data yet (a rank
+/// that keeps a shard of the model reads only the bytes of its shard; design note 14).
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: std::fs::File,
+    data_start: u64,
+    meta: Metadata,
+    bytes_read: u64,
+}
+
+impl SafetensorsFile {
+    /// Opens `path` and validates its header (offsets contiguous, sizes matching shapes, data ending with the file).
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+        let (data_start, meta) =
+            read_header(&mut file).with_context(|| format!("parsing {}", path.display()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            meta,
+            bytes_read: 0,
+        })
+    }
+
+    /// Tensor bytes read so far (headers not counted).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
+    /// The names of the file's tensors.
+    pub fn names(&self) -> Vec<String> {
+        self.meta.offset_keys()
+    }
+
+    /// The shape of tensor `name`, if the file holds it.
+    pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
+        let info = self.meta.info(name)?;
+        Some(info.shape.iter().map(|&d| d as i64).collect())
+    }
+
+    /// Elements `[lo, hi)` of tensor `name`, flattened in row-major order, as an fp32 CPU tensor; reads only their
+    /// bytes from the file.
+    pub fn read_range(&mut self, name: &str, lo: i64, hi: i64) -> Result<Tensor> {
+        let path = self.path.display();
+        let info = self
+            .meta
+            .info(name)
+            .with_context(|| format!("{path}: tensor `{name}` missing"))?;
+        let kind = kind_of(info.dtype).with_context(|| {
+            format!(
+                "{path}: tensor `{name}` has unsupported dtype {:?}",
+                info.dtype
+            )
+        })?;
+        let numel: usize = info.shape.iter().product();
+        if lo < 0 || hi < lo || hi as usize > numel {
+            bail!("{path}: elements [{lo}, {hi}) of tensor `{name}`, which has {numel}");
+        }
+        let size = (info.dtype.bitsize() / 8) as u64;
+        let start = self.data_start + info.data_offsets.0 as u64 + lo as u64 * size;
+        let mut bytes = vec![0u8; ((hi - lo) as u64 * size) as usize];
+        self.file.seek(SeekFrom::Start(start))?;
+        self.file
+            .read_exact(&mut bytes)
+            .with_context(|| format!("{path}: tensor `{name}`: reading elements [{lo}, {hi})"))?;
+        self.bytes_read += bytes.len() as u64;
+        Ok(Tensor::f_from_data_size(&bytes, &[hi - lo], kind)?.to_kind(Kind::Float))
+    }
+}
+
+/// The tensors of a model folder's safetensors files, opened for reading parts of them ([`SafetensorsFile`]).
+pub struct WeightReader {
+    files: Vec<SafetensorsFile>,
+    owner: HashMap<String, usize>,
+}
+
+impl WeightReader {
+    /// Opens the weight files of the model folder `dir` ([`weight_files`]) and checks that every tensor of `layout` is
+    /// there with its shape, and nothing the layout does not know besides (as [`load_params`] does).
+    pub fn open(dir: &Path, layout: &ModelLayout) -> Result<Self> {
+        let files = weight_files(dir)?
+            .iter()
+            .map(|p| SafetensorsFile::open(p))
+            .collect::<Result<Vec<_>>>()?;
+        let mut owner = HashMap::new();
+        for (i, f) in files.iter().enumerate() {
+            for name in f.names() {
+                owner.insert(name, i);
+            }
+        }
+        for (name, shape) in &layout.tensors {
+            let found = owner.get(name).and_then(|&i| files[i].shape(name));
+            match found {
+                None => bail!(
+                    "{}: tensor `{name}` missing from the safetensors files",
+                    dir.display()
+                ),
+                Some(s) if s != *shape => bail!(
+                    "{}: tensor `{name}` has shape {s:?}, config.json implies {shape:?}",
+                    dir.display()
+                ),
+                Some(_) => {}
+            }
+        }
+        let known = |k: &String| {
+            layout.tensors.iter().any(|(n, _)| n == k)
+                || k == "lm_head.weight"
+                || k.contains("rotary_emb")
+        };
+        if let Some(extra) = owner.keys().find(|k| !known(k)) {
+            bail!(
+                "{}: unexpected tensor `{extra}` (not part of the model config.json describes)",
+                dir.display()
+            );
+        }
+        Ok(Self { files, owner })
+    }
+
+    /// Tensor bytes read so far from all files (headers not counted).
+    pub fn bytes_read(&self) -> u64 {
+        self.files.iter().map(SafetensorsFile::bytes_read).sum()
+    }
+
+    /// Elements `[lo, hi)` of tensor `name` flattened, fp32 on the CPU; reads only their bytes.
+    pub fn read_range(&mut self, name: &str, lo: i64, hi: i64) -> Result<Tensor> {
+        let i = *self
+            .owner
+            .get(name)
+            .with_context(|| format!("tensor `{name}` missing from the safetensors files"))?;
+        self.files[i].read_range(name, lo, hi)
+    }
+}
+
 /// Loads the layout's tensors from the model folder `dir` as fp32, checking names and shapes.
 pub fn load_params(dir: &Path, layout: &ModelLayout) -> Result<Vec<Tensor>> {
     let mut all = read_tensors(&weight_files(dir)?)?;
@@ -181,6 +316,10 @@ pub fn load_params(dir: &Path, layout: &ModelLayout) -> Result<Vec<Tensor>> {
 /// Random parameters as transformers initialises them: normal(0, initializer_range) for linear and embedding
 /// weights, zeros for biases, ones for norms. Deterministic for a given `seed`.
 pub fn init_params(cfg: &ModelConfig, layout: &ModelLayout, seed: i64) -> Vec<Tensor> {
+    // torch's generator is global: two threads initialising at once (tests run in parallel) would each draw the
+    // other's numbers, so seeding and drawing happen under one lock.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     tch::manual_seed(seed);
     let _guard = tch::no_grad_guard();
     layout

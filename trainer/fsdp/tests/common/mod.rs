@@ -131,6 +131,7 @@ pub fn stepper_on<P: ParamStore>(
         layout: Layout::Padded,
         device,
         completed_steps: completed,
+        sequence_parallel: None,
     }
 }
 
