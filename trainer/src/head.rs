@@ -1,8 +1,9 @@
-//! The output projection and cross-entropy of the target rows, chunk by chunk, with the backward written out by hand
-//! into one reusable fp32 buffer (`[rows, vocab]`, allocated once per engine): per chunk the logits are computed into
-//! the buffer, the loss is `logsumexp - target logit`, then the buffer is turned in place into the logits' gradient
-//! (`softmax - onehot`, scaled) and used for both gradient matmuls. Nothing of size `[tokens, vocab]` is ever
-//! allocated, and no autograd graph holds vocabulary-sized tensors.
+//! The output projection of the target rows and a loss over their log-probabilities, chunk by chunk, with the
+//! backward written out by hand into one reusable fp32 buffer (`[rows, vocab]`, allocated once per engine): per chunk
+//! the logits are computed into the buffer, turned in place into the log-softmax, then into the logits' gradient for
+//! the loss's per-token gradients (cross-entropy: `softmax - onehot`, scaled; see [`ChunkedHead::backward`]) and used
+//! for both gradient matmuls. Nothing of size `[tokens, vocab]` is ever allocated, and no autograd graph holds
+//! vocabulary-sized tensors.
 
 use tch::{Device, Kind, Tensor};
 
@@ -52,13 +53,72 @@ impl ChunkedHead {
         logits
     }
 
-    /// Summed cross-entropy of `x` (`[n, H]`, normalised rows) against `w` (`[V, H]`) for `targets` (`[n]`), and the
-    /// gradients of `scale * loss` with respect to `x` (in `x`'s dtype) and, when `want_grad_w`, `w` (fp32; `None`
-    /// otherwise: a frozen output matrix, as under LoRA, skips its `[V, H]` buffer and one of the three matmuls over
-    /// the vocabulary). Runs without autograd.
+    /// Log-probabilities of `targets` (`[n]`) under the logits of `x` (`[n, H]`, normalised rows) against `w`
+    /// (`[V, H]`), and with `entropy` each row's entropy; fp32, without gradients.
+    pub fn token_stats(
+        &mut self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        entropy: bool,
+    ) -> TokenStats {
+        let _g = tch::no_grad_guard();
+        let (mut log_probs, mut entropies) = (Vec::new(), Vec::new());
+        for (start, n) in self.chunks(x.size()[0], w.size()[0]) {
+            let mut g = self.logits_into(&x.narrow(0, start, n), w);
+            let t = targets.narrow(0, start, n).unsqueeze(1);
+            let lse = g.logsumexp([1], true);
+            log_probs.push((g.gather(1, &t, false) - &lse).squeeze_dim(1));
+            if entropy {
+                let _ = g.g_sub_(&lse);
+                entropies.push(-(g.exp() * &g).sum_dim_intlist(1, false, Kind::Float));
+            }
+        }
+        TokenStats::from_chunks(log_probs, entropy.then_some(entropies))
+    }
+
+    /// Back-propagates `grad` (a loss's gradient with respect to each target row's log-probability and entropy)
+    /// through the log-softmax and the projection: returns the rows' [`TokenStats`] (computed on the way; entropy
+    /// only when `grad` has an entropy term) and the gradients with respect to `x` (in `x`'s dtype) and, when
+    /// `want_grad_w`, `w` (fp32; `None` otherwise: a frozen output matrix, as under LoRA, skips its `[V, H]` buffer
+    /// and one of the three matmuls over the vocabulary). Runs without autograd.
     /// The logits and their softmax are fp32 whatever the inputs; when `x` is in a low-precision dtype (bf16
     /// compute) the two gradient matmuls run in that dtype too (the logits' gradient is cast per chunk), as autocast
     /// would run them — an fp32 matmul over the vocabulary would dominate a GPU step.
+    pub fn backward(
+        &mut self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        grad: &TokenGrad,
+        want_grad_w: bool,
+    ) -> (TokenStats, Tensor, Option<Tensor>) {
+        let _g = tch::no_grad_guard();
+        let mut grad_w = want_grad_w.then(|| Tensor::zeros(w.size(), (Kind::Float, x.device())));
+        let w_c = match x.kind() {
+            Kind::Float => w.to_kind(Kind::Float),
+            kind => w.to_kind(kind),
+        };
+        let (mut grad_x, mut log_probs, mut entropies) = (Vec::new(), Vec::new(), Vec::new());
+        for (start, n) in self.chunks(x.size()[0], w.size()[0]) {
+            let xc = x.narrow(0, start, n);
+            let t = targets.narrow(0, start, n).unsqueeze(1);
+            let mut g = self.logits_into(&xc, w);
+            let lse = g.logsumexp([1], true);
+            log_probs.push((g.gather(1, &t, false) - &lse).squeeze_dim(1));
+            let _ = g.g_sub_(&lse); // log-softmax
+            if let Some(h) = logits_grad_in_place(&mut g, &t, &grad.narrow(start, n)) {
+                entropies.push(h);
+            }
+            grad_x.push(project_back(&g, &xc, &w_c, grad_w.as_mut()));
+        }
+        let entropy = grad.has_entropy().then_some(entropies);
+        let stats = TokenStats::from_chunks(log_probs, entropy);
+        (stats, Tensor::cat(&grad_x, 0), grad_w)
+    }
+
+    /// Summed cross-entropy of `x` against `w` for `targets`, and the gradients of `scale * loss` (see
+    /// [`ChunkedHead::backward`]; cross-entropy is the uniform gradient `-scale` on every log-probability).
     pub fn loss_and_grads(
         &mut self,
         x: &Tensor,
@@ -67,66 +127,136 @@ impl ChunkedHead {
         scale: f64,
         want_grad_w: bool,
     ) -> (Tensor, Tensor, Option<Tensor>) {
-        let _g = tch::no_grad_guard();
-        let n_all = x.size()[0];
-        let chunk = self.rows_per_chunk(w.size()[0]);
-        let mut loss = Tensor::zeros([], (Kind::Double, x.device()));
-        let mut grad_w = want_grad_w.then(|| Tensor::zeros(w.size(), (Kind::Float, x.device())));
-        let low_precision = x.kind() != Kind::Float;
-        let w_f = if low_precision {
-            w.shallow_clone()
-        } else {
-            w.to_kind(Kind::Float)
-        };
-        let mut grad_x = Vec::new();
-        let mut start = 0;
-        while start < n_all {
-            let n = chunk.min(n_all - start);
-            let xc = x.narrow(0, start, n);
-            let t = targets.narrow(0, start, n).unsqueeze(1);
-            let mut g = self.logits_into(&xc, w);
-            let lse = g.logsumexp([1], true);
-            loss += (&lse - g.gather(1, &t, false)).sum(Kind::Double);
-            // In place: logits -> softmax -> softmax - onehot -> times scale.
-            let _ = g.g_sub_(&lse).exp_();
-            let _ = g.scatter_add_(
-                1,
-                &t,
-                &Tensor::full([n, 1], -1.0, (Kind::Float, x.device())),
-            );
-            let _ = g.g_mul_scalar_(scale);
-            if low_precision {
-                let gl = g.to_kind(x.kind());
-                grad_x.push(gl.mm(&w_f.to_kind(x.kind())));
-                if let Some(gw) = &mut grad_w {
-                    let _ = gw.g_add_(&gl.tr().mm(&xc));
-                }
-            } else {
-                grad_x.push(g.mm(&w_f).to_kind(x.kind()));
-                if let Some(gw) = &mut grad_w {
-                    let _ = gw.addmm_(&g.tr(), &xc.to_kind(Kind::Float));
-                }
-            }
-            start += n;
-        }
-        (loss, Tensor::cat(&grad_x, 0), grad_w)
+        let (stats, gx, gw) =
+            self.backward(x, w, targets, &TokenGrad::Uniform(-scale), want_grad_w);
+        (stats.cross_entropy_sum(), gx, gw)
     }
 
     /// Summed cross-entropy only (validation).
     pub fn loss(&mut self, x: &Tensor, w: &Tensor, targets: &Tensor) -> Tensor {
-        let _g = tch::no_grad_guard();
-        let n_all = x.size()[0];
-        let chunk = self.rows_per_chunk(w.size()[0]);
-        let mut loss = Tensor::zeros([], (Kind::Double, x.device()));
-        let mut start = 0;
-        while start < n_all {
-            let n = chunk.min(n_all - start);
-            let g = self.logits_into(&x.narrow(0, start, n), w);
-            let t = targets.narrow(0, start, n).unsqueeze(1);
-            loss += (g.logsumexp([1], true) - g.gather(1, &t, false)).sum(Kind::Double);
-            start += n;
+        self.token_stats(x, w, targets, false).cross_entropy_sum()
+    }
+
+    /// `(start, rows)` of each chunk of `n_all` rows.
+    fn chunks(&self, n_all: i64, vocab: i64) -> impl Iterator<Item = (i64, i64)> {
+        let chunk = self.rows_per_chunk(vocab);
+        (0..n_all)
+            .step_by(chunk as usize)
+            .map(move |s| (s, chunk.min(n_all - s)))
+    }
+}
+
+/// Per-token quantities of the target rows: what a loss is a function of ([`crate::loss::TokenLoss`]).
+#[derive(Debug)]
+pub struct TokenStats {
+    /// `log p(target)` of each row, `[n]` fp32.
+    pub log_prob: Tensor,
+    /// The entropy of each row's distribution, `[n]` fp32, when asked for.
+    pub entropy: Option<Tensor>,
+}
+
+impl TokenStats {
+    fn from_chunks(log_probs: Vec<Tensor>, entropies: Option<Vec<Tensor>>) -> Self {
+        let cat = |v: Vec<Tensor>| match v.is_empty() {
+            true => Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)),
+            false => Tensor::cat(&v, 0),
+        };
+        Self {
+            log_prob: cat(log_probs),
+            entropy: entropies.map(cat),
         }
-        loss
+    }
+
+    /// `-Σ log p(target)` in fp64 (0-d).
+    pub fn cross_entropy_sum(&self) -> Tensor {
+        -self.log_prob.sum(Kind::Double)
+    }
+}
+
+/// A loss's gradient with respect to each target row's log-probability and entropy.
+pub enum TokenGrad {
+    /// The same gradient on every row's log-probability and none on the entropy (cross-entropy: `-scale`).
+    Uniform(f64),
+    /// Per-row gradients, `[n]` fp32, of the log-probabilities and optionally of the entropies.
+    PerRow {
+        /// `d loss / d log p(target)`.
+        log_prob: Tensor,
+        /// `d loss / d entropy`.
+        entropy: Option<Tensor>,
+    },
+}
+
+impl TokenGrad {
+    fn has_entropy(&self) -> bool {
+        matches!(
+            self,
+            Self::PerRow {
+                entropy: Some(_),
+                ..
+            }
+        )
+    }
+
+    /// The rows `start..start + n`.
+    fn narrow(&self, start: i64, n: i64) -> TokenGrad {
+        match self {
+            Self::Uniform(c) => TokenGrad::Uniform(*c),
+            Self::PerRow { log_prob, entropy } => TokenGrad::PerRow {
+                log_prob: log_prob.narrow(0, start, n),
+                entropy: entropy.as_ref().map(|e| e.narrow(0, start, n)),
+            },
+        }
+    }
+}
+
+/// Turns the log-softmax `ls` (`[n, V]`, in place) into the logits' gradient for `grad`:
+/// `dlp · (onehot - p) - dH · p · (log p + H)`, with `p = exp(ls)` and `H = -Σ p log p`. Returns `H` (`[n]`) when
+/// `grad` has an entropy term.
+fn logits_grad_in_place(ls: &mut Tensor, t: &Tensor, grad: &TokenGrad) -> Option<Tensor> {
+    let n = ls.size()[0];
+    match grad {
+        TokenGrad::Uniform(c) => {
+            let _ = ls.exp_().g_mul_scalar_(-c);
+            let _ = ls.scatter_add_(1, t, &Tensor::full([n, 1], *c, (Kind::Float, ls.device())));
+            None
+        }
+        TokenGrad::PerRow { log_prob, entropy } => {
+            let dlp = log_prob.to_kind(Kind::Float).unsqueeze(1);
+            let h = match entropy {
+                None => {
+                    let _ = ls.exp_().g_mul_(&-&dlp);
+                    None
+                }
+                Some(dh) => {
+                    let p = ls.exp();
+                    let h = -(&p * &*ls).sum_dim_intlist(1, true, Kind::Float);
+                    // ls <- -dH · p · (log p + H) - dlp · p
+                    let dh = dh.to_kind(Kind::Float).unsqueeze(1);
+                    let _ = ls.g_add_(&h).g_mul_(&p).g_mul_(&-dh);
+                    let _ = ls.g_sub_(&(p * &dlp));
+                    Some(h.squeeze_dim(1))
+                }
+            };
+            let _ = ls.scatter_add_(1, t, &dlp);
+            h
+        }
+    }
+}
+
+/// The gradient of a chunk's rows `xc` from the logits' gradient `g` (fp32), adding `gᵀ·xc` into `grad_w` when
+/// given. `w_c` is the output matrix in the compute dtype (fp32, or `xc`'s low-precision dtype).
+fn project_back(g: &Tensor, xc: &Tensor, w_c: &Tensor, grad_w: Option<&mut Tensor>) -> Tensor {
+    if xc.kind() == Kind::Float {
+        if let Some(gw) = grad_w {
+            let _ = gw.addmm_(&g.tr(), xc);
+        }
+        g.mm(w_c)
+    } else {
+        let gl = g.to_kind(xc.kind());
+        if let Some(gw) = grad_w {
+            let _ = gw.g_add_(&gl.tr().mm(xc));
+        }
+        gl.mm(w_c)
     }
 }
 
@@ -162,6 +292,60 @@ mod tests {
             close(&gw, &g[1])
         );
         assert!((head.loss(&x, &w, &t).double_value(&[]) - ce.double_value(&[])).abs() < 1e-4);
+    }
+
+    #[test]
+    fn per_row_gradients_with_entropy_match_autograd_across_chunks() {
+        tch::manual_seed(3);
+        let x = Tensor::randn([7, 5], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([11, 5], (Kind::Float, Device::Cpu));
+        let t = Tensor::from_slice(&[0i64, 3, 10, 4, 4, 1, 9]);
+        let dlp = Tensor::randn([7], (Kind::Float, Device::Cpu));
+        let dh = Tensor::randn([7], (Kind::Float, Device::Cpu));
+        let mut head = ChunkedHead::new(3 * 11);
+        let grad = TokenGrad::PerRow {
+            log_prob: dlp.copy(),
+            entropy: Some(dh.copy()),
+        };
+        let (stats, gx, gw) = head.backward(&x, &w, &t, &grad, true);
+        let xa = x.detach().set_requires_grad(true);
+        let wa = w.detach().set_requires_grad(true);
+        let ls = xa.mm(&wa.tr()).log_softmax(1, Kind::Float);
+        let lp = ls.gather(1, &t.unsqueeze(1), false).squeeze_dim(1);
+        let h = -(ls.exp() * &ls).sum_dim_intlist(1, false, Kind::Float);
+        let objective = (&lp * &dlp).sum(Kind::Float) + (&h * &dh).sum(Kind::Float);
+        let g = Tensor::run_backward(&[objective], &[&xa, &wa], true, false);
+        let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+        let entropy = stats.entropy.as_ref().expect("entropy asked for");
+        assert!(close(&stats.log_prob, &lp) < 1e-5);
+        assert!(close(entropy, &h) < 1e-5);
+        assert!(
+            close(&gx, &g[0]) < 1e-5,
+            "grad x differs by {}",
+            close(&gx, &g[0])
+        );
+        let gw = gw.expect("grad w asked for");
+        assert!(
+            close(&gw, &g[1]) < 1e-5,
+            "grad w differs by {}",
+            close(&gw, &g[1])
+        );
+        let again = head.token_stats(&x, &w, &t, true);
+        assert!(again.log_prob.equal(&stats.log_prob));
+        assert!(again.entropy.expect("entropy").equal(entropy));
+        // Without an entropy term: the log-prob part alone.
+        let lp_only = TokenGrad::PerRow {
+            log_prob: dlp.copy(),
+            entropy: None,
+        };
+        let (stats, gx, _) = head.backward(&x, &w, &t, &lp_only, false);
+        let g = Tensor::run_backward(&[(&lp * &dlp).sum(Kind::Float)], &[&xa], false, false);
+        assert!(stats.entropy.is_none());
+        assert!(
+            close(&gx, &g[0]) < 1e-5,
+            "grad x differs by {}",
+            close(&gx, &g[0])
+        );
     }
 
     #[test]

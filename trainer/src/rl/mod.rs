@@ -1,5 +1,6 @@
 //! verl's `core_algos` as pure tensor functions: advantages ([`advantage`]: GRPO, RLOO), the PPO clipped policy
-//! loss, KL penalties and entropy ([`policy`]), and the loss aggregation every loss shares ([`agg_loss`]).
+//! loss, KL penalties and entropy ([`policy`]), and the loss aggregation every loss shares ([`agg_loss`]); the actor's
+//! loss as a loss of the engine ([`token_loss`]: [`ActorTokenLoss`] over a micro-batch's response tokens).
 //!
 //! Shapes follow verl: per-token tensors are `[batch, response_length]` and `response_mask` marks the response
 //! tokens (any dtype; non-zero = counted). Each function is checked against a PyTorch implementation of verl's
@@ -13,6 +14,7 @@
 
 pub mod advantage;
 pub mod policy;
+pub mod token_loss;
 
 use anyhow::{bail, Result};
 use tch::Tensor;
@@ -22,6 +24,7 @@ pub use policy::{
     actor_loss, compute_policy_loss, entropy_from_logits, kl_penalty, ActorLoss, ActorLossConfig,
     ActorLossInputs, KlPenalty, PolicyLoss, PolicyLossConfig,
 };
+pub use token_loss::{ActorLossMetrics, ActorRows, ActorTokenLoss};
 
 /// `values` summed where `mask` is non-zero (masked positions count as 0 even when NaN), over all dimensions or
 /// along `dim`.
