@@ -12,6 +12,7 @@ use ferl_runtime::{Actor, Context, Handler};
 
 use crate::messages::*;
 use crate::rank::resolve_model_dir;
+use ferl_trainer::run::RankLayout;
 
 /// Splits `indices` of `dataset` contiguously over `world` ranks, as wire samples.
 pub fn split_samples(dataset: &SftDataset, indices: &[usize], world: usize) -> Vec<Vec<Sample>> {
@@ -119,7 +120,8 @@ pub fn load_datasets_with(
 pub struct DataLoaderArgs {
     /// The resolved config as YAML.
     pub config_yaml: String,
-    /// Data-parallel ranks to split each batch over.
+    /// Trainer ranks: each batch is split over their data-parallel groups (`ulysses_sequence_parallel_size`
+    /// ranks share one share) and every rank gets its group's share.
     pub world_size: u64,
 }
 
@@ -127,7 +129,7 @@ pub struct DataLoaderArgs {
 pub struct DataLoader {
     train: SftDataset,
     val: Option<SftDataset>,
-    world: usize,
+    ranks: RankLayout,
     batch: usize,
     batching: Batching,
 }
@@ -140,13 +142,14 @@ impl Actor for DataLoader {
             .context("data loader: reading the config")?;
         let batch = cfg.data.train_batch_size;
         let batching = Batching::from_config(&cfg);
+        let ranks = RankLayout::new(&cfg, (args.world_size as usize).max(1))?;
         let (train, val) = tokio::task::spawn_blocking(move || load_datasets(&cfg))
             .await
             .context("data loader: tokenizing task")??;
         Ok(Self {
             train,
             val,
-            world: (args.world_size as usize).max(1),
+            ranks,
             batch,
             batching,
         })
@@ -172,7 +175,8 @@ impl Handler<BatchOf> for DataLoader {
                 self.train.len()
             );
         }
-        let shares = plan_shares(&self.train, &indices, self.world, self.batching)?;
+        let dp_world = self.ranks.dp_world();
+        let shares = plan_shares(&self.train, &indices, dp_world, self.batching)?;
         let (shards, micro_sizes): (Vec<_>, Vec<_>) = shares.into_iter().unzip();
         let global_targets = shards.iter().flatten().map(Sample::num_targets).sum();
         let tokens = shards
@@ -181,8 +185,8 @@ impl Handler<BatchOf> for DataLoader {
             .map(|s| s.input_ids.len() as i64)
             .sum();
         Ok(GlobalBatch {
-            shards,
-            micro_sizes,
+            shards: self.ranks.per_rank(shards),
+            micro_sizes: self.ranks.per_rank(micro_sizes),
             global_targets,
             tokens,
         })
@@ -192,9 +196,10 @@ impl Handler<BatchOf> for DataLoader {
 impl Handler<ValShards> for DataLoader {
     async fn handle(&self, _: ValShards, _: &Context) -> Result<Vec<Vec<Sample>>> {
         let Some(val) = &self.val else {
-            return Ok(vec![Vec::new(); self.world]);
+            return Ok(vec![Vec::new(); self.ranks.world]);
         };
         let all: Vec<usize> = (0..val.len()).collect();
-        Ok(split_samples(val, &all, self.world))
+        let shards = split_samples(val, &all, self.ranks.dp_world());
+        Ok(self.ranks.per_rank(shards))
     }
 }

@@ -9,24 +9,28 @@
 //! 3. Every rank runs the same number of micro-batches per step and per validation (the store's gathers are
 //!    collectives): the driver splits batches evenly and validation pads with discarded micro-batches.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 use ferl_collective::Communicator;
 use ferl_config::{Dtype, SftConfig};
-use ferl_fsdp::{load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams};
-use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
+use ferl_fsdp::{
+    load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams, WithTensors,
+};
+use ferl_trainer::batch::{Layout, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::kernels::KernelRegistry;
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::model::lora::{self, LoraSpec};
+use ferl_trainer::model::ulysses::{self, SpGroup};
 use ferl_trainer::model::{load_model, weights};
 use ferl_trainer::optim::{AdamW, AdamWConfig};
 use ferl_trainer::params::ParamStore;
 use ferl_trainer::run::gate::lora_of;
-use ferl_trainer::run::{adamw_config, compute_kind, lr_schedule};
+use ferl_trainer::run::{adamw_config, compute_kind, lr_schedule, RankLayout};
 use ferl_trainer::step::Stepper;
 use tch::{Device, Kind, Tensor};
 
@@ -61,6 +65,37 @@ pub fn load_model_for(cfg: &SftConfig) -> Result<(ModelConfig, ModelLayout, Vec<
     Ok((loaded.config, layout, params))
 }
 
+/// The model of `model.partial_pretrain` sharded over `comm`'s group, each rank reading only its shard's bytes of
+/// the safetensors files (design note 14: no rank holds the whole model at start); with LoRA, the adapters (fresh,
+/// seeded by `trainer.seed`, or from `model.lora_adapter_path`, both small) are made whole in memory and sharded.
+fn shard_model(
+    cfg: &SftConfig,
+    comm: Arc<dyn Communicator>,
+    fsdp: FsdpOptions,
+) -> Result<(ModelConfig, ShardedParams, Option<LoraSpec>)> {
+    let dir = resolve_model_dir(cfg)?;
+    let at = || format!("model.partial_pretrain={}", dir.display());
+    let config = ModelConfig::from_file(&dir.join("config.json")).with_context(at)?;
+    let base = ModelLayout::new(&config);
+    let files = weights::WeightReader::open(&dir, &base).with_context(at)?;
+    let (layout, given, spec) = match lora_of(cfg)? {
+        Some((spec, adapter)) => {
+            // The adapters only append to the base tensors: undefined placeholders stand in for them.
+            let placeholders = (0..base.tensors.len()).map(|_| Tensor::new()).collect();
+            let seed = cfg.trainer.seed as i64;
+            let (layout, params) =
+                lora::with_adapters(&config, base, placeholders, &spec, adapter.as_deref(), seed)?;
+            let base_len = layout.base_len();
+            let given = params.into_iter().enumerate().skip(base_len).collect();
+            (layout, given, Some(spec))
+        }
+        None => (base, HashMap::new(), None),
+    };
+    let mut source = WithTensors { files, given };
+    let store = ShardedParams::from_source(layout, &mut source, comm, fsdp)?;
+    Ok((config, store, spec))
+}
+
 /// A [`Stepper`] over `store` with the config's optimizer, schedule, clipping and micro-batching.
 pub fn build_stepper<P: ParamStore>(
     cfg: &SftConfig,
@@ -83,6 +118,7 @@ pub fn build_stepper<P: ParamStore>(
         },
         device,
         completed_steps: 0,
+        sequence_parallel: None,
     })
 }
 
@@ -147,11 +183,9 @@ impl RankState {
         device: Device,
         total_steps: u64,
     ) -> Result<Self> {
-        let (config, layout, params) = load_model_for(&cfg)?;
-        let num_params = ModelLayout::new(&config).num_params();
-        let lora = lora_of(&cfg)?.map(|(spec, _)| spec);
         let fsdp = FsdpOptions::from_fsdp_config(&cfg.model.fsdp_config, device);
-        let store = ShardedParams::new(layout, &params, comm.clone(), fsdp)?;
+        let (config, store, lora) = shard_model(&cfg, comm.clone(), fsdp)?;
+        let num_params = ModelLayout::new(&config).num_params();
         let stepper = build_stepper(&cfg, config, store, device, total_steps)?;
         Ok(Self {
             cfg,
@@ -172,9 +206,41 @@ impl RankState {
         self.kernels = kernels;
     }
 
+    /// Joins this rank's Ulysses group when `ulysses_sequence_parallel_size` is above 1 (`RankLayout`): `connect(name,
+    /// rank, size)` forms the collective group of the group's ranks (`name` tells the groups apart). Every
+    /// micro-batch is then split over the group. The model's heads must split over it (checked before joining, so
+    /// every rank refuses alike).
+    pub fn join_sequence_parallel(
+        &mut self,
+        connect: impl FnOnce(&str, usize, usize) -> Result<Arc<dyn Communicator>>,
+    ) -> Result<()> {
+        let (rank, world) = self.rank_and_world();
+        let layout = RankLayout::new(&self.cfg, world)?;
+        if layout.sp_size == 1 {
+            return Ok(());
+        }
+        let model = self.stepper.engine.config();
+        ulysses::check_heads(layout.sp_size as i64, model.num_heads, model.num_kv_heads)?;
+        let name = format!("sp{}", layout.dp_rank(rank));
+        let comm = connect(&name, layout.sp_rank(rank), layout.sp_size)
+            .with_context(|| format!("rank {rank}: joining sequence-parallel group {name}"))?;
+        self.stepper.sequence_parallel = Some(SpGroup::new(comm));
+        Ok(())
+    }
+
     /// This rank's index and the group size.
     pub fn rank_and_world(&self) -> (usize, usize) {
         (self.comm.rank(), self.comm.world_size())
+    }
+
+    /// This rank's data-parallel rank and the number of data-parallel ranks: its sequence-parallel group and the
+    /// number of groups (the rank and world size without sequence parallelism).
+    pub fn data_rank_and_world(&self) -> (usize, usize) {
+        let (rank, world) = self.rank_and_world();
+        match RankLayout::new(&self.cfg, world) {
+            Ok(l) => (l.dp_rank(rank), l.dp_world()),
+            Err(_) => (rank, world),
+        }
     }
 
     /// Sums `values` over the ranks (in order with the store's other collectives).
@@ -228,7 +294,7 @@ impl RankState {
                 Some(c) => (c, true),
                 None => (&filler[..], false),
             };
-            let mb = MicroBatch::new(chunk, self.stepper.layout, self.stepper.device)?;
+            let mb = self.stepper.micro_batch(chunk)?;
             let (s, c) = self.stepper.engine.eval_loss(&mb)?;
             if real {
                 sum += s;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
-use ferl_collective::{init_from_env, Communicator, LaunchEnv};
+use ferl_collective::{init_groups_from_env, Communicator, LaunchEnv, Subgroups};
 use ferl_config::SftConfig;
 use ferl_data::SftDataset;
 use ferl_plugin_bridge::StepBoundary;
@@ -203,29 +203,50 @@ fn in_process(
     let device = device_of(&cfg, 0)?;
     let comm = world_of_one(device)?;
     let train_len = train.len();
-    let state = rank_state(&cfg, comm, device, train_len, Some(plugins.host().clone()))?;
+    let state = rank_state(
+        &cfg,
+        comm,
+        None,
+        device,
+        train_len,
+        Some(plugins.host().clone()),
+    )?;
     let mfu = mfu_inputs(state.num_params, device);
     let mut run_opts = coordinator_options(&cfg, plugins.host(), registry, opts.progress, mfu)?;
     run_opts.stop_after_steps = opts.stop_after_steps;
     let (rebuild_cfg, host) = (cfg.clone(), plugins.host().clone());
     let rebuild = move || {
         let comm = world_of_one(device)?;
-        rank_state(&rebuild_cfg, comm, device, train_len, Some(host.clone()))
+        rank_state(
+            &rebuild_cfg,
+            comm,
+            None,
+            device,
+            train_len,
+            Some(host.clone()),
+        )
     };
     let mut exec = SpmdExecutor::new(state, train, val).restartable(Box::new(rebuild));
     run::run(&mut exec, &cfg, train_len, run_opts)
 }
 
-/// Builds a rank's state for a run over `train_len` samples, with the `liger` kernels when asked for.
+/// Builds a rank's state for a run over `train_len` samples, with the `liger` kernels when asked for, in its
+/// sequence-parallel group (formed by `subgroups`) when the config asks for one.
 fn rank_state(
     cfg: &SftConfig,
     comm: Arc<dyn Communicator>,
+    subgroups: Option<&Subgroups>,
     device: Device,
     train_len: usize,
     host: Option<Arc<PluginHost>>,
 ) -> Result<RankState> {
     let total = run::RunPlan::new(cfg, train_len)?.total_steps;
     let mut state = RankState::build(cfg.clone(), comm, device, total)?;
+    state.join_sequence_parallel(|name, rank, size| {
+        subgroups
+            .context("this launch path forms no sequence-parallel groups")?
+            .connect(name, rank, size)
+    })?;
     if cfg.model.use_liger {
         state.set_kernels(liger_kernels(host));
     }
@@ -250,7 +271,13 @@ fn gate(
     };
     check(cfg, &shape)?;
     // A model named by Hub id is found or downloaded now, so a missing one fails before anything is spawned.
-    crate::rank::resolve_model_dir(cfg)?;
+    let dir = crate::rank::resolve_model_dir(cfg)?;
+    // So do heads that a sequence-parallel group cannot split.
+    let sp = cfg.ulysses_sequence_parallel_size as i64;
+    if sp > 1 {
+        let model = ferl_trainer::model::config::ModelConfig::from_file(&dir.join("config.json"))?;
+        ferl_trainer::model::ulysses::check_heads(sp, model.num_heads, model.num_kv_heads)?;
+    }
     // So is a LoRA adapter to start from (its config decides rank, alpha and modules).
     ferl_trainer::run::gate::lora_of(cfg)?;
     Ok(())
@@ -288,7 +315,8 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
         _ => 1,
     };
     let device = device_of(&cfg, launch.local_rank % visible)?;
-    let comm = init_from_env(device).context("joining the group from the launcher environment")?;
+    let (comm, subgroups) =
+        init_groups_from_env(device).context("joining the group from the launcher environment")?;
     let host = match &plugins {
         Some(p) => Some(p.host().clone()),
         None => {
@@ -301,7 +329,14 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
     };
     let (train, val) = load_datasets_with(&cfg, host.as_deref())?;
     let train_len = train.len();
-    let state = rank_state(&cfg, comm, device, train_len, host.clone())?;
+    let state = rank_state(
+        &cfg,
+        comm,
+        Some(&subgroups),
+        device,
+        train_len,
+        host.clone(),
+    )?;
     let run_opts = match &plugins {
         Some(p) => coordinator_options(
             &cfg,

@@ -87,6 +87,7 @@ impl StepExecutor for SpmdExecutor {
 
     fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
         let (rank, world) = self.state.rank_and_world();
+        let (dp_rank, dp_world) = self.state.data_rank_and_world();
         let samples: Vec<&ferl_data::TokenizedSample> =
             batch.iter().map(|&i| self.train.get(i)).collect();
         let global_targets = samples.iter().map(|s| s.num_targets() as i64).sum();
@@ -94,10 +95,10 @@ impl StepExecutor for SpmdExecutor {
         let plan = plan_batch(
             &self.train,
             batch,
-            world,
+            dp_world,
             Batching::from_config(&self.state.cfg),
         )?;
-        let (mine, sizes) = rank_share(&self.train, batch, &plan[rank]);
+        let (mine, sizes) = rank_share(&self.train, batch, &plan[dp_rank]);
         let sizes: Vec<usize> = sizes.iter().map(|&n| n as usize).collect();
         let out = self
             .state
@@ -122,11 +123,11 @@ impl StepExecutor for SpmdExecutor {
         let Some(val) = &self.val else {
             return Ok(None);
         };
-        let (rank, world) = self.state.rank_and_world();
+        let (dp_rank, dp_world) = self.state.data_rank_and_world();
         let all: Vec<usize> = (0..val.len()).collect();
-        let mine = my_samples(val, &all, rank, world);
+        let mine = my_samples(val, &all, dp_rank, dp_world);
         let micro = self.state.cfg.data.micro_batch_size_per_gpu;
-        let rounds = micro_batches(val.len().div_ceil(world), micro);
+        let rounds = micro_batches(val.len().div_ceil(dp_world), micro);
         let (sum, count) = self.state.validate(&mine, rounds)?;
         let sums = self.state.sum_over_ranks(&[sum, count as f64])?;
         Ok(Some(sums[0] / sums[1].max(1.0)))

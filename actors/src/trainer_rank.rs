@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context as _, Result};
-use ferl_collective::{GroupOptions, JobSecret};
+use ferl_collective::{GroupOptions, JobSecret, Subgroups};
 use ferl_config::SftConfig;
 use ferl_runtime::{Actor, Context, Handler};
 
@@ -78,7 +78,7 @@ impl Actor for TrainerRank {
             .context("trainer rank: reading the config")?;
         let cluster = ctx.cluster();
         let bind_ip: IpAddr = match cluster.head_address() {
-            Ok(head) => ferl_runtime::cluster::local_ip_for(head)?,
+            Ok(head) => ferl_runtime::local_ip_for(head)?,
             Err(_) => IpAddr::from([127, 0, 0, 1]),
         };
         let handle = tokio::runtime::Handle::current();
@@ -94,13 +94,15 @@ impl Actor for TrainerRank {
                 ..Default::default()
             };
             let device = ferl_trainer::run::device_of(&cfg, 0)?;
-            let comm = ferl_collective::connect(device, rank, world, rendezvous, &options)
+            let comm = ferl_collective::connect(device, rank, world, rendezvous.clone(), &options)
                 .with_context(|| {
                     format!("trainer rank {rank}/{world}: joining the collective group")
                 })?;
             let liger = cfg.model.use_liger;
             let mut state = RankState::build(cfg, comm, device, args.total_steps)
                 .with_context(|| format!("trainer rank {rank}/{world}: building the model"))?;
+            let subgroups = Subgroups::new(device, rendezvous, options);
+            state.join_sequence_parallel(|name, r, size| subgroups.connect(name, r, size))?;
             if liger {
                 // The `liger` plugin shipped from the driver, else the built-in kernels.
                 let host = crate::plugins::actor_plugin_host()

@@ -57,6 +57,11 @@ pub fn ferl_binary() -> PathBuf {
 /// Writes a 2-layer, 32-wide Qwen2 model (real 151,936-token vocabulary so the Qwen tokenizer's ids fit) with
 /// seeded random weights and the tokenizer files into `dir`.
 pub fn write_tiny_model(dir: &Path) -> Result<()> {
+    write_tiny_model_with_heads(dir, 2, 1)
+}
+
+/// [`write_tiny_model`] with `heads` query heads of width 32 / `heads` and `kv_heads` key/value heads.
+pub fn write_tiny_model_with_heads(dir: &Path, heads: i64, kv_heads: i64) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let root = repo_root();
     let mut raw: serde_json::Value = serde_json::from_slice(&std::fs::read(
@@ -67,9 +72,9 @@ pub fn write_tiny_model(dir: &Path) -> Result<()> {
         ("hidden_size", 32),
         ("intermediate_size", 64),
         ("num_hidden_layers", 2),
-        ("num_attention_heads", 2),
-        ("num_key_value_heads", 1),
-        ("head_dim", 16),
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("head_dim", 32 / heads),
     ] {
         obj.insert(k.into(), v.into());
     }

@@ -1,10 +1,11 @@
 //! Turning tokenized samples into the tensors of one micro-batch: token ids, positions, the attention kind, and the
 //! flat row indices whose next token is a training target (only those rows ever reach the output projection).
 
-use crate::model::layers::Attention;
+use crate::model::layers::{Attention, SequenceParallel};
+use crate::model::ulysses::SpGroup;
 use crate::model::varlen::Varlen;
 use anyhow::{bail, Result};
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// One tokenized sample: `loss_mask[t]` means token `t` is a target, predicted from position `t - 1`.
 #[derive(Clone, Copy, Debug)]
@@ -109,5 +110,74 @@ impl MicroBatch {
             target_ids: Tensor::from_slice(&target_ids).to_device(device),
             real_tokens,
         })
+    }
+
+    /// This rank's share of the micro-batch under a Ulysses group (`model::ulysses`): the token dimension padded
+    /// to a multiple of the group's size `K` (pad tokens attend to nothing real and are never targets; packed rows
+    /// get them as one more sequence), then sliced to this rank's `1/K`, with the target rows in the slice and
+    /// attention over the group's whole sequence. Positions stay those of the whole sequence.
+    pub fn sequence_parallel(self, group: &SpGroup) -> Result<Self> {
+        let (rows, width) = (self.input_ids.size()[0], self.input_ids.size()[1]);
+        let k = group.size();
+        let padded = (width + k - 1) / k * k;
+        let pad = |t: &Tensor| t.constant_pad_nd([0, padded - width]);
+        let real = self.real_mask(rows, width);
+        let whole = match self.attention {
+            Attention::Causal => Attention::Causal,
+            Attention::Varlen(v) if padded > width => {
+                let mut lens: Vec<i64> = v.cu_seqlens().windows(2).map(|w| w[1] - w[0]).collect();
+                lens.push(padded - width);
+                Attention::Varlen(Varlen::new(&lens, self.input_ids.device())?)
+            }
+            Attention::Varlen(v) => Attention::Varlen(v),
+            Attention::SequenceParallel(_) => {
+                bail!("the micro-batch is already split for sequence parallelism")
+            }
+        };
+        let (span, start) = (padded / k, group.rank() * (padded / k));
+        let local = |flat: i64| {
+            let (b, t) = (flat / width, flat % width);
+            (start..start + span)
+                .contains(&t)
+                .then_some(b * span + t - start)
+        };
+        let rows_in: Vec<i64> = Vec::<i64>::try_from(&self.target_rows)?;
+        let ids_in: Vec<i64> = Vec::<i64>::try_from(&self.target_ids)?;
+        let (target_rows, target_ids): (Vec<i64>, Vec<i64>) = rows_in
+            .iter()
+            .zip(&ids_in)
+            .filter_map(|(&r, &id)| local(r).map(|l| (l, id)))
+            .unzip();
+        let device = self.input_ids.device();
+        Ok(Self {
+            input_ids: group.local_slice(&pad(&self.input_ids), 1)?,
+            positions: group.local_slice(&pad(&self.positions), 1)?,
+            real_tokens: group
+                .local_slice(&pad(&real), 1)?
+                .sum(Kind::Int64)
+                .int64_value(&[]),
+            attention: Attention::SequenceParallel(Box::new(SequenceParallel {
+                group: group.clone(),
+                whole,
+            })),
+            num_targets: target_rows.len() as i64,
+            target_rows: Tensor::from_slice(&target_rows).to_device(device),
+            target_ids: Tensor::from_slice(&target_ids).to_device(device),
+        })
+    }
+
+    /// `[B, T]` 1 where a real token is, 0 on padding.
+    fn real_mask(&self, rows: i64, width: i64) -> Tensor {
+        let device = self.input_ids.device();
+        match &self.attention {
+            Attention::Varlen(_) | Attention::SequenceParallel(_) => {
+                Tensor::ones([rows, width], (Kind::Int64, device))
+            }
+            Attention::Causal => {
+                // Padding follows each row's tokens: a position is real when it is 0 or follows a larger one.
+                let starts = self.positions.eq(0).cumsum(1, Kind::Int64).eq(1);
+                starts.to_kind(Kind::Int64)
+            }
+        }
     }
 }

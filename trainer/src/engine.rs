@@ -6,11 +6,15 @@
 //!    `model::layers`, `release`. With gradient checkpointing only each decoder layer's *input* is kept; without it the
 //!    layer's autograd graph is kept instead.
 //! 2. **Head**: the final hidden rows whose next token is a target are gathered first, normalised, then projected to
-//!    the vocabulary in chunks of rows; each chunk's cross-entropy (divided by the target count of the *global* batch)
-//!    is back-propagated at once, so neither `[tokens, vocab]` logits nor their gradient ever exist whole.
-//! 3. **Backward**, stage by stage in reverse: `gather` again, recompute the layer from its saved input with grad
-//!    enabled (checkpointing) or reuse the kept graph, take the vector-Jacobian product with the upstream gradient via
-//!    `Tensor::run_backward`, `accumulate_grads` for the parameters, pass the input gradient down, `release`.
+//!    the vocabulary in chunks of rows; the loss is a function of each target's log-probability (and entropy), a
+//!    [`TokenLoss`] (design note 13: SFT's cross-entropy divided by the target count of the *global* batch, or an RL
+//!    actor loss), and its gradient is back-propagated chunk by chunk, so neither `[tokens, vocab]` logits nor their
+//!    gradient ever exist whole.
+//! 3. **Backward**, stage by stage in reverse: `gather` again and recompute the layer from its saved input with grad
+//!    enabled (checkpointing), or `regather` and reuse the kept graph (without checkpointing: a FULL_SHARD store freed
+//!    the graph's parameter bytes at `release` after forward and fills them again here), take the vector-Jacobian
+//!    product with the upstream gradient via `Tensor::run_backward`, `accumulate_grads` for the parameters, pass the
+//!    input gradient down, `release`.
 //!
 //! # Hook point for kernels
 //! Every RMSNorm, the MLP activation and the head's projection + cross-entropy go through the engine's
@@ -18,8 +22,9 @@
 //! backward, and a layer with replaced ops is run split at them (`model::graph`), with or without checkpointing.
 //!
 //! # Hook point for sharding
-//! Everything about where parameters live is behind [`ParamStore`]: `gather` (all-gather), `accumulate_grads`
-//! (reduce-scatter), `release` (free), `grad_sq_norm` (all-reduce). The engine is generic over it and needs no change.
+//! Everything about where parameters live is behind [`ParamStore`]: `gather` (all-gather), `regather` (all-gather into
+//! a freed buffer a kept graph refers to), `accumulate_grads` (reduce-scatter), `release` (free), `grad_sq_norm`
+//! (all-reduce). The engine is generic over it and needs no change.
 //!
 //! # Invariants
 //! 1. The loss of a global batch is `sum of per-target CE / number of targets in the whole global batch`; the count is
@@ -27,8 +32,9 @@
 //! 2. Gradients of a tied output matrix from the head are accumulated into the embedding's gradient.
 
 use crate::batch::MicroBatch;
-use crate::head::ChunkedHead;
+use crate::head::{ChunkedHead, TokenGrad, TokenStats};
 use crate::kernels::KernelRegistry;
+use crate::loss::{CrossEntropy, TokenLoss};
 use crate::model::config::ModelConfig;
 use crate::model::graph::{self, LayerGraph, NormGraph};
 use crate::model::layers::{self, Rope};
@@ -153,6 +159,12 @@ impl<P: ParamStore> Engine<P> {
     /// Runs forward and backward of one micro-batch, adding its gradients (scaled by `1 / global_targets`) to the
     /// store. Returns the micro-batch's summed (unscaled) cross-entropy.
     pub fn forward_backward(&mut self, mb: &MicroBatch, global_targets: i64) -> Result<f64> {
+        self.forward_backward_with(mb, &CrossEntropy::token_mean(global_targets))
+    }
+
+    /// Runs forward and backward of one micro-batch for `loss`, a function of its target rows' log-probabilities
+    /// (and entropies), adding the gradients to the store. Returns the loss's reported value.
+    pub fn forward_backward_with(&mut self, mb: &MicroBatch, loss: &dyn TokenLoss) -> Result<f64> {
         let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
         let d = self.store.layout().decoder;
         // 1. Forward.
@@ -195,7 +207,7 @@ impl<P: ParamStore> Engine<P> {
             self.store.release(Stage::Decoder(l));
         }
         // 2. Head: loss and its gradient, chunk by chunk.
-        let (loss_sum, mut grad_h) = self.head_forward_backward(&h, mb, global_targets)?;
+        let (loss_sum, mut grad_h) = self.head_forward_backward(&h, mb, loss)?;
         drop(h);
         // 3. Backward through the decoder layers.
         for l in (0..self.cfg.num_layers).rev() {
@@ -212,7 +224,10 @@ impl<P: ParamStore> Engine<P> {
                         &self.kernels,
                     )?
                 }
-                Saved::Graph(g) => g,
+                Saved::Graph(g) => {
+                    self.store.regather(Stage::Decoder(l))?;
+                    g
+                }
             };
             let (grad_input, grads) = layer.backward(&grad_h)?;
             grad_h = grad_input;
@@ -228,12 +243,12 @@ impl<P: ParamStore> Engine<P> {
         Ok(loss_sum)
     }
 
-    /// The head for training: returns (summed CE, gradient of the final hidden states).
+    /// The head for training: returns (the loss's value, gradient of the final hidden states).
     fn head_forward_backward(
         &mut self,
         h: &Tensor,
         mb: &MicroBatch,
-        global_targets: i64,
+        loss: &dyn TokenLoss,
     ) -> Result<(f64, Tensor)> {
         let hidden = self.cfg.hidden_size;
         let p = self.store.gather(Stage::Head)?;
@@ -252,31 +267,7 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let norm = NormGraph::build(&self.kernels, &rows, norm_w, self.cfg.rms_norm_eps)?;
         let normed_d = norm.output();
-        let scale = 1.0 / global_targets.max(1) as f64;
-        // A frozen output matrix (LoRA's base) gets no gradient: undefined, which every store reads as zero.
-        let want_grad_w = out_w.requires_grad();
-        let mut loss_sum = Tensor::zeros([], (Kind::Double, h.device()));
-        let mut grad_rows = Vec::new();
-        let mut grad_w = Tensor::new();
-        let mut start = 0;
-        if let Some(head) = &self.kernels.head {
-            let (ce, gx, gw) = head.sum_loss_and_grads(&normed_d, out_w, &mb.target_ids)?;
-            loss_sum += ce.to_kind(Kind::Double);
-            grad_rows.push(gx * scale);
-            if want_grad_w {
-                grad_w = gw * scale;
-            }
-            start = mb.num_targets;
-        }
-        if start < mb.num_targets {
-            let (ce, gx, gw) =
-                self.head
-                    .loss_and_grads(&normed_d, out_w, &mb.target_ids, scale, want_grad_w);
-            loss_sum += ce;
-            grad_rows.push(gx);
-            grad_w = gw.unwrap_or_default();
-        }
-        let grad_normed = Tensor::cat(&grad_rows, 0);
+        let (value, grad_normed, grad_w) = self.head_loss(&normed_d, out_w, mb, loss)?;
         let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
         // The gradient of the row selection: the target rows' gradients, zeros elsewhere.
         let grad_h = Tensor::zeros([h.size()[0] * h.size()[1], hidden], (h.kind(), h.device()))
@@ -285,11 +276,47 @@ impl<P: ParamStore> Engine<P> {
         self.store
             .accumulate_grads(Stage::Head, &[grad_norm_w, grad_w])?;
         self.store.release(Stage::Head);
-        Ok((loss_sum.double_value(&[]), grad_h))
+        Ok((value, grad_h))
     }
 
-    /// Summed cross-entropy and target count of `mb`, without gradients (validation).
-    pub fn eval_loss(&mut self, mb: &MicroBatch) -> Result<(f64, i64)> {
+    /// The loss of the normalised target rows and its gradients with respect to them and to the output matrix
+    /// (undefined when it is frozen, LoRA's base). Cross-entropy takes one pass (or the `head` kernel); any other
+    /// loss two: the rows' statistics, then the gradients from the loss's per-token gradients.
+    fn head_loss(
+        &mut self,
+        normed: &Tensor,
+        out_w: &Tensor,
+        mb: &MicroBatch,
+        loss: &dyn TokenLoss,
+    ) -> Result<(f64, Tensor, Tensor)> {
+        let want_grad_w = out_w.requires_grad();
+        let targets = &mb.target_ids;
+        if let Some(c) = loss.uniform_grad() {
+            if let Some(kernel) = &self.kernels.head {
+                let (ce, gx, gw) = kernel.sum_loss_and_grads(normed, out_w, targets)?;
+                let gw = if want_grad_w { gw * -c } else { Tensor::new() };
+                return Ok((ce.double_value(&[]), gx * -c, gw));
+            }
+            let grad = TokenGrad::Uniform(c);
+            let (stats, gx, gw) = self
+                .head
+                .backward(normed, out_w, targets, &grad, want_grad_w);
+            let value = loss.evaluate(&stats)?.value;
+            return Ok((value, gx, gw.unwrap_or_default()));
+        }
+        let stats = self
+            .head
+            .token_stats(normed, out_w, targets, loss.needs_entropy());
+        let evaluated = loss.evaluate(&stats)?;
+        let (_, gx, gw) = self
+            .head
+            .backward(normed, out_w, targets, &evaluated.grad, want_grad_w);
+        Ok((evaluated.value, gx, gw.unwrap_or_default()))
+    }
+
+    /// Per-token statistics of `mb`'s target rows without gradients: the log-probability of each target and, with
+    /// `entropy`, each row's entropy (scoring rollouts under the current, old or reference policy).
+    pub fn token_stats(&mut self, mb: &MicroBatch, entropy: bool) -> Result<TokenStats> {
         let h = self.forward_hidden_no_grad(mb)?;
         let _g = tch::no_grad_guard();
         let p = self.store.gather(Stage::Head)?;
@@ -298,12 +325,17 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let normed =
             graph::norm_forward(&self.kernels, &rows, &p.tensors[0], self.cfg.rms_norm_eps)?;
-        let total = self
+        let stats = self
             .head
-            .loss(&normed, &p.tensors[1], &mb.target_ids)
-            .double_value(&[]);
+            .token_stats(&normed, &p.tensors[1], &mb.target_ids, entropy);
         self.store.release(Stage::Head);
-        Ok((total, mb.num_targets))
+        Ok(stats)
+    }
+
+    /// Summed cross-entropy and target count of `mb`, without gradients (validation).
+    pub fn eval_loss(&mut self, mb: &MicroBatch) -> Result<(f64, i64)> {
+        let stats = self.token_stats(mb, false)?;
+        Ok((stats.cross_entropy_sum().double_value(&[]), mb.num_targets))
     }
 
     /// Full fp32 logits `[B, T, vocab]` of `mb` (for checks against other implementations; small inputs only).

@@ -7,6 +7,8 @@
 //! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
 //! - [`head`]: the chunked output projection + cross-entropy with a hand-written backward into one reused buffer.
+//! - [`loss`]: pluggable losses over per-token log-probabilities and entropies ([`loss::TokenLoss`]): SFT's
+//!   cross-entropy, losses written with autograd over the per-token vectors (the RL losses of [`rl`]).
 //! - [`kernels`]: the op-override hook ([`kernels::KernelRegistry`]): RMSNorm, SwiGLU and the head replaced by
 //!   kernels (`model.use_liger=true`), the built-in ops otherwise.
 //! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
@@ -14,8 +16,11 @@
 //! - [`metrics`]: the [`metrics::MetricsLogger`] trait and the registry of logger kinds (`console`, `jsonl`).
 //! - [`run`]: the run loop over a step executor (one process, actor ranks, launcher ranks), its config gate, plan
 //!   and metric names.
+//! - [`rollout`]: generation with a KV cache (greedy, temperature, top-k, top-p, seeded) and one-pass scoring of
+//!   prompt + response tokens (log-probabilities, entropies), with the model code and weights of [`model`].
 //! - [`rl`]: verl's core_algos as pure tensor functions (GRPO/RLOO advantages, PPO clipped loss, KL, entropy).
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
+//! - [`storage`]: freeing a parameter buffer's bytes while autograd graphs refer to it, and refilling it (FULL_SHARD).
 
 pub use ferl_config as config;
 pub use ferl_data as data;
@@ -25,10 +30,13 @@ pub mod checkpoint;
 pub mod engine;
 pub mod head;
 pub mod kernels;
+pub mod loss;
 pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod params;
 pub mod rl;
+pub mod rollout;
 pub mod run;
 pub mod step;
+pub mod storage;

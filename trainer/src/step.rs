@@ -3,6 +3,7 @@
 
 use crate::batch::{Layout, MicroBatch, SampleRef};
 use crate::engine::Engine;
+use crate::model::ulysses::SpGroup;
 use crate::optim::{clip_grads, AdamW, LrSchedule};
 use crate::params::ParamStore;
 use anyhow::{bail, Result};
@@ -43,6 +44,9 @@ pub struct Stepper<P: ParamStore> {
     pub device: Device,
     /// Steps completed, skipped ones included: the schedule position.
     pub completed_steps: i64,
+    /// The Ulysses group this rank shares its sequences with (`ulysses_sequence_parallel_size > 1`): every
+    /// micro-batch is split over it ([`MicroBatch::sequence_parallel`]).
+    pub sequence_parallel: Option<SpGroup>,
 }
 
 impl<P: ParamStore> Stepper<P> {
@@ -91,7 +95,7 @@ impl<P: ParamStore> Stepper<P> {
         for &n in sizes {
             let (chunk, tail) = rest.split_at(n);
             rest = tail;
-            let mb = MicroBatch::new(chunk, self.layout, self.device)?;
+            let mb = self.micro_batch(chunk)?;
             loss_sum += self.engine.forward_backward(&mb, targets)?;
         }
         let store = self.engine.store_mut();
@@ -120,11 +124,21 @@ impl<P: ParamStore> Stepper<P> {
         })
     }
 
+    /// The micro-batch of `samples` in this stepper's layout, on its device, split over its sequence-parallel
+    /// group when it has one.
+    pub fn micro_batch(&self, samples: &[SampleRef<'_>]) -> Result<MicroBatch> {
+        let mb = MicroBatch::new(samples, self.layout, self.device)?;
+        match &self.sequence_parallel {
+            Some(group) => mb.sequence_parallel(group),
+            None => Ok(mb),
+        }
+    }
+
     /// Token-mean validation loss over `samples` in micro-batches (no gradients).
     pub fn validate(&mut self, samples: &[SampleRef<'_>]) -> Result<f64> {
         let (mut sum, mut count) = (0.0, 0i64);
         for chunk in samples.chunks(self.micro_batch_size.max(1)) {
-            let mb = MicroBatch::new(chunk, self.layout, self.device)?;
+            let mb = self.micro_batch(chunk)?;
             let (s, c) = self.engine.eval_loss(&mb)?;
             sum += s;
             count += c;

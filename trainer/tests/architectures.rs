@@ -155,6 +155,7 @@ fn check_step(
         layout,
         device: Device::Cpu,
         completed_steps: 0,
+        sequence_parallel: None,
     };
     let batch: Vec<SampleRef> = (0..BATCH).map(|i| m.samples.get(i)).collect();
     let stats = stepper.step(&batch).unwrap();

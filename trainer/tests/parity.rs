@@ -110,6 +110,7 @@ fn run_case(name: &str, case: Case) {
         layout: case.layout,
         device: Device::Cpu,
         completed_steps: 0,
+        sequence_parallel: None,
     };
     let n = samples.ids.len();
     for step in 0..steps as usize {

@@ -8,7 +8,8 @@
 //! group, and a launch of more than one rank without it is refused. A launch of one rank needs no store and no secret.
 
 use crate::{
-    connect, Communicator, GroupOptions, JobSecret, MemoryRendezvous, Rendezvous, TcpStore,
+    connect, Communicator, GroupOptions, JobSecret, MemoryRendezvous, Rendezvous, Subgroups,
+    TcpStore,
 };
 use anyhow::{bail, Context, Result};
 use std::net::IpAddr;
@@ -99,10 +100,17 @@ fn first_set(
 /// listen on the address they reach the store from, or on `FERL_COLLECTIVE_HOST` when set; all of them need the job
 /// secret in `FERL_JOB_SECRET`, except a group of one, which forms in-process.
 pub fn init_from_env(device: Device) -> Result<Arc<dyn Communicator>> {
+    Ok(init_groups_from_env(device)?.0)
+}
+
+/// [`init_from_env`], and what forms groups of some of its ranks over the same store.
+pub fn init_groups_from_env(device: Device) -> Result<(Arc<dyn Communicator>, Subgroups)> {
     let launch = LaunchEnv::from_env()?;
     let mut options = GroupOptions::default();
     if launch.world_size == 1 {
-        return connect(device, 0, 1, Arc::new(MemoryRendezvous::new()), &options);
+        let store: Arc<dyn Rendezvous> = Arc::new(MemoryRendezvous::new());
+        let world = connect(device, 0, 1, store.clone(), &options)?;
+        return Ok((world, Subgroups::new(device, store, options)));
     }
     let hosted = std::env::var("FERL_STORE_HOSTED").is_ok_and(|v| v == "1");
     let store = launch.rendezvous(hosted, &options)?;
@@ -113,7 +121,14 @@ pub fn init_from_env(device: Device) -> Result<Arc<dyn Communicator>> {
         Err(_) => store.local_ip(),
     });
     let store: Arc<dyn Rendezvous> = Arc::new(store);
-    connect(device, launch.rank, launch.world_size, store, &options)
+    let world = connect(
+        device,
+        launch.rank,
+        launch.world_size,
+        store.clone(),
+        &options,
+    )?;
+    Ok((world, Subgroups::new(device, store, options)))
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ mod tensor;
 
 pub use auth::{JobSecret, HANDSHAKE_TIMEOUT, JOB_SECRET_ENV, MAX_HANDSHAKING};
 pub use dtype::{DType, ReduceOp};
-pub use env::{init_from_env, LaunchEnv};
+pub use env::{init_from_env, init_groups_from_env, LaunchEnv};
 pub use nccl::{load_torch_cuda, nccl_available, NcclCommunicator};
 pub use rendezvous::{MemoryRendezvous, Rendezvous};
 pub use store::{TcpStore, TcpStoreServer};
@@ -177,6 +177,35 @@ pub fn connect(
         )?),
         _ => Arc::new(TcpCommunicator::connect(rank, world, rendezvous, options)?),
     })
+}
+
+/// Forms more groups over the rendezvous a group formed on: groups of some of its ranks (a sequence-parallel
+/// group, say), each in its own namespace below the first group's prefix, with the same options and secret.
+#[derive(Clone)]
+pub struct Subgroups {
+    device: Device,
+    rendezvous: Arc<dyn Rendezvous>,
+    options: GroupOptions,
+}
+
+impl Subgroups {
+    /// Subgroups on `device` over `rendezvous`, with the options of the group formed there.
+    pub fn new(device: Device, rendezvous: Arc<dyn Rendezvous>, options: GroupOptions) -> Self {
+        Self {
+            device,
+            rendezvous,
+            options,
+        }
+    }
+
+    /// Joins group `name` of `size` ranks as its rank `rank`; every member calls it with the same name and size.
+    pub fn connect(&self, name: &str, rank: usize, size: usize) -> Result<Arc<dyn Communicator>> {
+        let options = GroupOptions {
+            prefix: format!("{}/{name}", self.options.prefix),
+            ..self.options.clone()
+        };
+        connect(self.device, rank, size, self.rendezvous.clone(), &options)
+    }
 }
 
 #[cfg(test)]

@@ -206,12 +206,23 @@ const FAILED: i32 = 17;
 
 /// Rank side of the failure tests: all-reduce a 16 MiB tensor until a collective fails, then report how.
 fn all_reduce_until_failure() {
+    collective_until_failure(false)
+}
+
+/// [`all_reduce_until_failure`], or with `all_to_all` the exchange Ulysses sequence parallelism runs around
+/// attention.
+fn collective_until_failure(all_to_all: bool) {
     let comm = tcp_from_env();
     check_transports(&comm);
     let mut t = Tensor::ones([4 << 20], (Kind::Float, Device::Cpu));
+    let mut out = t.zeros_like();
     let mut rounds = 0u64;
     loop {
-        if let Err(e) = comm.all_reduce(&mut t, ReduceOp::Max) {
+        let done = match all_to_all {
+            true => comm.all_to_all(&mut out, &t),
+            false => comm.all_reduce(&mut t, ReduceOp::Max),
+        };
+        if let Err(e) = done {
             println!("FAILED after {rounds} rounds: {e:#}");
             std::process::exit(FAILED);
         }
@@ -237,10 +248,15 @@ fn spawn_failure_group(test: &str, world: usize, timeout_s: u64, tcp: bool) -> V
     })
 }
 
-/// Kills rank 2 of 4 mid-all-reduce; every other rank must fail with an error long before the 120 s timeout.
+/// Kills rank 2 of 4 mid-all-reduce (or mid-all-to-all); every other rank must fail with an error long before the
+/// 120 s timeout.
 fn check_killed_rank(test: &str, tcp: bool) {
+    check_killed_rank_in(test, tcp, false)
+}
+
+fn check_killed_rank_in(test: &str, tcp: bool, all_to_all: bool) {
     if is_rank() {
-        return all_reduce_until_failure();
+        return collective_until_failure(all_to_all);
     }
     let mut ranks = spawn_failure_group(test, 4, 120, tcp);
     for p in &ranks {
@@ -269,6 +285,15 @@ fn check_killed_rank(test: &str, tcp: bool) {
 #[test]
 fn killed_rank_makes_every_other_rank_fail_promptly() {
     check_killed_rank("killed_rank_makes_every_other_rank_fail_promptly", false);
+}
+
+#[test]
+fn killed_rank_during_all_to_all_makes_every_other_rank_fail_promptly() {
+    check_killed_rank_in(
+        "killed_rank_during_all_to_all_makes_every_other_rank_fail_promptly",
+        false,
+        true,
+    );
 }
 
 #[test]

@@ -22,6 +22,7 @@ use super::config::ModelConfig;
 use super::layers::{self, Attention, Rope};
 use super::layout::DecoderParam;
 use super::lora::Proj;
+use super::ulysses::{self, SpAttention, SpGroup};
 use crate::kernels::{KernelRegistry, RmsNormKernel, SwiGluKernel};
 use anyhow::{Context, Result};
 use std::sync::Arc;
@@ -271,7 +272,7 @@ impl Piece {
 struct Split {
     d: DecoderParam,
     norm1: NormGraph,
-    attn: Piece,
+    attn: AttnGraph,
     norm2: NormGraph,
     mlp_in: Piece,
     act: ActGraph,
@@ -293,16 +294,115 @@ pub struct LayerGraph {
     body: Body,
 }
 
-/// The attention parameters' indices in a decoder layer's list (projections, Qwen3's q/k norms, LoRA adapters).
-fn attention_params(d: &DecoderParam) -> Vec<usize> {
-    let mut ids: Vec<usize> = [d.q, d.k, d.v, d.o]
+/// The indices in a decoder layer's list of the parameters that make queries, keys and values (projections,
+/// Qwen3's q/k norms, LoRA adapters).
+fn qkv_params(d: &DecoderParam) -> Vec<usize> {
+    let mut ids: Vec<usize> = [d.q, d.k, d.v]
         .into_iter()
         .flat_map(|(w, b)| std::iter::once(w).chain(b))
         .chain(d.q_norm)
         .chain(d.k_norm)
         .collect();
-    ids.extend(d.lora.params(&[Proj::Q, Proj::K, Proj::V, Proj::O]));
+    ids.extend(d.lora.params(&[Proj::Q, Proj::K, Proj::V]));
     ids
+}
+
+/// The indices of the output projection's parameters (with its LoRA adapters).
+fn out_params(d: &DecoderParam) -> Vec<usize> {
+    let mut ids: Vec<usize> = std::iter::once(d.o.0).chain(d.o.1).collect();
+    ids.extend(d.lora.params(&[Proj::O]));
+    ids
+}
+
+/// The attention block of a split layer with what its backward needs.
+enum AttnGraph {
+    /// One autograd piece from the normalised input to the block's output.
+    Local(Piece),
+    /// Split at a sequence-parallel group's exchanges: queries, keys and values of the local tokens, the group's
+    /// attention ([`SpAttention`]), the output projection.
+    SequenceParallel {
+        group: SpGroup,
+        qkv: Piece,
+        core: SpAttention,
+        out: Piece,
+    },
+}
+
+impl AttnGraph {
+    /// The block on the normalised input leaf `x`; returns it and its output (with its graph).
+    fn build(
+        cfg: &ModelConfig,
+        d: &DecoderParam,
+        params: &[Tensor],
+        x: Tensor,
+        rope: &Rope,
+        attn: &Attention,
+    ) -> Result<(Self, Tensor)> {
+        let Some(sp) = attn.sequence_parallel() else {
+            let o = layers::attention(cfg, d, params, &x, rope, attn);
+            let piece = Piece {
+                inputs: vec![x],
+                outputs: vec![o.shallow_clone()],
+                params: [qkv_params(d), out_params(d)].concat(),
+            };
+            return Ok((Self::Local(piece), o));
+        };
+        let (q, k, v) = layers::qkv(cfg, d, params, &x, rope);
+        let (local, core) =
+            SpAttention::forward(&sp.group, &q.detach(), &k.detach(), &v.detach(), &sp.whole)?;
+        let local = leaf(&local);
+        let o = layers::attention_out(cfg, d, params, &local);
+        let graph = Self::SequenceParallel {
+            group: sp.group.clone(),
+            qkv: Piece {
+                inputs: vec![x],
+                outputs: vec![q, k, v],
+                params: qkv_params(d),
+            },
+            core,
+            out: Piece {
+                inputs: vec![local],
+                outputs: vec![o.shallow_clone()],
+                params: out_params(d),
+            },
+        };
+        Ok((graph, o))
+    }
+
+    /// The gradient of the normalised input for the block's output gradient `dy`; parameter gradients go into
+    /// `grads`.
+    fn backward(self, dy: &Tensor, p: &[Tensor], grads: &mut [Option<Tensor>]) -> Result<Tensor> {
+        Ok(match self {
+            Self::Local(piece) => piece.backward(&[dy], p, grads).remove(0),
+            Self::SequenceParallel {
+                group,
+                qkv,
+                core,
+                out,
+            } => {
+                let d_local = out.backward(&[dy], p, grads).remove(0);
+                let (dq, dk, dv) = core.backward(&group, &d_local)?;
+                qkv.backward(&[&dq, &dk, &dv], p, grads).remove(0)
+            }
+        })
+    }
+}
+
+/// The attention block on the normalised `x` without anything kept for a backward.
+fn attention_forward(
+    cfg: &ModelConfig,
+    d: &DecoderParam,
+    p: &[Tensor],
+    x: &Tensor,
+    rope: &Rope,
+    attn: &Attention,
+) -> Result<Tensor> {
+    let Some(sp) = attn.sequence_parallel() else {
+        return Ok(layers::attention(cfg, d, p, x, rope, attn));
+    };
+    let (q, k, v) = layers::qkv(cfg, d, p, x, rope);
+    let o = ulysses::attend_no_grad(&sp.group, &q, &k, &v, &sp.whole)?;
+    Ok(layers::attention_out(cfg, d, p, &o))
 }
 
 impl LayerGraph {
@@ -318,7 +418,7 @@ impl LayerGraph {
         kernels: &KernelRegistry,
     ) -> Result<Self> {
         let input = leaf(input);
-        if !kernels.overrides_layer_ops() {
+        if !kernels.overrides_layer_ops() && attn.sequence_parallel().is_none() {
             let output = layers::decoder_layer(cfg, d, &params, &input, rope, attn);
             return Ok(Self {
                 input,
@@ -330,8 +430,7 @@ impl LayerGraph {
         let eps = cfg.rms_norm_eps;
         let h = input.detach();
         let norm1 = NormGraph::build(kernels, &h, &params[d.input_norm], eps)?;
-        let x1 = leaf(&norm1.output());
-        let o = layers::attention(cfg, d, &params, &x1, rope, attn);
+        let (attn, o) = AttnGraph::build(cfg, d, &params, leaf(&norm1.output()), rope, attn)?;
         let a = &h + o.detach();
         let norm2 = NormGraph::build(kernels, &a, &params[d.post_norm], eps)?;
         let x2 = leaf(&norm2.output());
@@ -343,11 +442,7 @@ impl LayerGraph {
         let split = Split {
             d: *d,
             norm1,
-            attn: Piece {
-                inputs: vec![x1],
-                outputs: vec![o],
-                params: attention_params(d),
-            },
+            attn,
             norm2,
             mlp_in: Piece {
                 inputs: vec![x2],
@@ -393,7 +488,7 @@ impl LayerGraph {
         let dx2 = s.mlp_in.backward(&[&dgate, &dup], p, &mut dp).remove(0);
         let (da_norm, dpost) = s.norm2.backward(&dx2)?;
         let da = grad + da_norm;
-        let dx1 = s.attn.backward(&[&da], p, &mut dp).remove(0);
+        let dx1 = s.attn.backward(&da, p, &mut dp)?;
         let (dh_norm, dinput) = s.norm1.backward(&dx1)?;
         let dh = da + dh_norm;
         dp[s.d.input_norm] = Some(dinput);
@@ -418,12 +513,12 @@ pub fn decoder_layer_forward(
     attn: &Attention,
     kernels: &KernelRegistry,
 ) -> Result<Tensor> {
-    if !kernels.overrides_layer_ops() {
+    if !kernels.overrides_layer_ops() && attn.sequence_parallel().is_none() {
         return Ok(layers::decoder_layer(cfg, d, p, h, rope, attn));
     }
     let eps = cfg.rms_norm_eps;
     let x = norm_forward(kernels, h, &p[d.input_norm], eps)?;
-    let a = h + layers::attention(cfg, d, p, &x, rope, attn);
+    let a = h + attention_forward(cfg, d, p, &x, rope, attn)?;
     let x = norm_forward(kernels, &a, &p[d.post_norm], eps)?;
     let (gate, up) = layers::mlp_in(d, p, &x);
     Ok(&a + layers::mlp_out(d, p, &act_forward(kernels, &gate, &up)?))

@@ -2,11 +2,13 @@
 //! decoder layer (RMSNorm, GQA self-attention with RoPE through SDPA, RMSNorm, SwiGLU MLP) and the head (final norm and
 //! the output projection of the selected rows). The engine calls them stage by stage; nothing here owns parameters.
 //! The layer's pieces ([`attention`], [`mlp_in`], [`swiglu`], [`mlp_out`]) are public so that `model::graph` can run a
-//! layer split at ops replaced by kernels.
+//! layer split at ops replaced by kernels, and the attention's own ([`qkv`], [`attention_out`], with
+//! [`decoder_layer_with`]) so that generation (`crate::rollout`) runs the same layer over a KV cache.
 
 use super::config::ModelConfig;
 use super::layout::DecoderParam;
 use super::lora::Proj;
+use super::ulysses::SpGroup;
 use super::varlen::Varlen;
 use tch::{Kind, Tensor};
 
@@ -16,6 +18,44 @@ pub enum Attention {
     Causal,
     /// Several sequences packed in one row (`[1, T]`), each attending causally to itself only.
     Varlen(Varlen),
+    /// This rank's slice of the tokens of a Ulysses sequence-parallel group: attention over the group's whole
+    /// sequence (as `whole` says) through two all-to-alls; run by `model::graph` (see `model::ulysses`).
+    SequenceParallel(Box<SequenceParallel>),
+}
+
+/// Attention of a rank's slice of a sequence-parallel group's tokens.
+pub struct SequenceParallel {
+    /// The group that shares the sequences.
+    pub group: SpGroup,
+    /// How the group's whole sequence attends (causal rows, or packed sequences over all its tokens).
+    pub whole: Attention,
+}
+
+impl Attention {
+    /// The sequence-parallel group, when attention spans one.
+    pub fn sequence_parallel(&self) -> Option<&SequenceParallel> {
+        match self {
+            Self::SequenceParallel(sp) => Some(sp),
+            _ => None,
+        }
+    }
+}
+
+/// Attention of `q` (`[B, heads, T, D]`), `k`, `v` (`[B, kv_heads, T, D]`) over the tokens present (causal rows or
+/// packed sequences); `gqa` when there are fewer KV heads than query heads.
+///
+/// # Panics
+/// On [`Attention::SequenceParallel`], whose exchanges can fail and are run by `model::graph` instead.
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, attn: &Attention, gqa: bool) -> Tensor {
+    match attn {
+        Attention::Causal => {
+            Tensor::scaled_dot_product_attention(q, k, v, None::<&Tensor>, 0.0, true, None, gqa)
+        }
+        Attention::Varlen(packed) => packed.attend(q, k, v, gqa),
+        Attention::SequenceParallel(_) => {
+            panic!("sequence-parallel attention runs through model::graph, not layers::attend")
+        }
+    }
 }
 
 /// Cosine and sine tables of rotary embeddings for the given positions, `[B, T, head_dim]` in `kind`.
@@ -72,8 +112,20 @@ pub fn decoder_layer(
     rope: &Rope,
     attn: &Attention,
 ) -> Tensor {
+    decoder_layer_with(cfg, d, p, h, |x| attention(cfg, d, p, x, rope, attn))
+}
+
+/// One decoder layer on `h` with the built-in ops around `attend`, the attention block of the normalised input
+/// (what [`attention`] computes; generation passes one that also reads and extends a KV cache).
+pub fn decoder_layer_with(
+    cfg: &ModelConfig,
+    d: &DecoderParam,
+    p: &[Tensor],
+    h: &Tensor,
+    attend: impl FnOnce(&Tensor) -> Tensor,
+) -> Tensor {
     let x = rms_norm(h, &p[d.input_norm], cfg.rms_norm_eps);
-    let h = h + attention(cfg, d, p, &x, rope, attn);
+    let h = h + attend(&x);
     let x = rms_norm(&h, &p[d.post_norm], cfg.rms_norm_eps);
     let (gate, up) = mlp_in(d, p, &x);
     h + mlp_out(d, p, &swiglu(&gate, &up))
@@ -89,32 +141,41 @@ pub fn attention(
     rope: &Rope,
     attn: &Attention,
 ) -> Tensor {
+    let (q, k, v) = qkv(cfg, d, p, x, rope);
+    let o = attend(&q, &k, &v, attn, cfg.num_kv_heads != cfg.num_heads);
+    attention_out(cfg, d, p, &o)
+}
+
+/// Queries, keys and values of the normalised input `x` (`[B, T, H]`): projected, split into heads
+/// (`[B, heads, T, head_dim]`, keys and values with the KV heads), Qwen3's q/k norms applied, then rotated by `rope`.
+pub fn qkv(
+    cfg: &ModelConfig,
+    d: &DecoderParam,
+    p: &[Tensor],
+    x: &Tensor,
+    rope: &Rope,
+) -> (Tensor, Tensor, Tensor) {
     let (b, t) = (x.size()[0], x.size()[1]);
-    let lin =
-        |x: &Tensor, (w, bias): (usize, Option<usize>), proj: Proj| linear(x, p, w, bias, d, proj);
-    let q = lin(x, d.q, Proj::Q)
-        .view([b, t, cfg.num_heads, cfg.head_dim])
-        .transpose(1, 2);
-    let k = lin(x, d.k, Proj::K)
-        .view([b, t, cfg.num_kv_heads, cfg.head_dim])
-        .transpose(1, 2);
-    let v = lin(x, d.v, Proj::V)
-        .view([b, t, cfg.num_kv_heads, cfg.head_dim])
-        .transpose(1, 2);
+    let heads = |(w, bias): (usize, Option<usize>), proj: Proj, n: i64| {
+        linear(x, p, w, bias, d, proj)
+            .view([b, t, n, cfg.head_dim])
+            .transpose(1, 2)
+    };
+    let q = heads(d.q, Proj::Q, cfg.num_heads);
+    let k = heads(d.k, Proj::K, cfg.num_kv_heads);
+    let v = heads(d.v, Proj::V, cfg.num_kv_heads);
     let q = head_norm(cfg, p, d.q_norm, q);
     let k = head_norm(cfg, p, d.k_norm, k);
-    let (q, k) = (rope.apply(&q), rope.apply(&k));
-    let gqa = cfg.num_kv_heads != cfg.num_heads;
-    let o = match attn {
-        Attention::Causal => {
-            Tensor::scaled_dot_product_attention(&q, &k, &v, None::<&Tensor>, 0.0, true, None, gqa)
-        }
-        Attention::Varlen(packed) => packed.attend(&q, &k, &v, gqa),
-    };
+    (rope.apply(&q), rope.apply(&k), v)
+}
+
+/// The output projection of the attention's result `o` (`[B, heads, T, head_dim]`), back to `[B, T, H]`.
+pub fn attention_out(cfg: &ModelConfig, d: &DecoderParam, p: &[Tensor], o: &Tensor) -> Tensor {
+    let (b, t) = (o.size()[0], o.size()[2]);
     let o = o
         .transpose(1, 2)
         .reshape([b, t, cfg.num_heads * cfg.head_dim]);
-    lin(&o, d.o, Proj::O)
+    linear(&o, p, d.o.0, d.o.1, d, Proj::O)
 }
 
 /// Qwen3's per-head RMSNorm of q or k (`[B, heads, T, head_dim]`, over `head_dim`) when the layer has one.

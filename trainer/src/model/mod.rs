@@ -1,6 +1,6 @@
 //! Qwen2, Qwen3 (dense) and Llama decoders from a Hugging Face folder: [`config`] (config.json), [`rope`] (RoPE
 //! types and frequencies), [`layout`] (which tensors each stage uses), [`layers`] (the forward functions), [`varlen`]
-//! (attention over packed sequences), [`graph`] (layers split at ops replaced by kernels, with their backward) and
+//! (attention over packed sequences), [`ulysses`] (attention over a sequence-parallel group), [`graph`] (layers split at ops replaced by kernels, with their backward) and
 //! [`weights`] (safetensors in and out, random init).
 
 pub mod config;
@@ -10,6 +10,7 @@ pub mod layers;
 pub mod layout;
 pub mod lora;
 pub mod rope;
+pub mod ulysses;
 pub mod varlen;
 pub mod weights;
 

@@ -7,6 +7,7 @@
 //! `data.num_workers` (data is tokenized before training), `model.strategy` (`fsdp` and `fsdp2` are the same engine),
 //! `model.fsdp_config.forward_prefetch` (the next layer's gather always overlaps compute).
 
+use super::RankLayout;
 use crate::model::lora::{LoraSpec, ADAPTER_CONFIG};
 use anyhow::{bail, Context, Result};
 use ferl_config::{Dtype, ModelConfig as ModelSection, SftConfig, Supported};
@@ -109,6 +110,7 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
             "trainer.elastic",
             "trainer.restart_wait_s",
             "use_remove_padding",
+            "ulysses_sequence_parallel_size",
         ])
         .values("optim.optimizer", &["AdamW"])
         .values("optim.optimizer_impl", &["torch.optim"])
@@ -119,7 +121,6 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
         .values("trainer.logger", &names)
         .values("trainer.checkpoint.save_contents", &CONTENTS)
         .values("trainer.checkpoint.load_contents", &CONTENTS)
-        .values("ulysses_sequence_parallel_size", &["1"])
 }
 
 /// Checks `cfg` for `launch`: supported keys and values, precision, device, batch split, checkpoint contents and
@@ -208,10 +209,13 @@ fn check_contents(cfg: &SftConfig) -> Result<()> {
 /// (verl requires the same), and micro-batches are whole; a token budget holds at least one longest sample.
 fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
     let (batch, micro) = (cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu);
-    if world == 0 || !batch.is_multiple_of(world) {
-        bail!(
-            "data.train_batch_size={batch} does not split evenly over {world} ranks (make it a multiple of {world})"
-        );
+    let dp = RankLayout::new(cfg, world)?.dp_world();
+    if !batch.is_multiple_of(dp) {
+        let groups = match dp == world {
+            true => format!("{world} ranks"),
+            false => format!("{dp} data-parallel groups of ulysses_sequence_parallel_size ranks"),
+        };
+        bail!("data.train_batch_size={batch} does not split evenly over {groups} (make it a multiple of {dp})");
     }
     if micro == 0 {
         bail!("data.micro_batch_size_per_gpu must be at least 1");
@@ -229,7 +233,8 @@ fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
 
 /// Whether `world` ranks keep the global batch: it splits evenly over them (an elastic restart's sizes).
 pub fn batch_splits(cfg: &SftConfig, world: usize) -> bool {
-    world > 0 && cfg.data.train_batch_size.is_multiple_of(world)
+    RankLayout::new(cfg, world)
+        .is_ok_and(|l| cfg.data.train_batch_size.is_multiple_of(l.dp_world()))
 }
 
 /// `trainer.max_restarts` needs ranks ferl started; `trainer.elastic` needs restarts to act on.

@@ -10,11 +10,13 @@
 //! 3. The config gate ([`gate::check`]) runs before the loop on every path.
 
 pub mod gate;
+pub mod parallel;
 pub mod plan;
 mod report;
 pub mod restart;
 
 pub use gate::{check, compute_kind, cuda_is_available, device_of, LaunchShape};
+pub use parallel::RankLayout;
 pub use plan::{adamw_config, lr_schedule, RunPlan};
 pub use report::{metric, mfu, peak_flops, step_values, MfuInputs};
 use restart::{restart_executor, restart_values, ResumePoints};

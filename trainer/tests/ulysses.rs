@@ -1,0 +1,295 @@
+//! Ulysses attention over a sequence-parallel group (`model::ulysses`), ranks as threads of one TCP group: each
+//! rank's slice of the output and of the q/k/v gradients equals the same slice of plain single-process attention
+//! over the whole sequence (forward and autograd backward) within 1e-5 — causal rows and packed sequences, GQA with
+//! more KV heads than ranks and with fewer (repeated), at group sizes 2, 3 and 4. The exchanges are each other's
+//! inverse, and heads that do not split over the group are refused naming both numbers.
+
+use ferl_collective::{GroupOptions, MemoryRendezvous, Rendezvous, TcpCommunicator};
+use ferl_trainer::model::layers::{self, Attention};
+use ferl_trainer::model::ulysses::{SpAttention, SpGroup};
+use ferl_trainer::model::varlen::Varlen;
+use std::sync::Arc;
+use std::time::Duration;
+use tch::{Device, Kind, Tensor};
+
+const TOL: f64 = 1e-5;
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+/// Runs `body(group)` on `world` threads, each a rank of one TCP group; results in rank order.
+fn with_group<T: Send + 'static>(
+    world: usize,
+    body: impl Fn(SpGroup) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let store: Arc<dyn Rendezvous> = Arc::new(MemoryRendezvous::new());
+    let body = Arc::new(body);
+    let options = GroupOptions {
+        timeout: Duration::from_secs(60),
+        ..GroupOptions::default()
+    };
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let (store, body, options) = (store.clone(), body.clone(), options.clone());
+            std::thread::spawn(move || {
+                tch::set_num_threads(1);
+                let comm = TcpCommunicator::connect(rank, world, store, &options).unwrap();
+                body(SpGroup::new(Arc::new(comm)))
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+struct Case {
+    batch: i64,
+    heads: i64,
+    kv_heads: i64,
+    tokens: i64,
+    /// Packed sequence lengths (one row) instead of causal rows.
+    packed: Option<Vec<i64>>,
+}
+
+fn attention(case: &Case) -> Attention {
+    match &case.packed {
+        Some(lens) => Attention::Varlen(Varlen::new(lens, Device::Cpu).unwrap()),
+        None => Attention::Causal,
+    }
+}
+
+/// Inputs (seeded), output gradient, and the reference output and q/k/v gradients.
+fn reference(case: &Case) -> [Tensor; 8] {
+    tch::manual_seed(case.tokens + case.kv_heads);
+    let d = 8;
+    let q = Tensor::randn([case.batch, case.heads, case.tokens, d], CPU);
+    let k = Tensor::randn([case.batch, case.kv_heads, case.tokens, d], CPU);
+    let v = Tensor::randn([case.batch, case.kv_heads, case.tokens, d], CPU);
+    let dy = Tensor::randn([case.batch, case.heads, case.tokens, d], CPU);
+    let leaves: Vec<Tensor> = [&q, &k, &v]
+        .iter()
+        .map(|t| t.detach().set_requires_grad(true))
+        .collect();
+    let gqa = case.heads != case.kv_heads;
+    let y = layers::attend(&leaves[0], &leaves[1], &leaves[2], &attention(case), gqa);
+    let g = Tensor::run_backward(
+        &[(&y * &dy).sum(Kind::Float)],
+        &[&leaves[0], &leaves[1], &leaves[2]],
+        false,
+        false,
+    );
+    let [gq, gk, gv]: [Tensor; 3] = g.try_into().unwrap();
+    [q, k, v, dy, y.detach(), gq, gk, gv]
+}
+
+fn check(case: Case, world: usize) {
+    let case = Arc::new(case);
+    let results = with_group(world, move |group| {
+        // Every rank computes the same seeded reference (one at a time: the seed is global).
+        let e = {
+            let _one = SEEDED.lock().unwrap();
+            reference(&case)
+        };
+        let slice = |t: &Tensor| group.local_slice(t, 2).unwrap();
+        let (q, k, v, dy) = (slice(&e[0]), slice(&e[1]), slice(&e[2]), slice(&e[3]));
+        let (y, saved) = SpAttention::forward(&group, &q, &k, &v, &attention(&case)).unwrap();
+        let (dq, dk, dv) = saved.backward(&group, &dy).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| (a - slice(b)).abs().max().double_value(&[]);
+        [
+            diff(&y, &e[4]),
+            diff(&dq, &e[5]),
+            diff(&dk, &e[6]),
+            diff(&dv, &e[7]),
+        ]
+    });
+    for (rank, diffs) in results.iter().enumerate() {
+        for (what, d) in ["output", "dq", "dk", "dv"].iter().zip(diffs) {
+            assert!(*d < TOL, "world {world} rank {rank}: {what} differs by {d}");
+        }
+    }
+}
+
+#[test]
+fn causal_rows_match_whole_sequence_attention() {
+    check(
+        Case {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            tokens: 12,
+            packed: None,
+        },
+        2,
+    );
+    check(
+        Case {
+            batch: 1,
+            heads: 4,
+            kv_heads: 4,
+            tokens: 12,
+            packed: None,
+        },
+        4,
+    );
+}
+
+#[test]
+fn fewer_kv_heads_than_ranks_are_repeated() {
+    check(
+        Case {
+            batch: 2,
+            heads: 4,
+            kv_heads: 2,
+            tokens: 8,
+            packed: None,
+        },
+        4,
+    );
+    check(
+        Case {
+            batch: 1,
+            heads: 6,
+            kv_heads: 1,
+            tokens: 9,
+            packed: None,
+        },
+        3,
+    );
+}
+
+#[test]
+fn packed_sequences_match_across_slices() {
+    // Sequences cross the slice boundaries.
+    let packed = Some(vec![5, 4, 7]);
+    check(
+        Case {
+            batch: 1,
+            heads: 4,
+            kv_heads: 2,
+            tokens: 16,
+            packed: packed.clone(),
+        },
+        2,
+    );
+    check(
+        Case {
+            batch: 1,
+            heads: 4,
+            kv_heads: 2,
+            tokens: 16,
+            packed,
+        },
+        4,
+    );
+}
+
+#[test]
+fn exchanges_are_inverse_and_heads_must_split() {
+    let ok = with_group(3, |group| {
+        let x = Tensor::randn([2, 6, 5, 4], CPU) + group.rank() as f64;
+        let there = group.seq_to_heads(&x).unwrap();
+        let back = group.heads_to_seq(&there).unwrap();
+        let refused = group.check_heads(4, 2).unwrap_err().to_string();
+        (
+            there.size(),
+            back.equal(&x),
+            refused,
+            group.check_heads(6, 1).is_ok(),
+        )
+    });
+    for (shape, inverse, refused, fine) in ok {
+        assert_eq!(shape, [2, 2, 15, 4]);
+        assert!(inverse && fine);
+        assert!(
+            refused.contains("=3") && refused.contains("=4"),
+            "{refused}"
+        );
+    }
+}
+
+/// A tiny Qwen2-shaped engine on the CPU (4 heads, 2 KV heads), the same weights on every rank.
+fn engine() -> ferl_trainer::engine::Engine<ferl_trainer::params::LocalParams> {
+    use ferl_trainer::model::{config::ModelConfig, layout::ModelLayout, weights::init_params};
+    let raw = serde_json::json!({
+        "model_type": "qwen2", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48, "vocab_size": 61,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true
+    });
+    let cfg = ModelConfig::from_value(raw, std::path::Path::new("tiny.json")).unwrap();
+    let layout = ModelLayout::new(&cfg);
+    let params = init_params(&cfg, &layout, 9);
+    let store = ferl_trainer::params::LocalParams::new(layout, params, Kind::Float);
+    ferl_trainer::engine::Engine::new(cfg, store, Kind::Float, Default::default())
+}
+
+/// Summed loss and parameter gradients of one micro-batch of three samples (lengths 9, 5, 12), split over `sp`
+/// (when given) or whole.
+fn engine_step(
+    layout: ferl_trainer::batch::Layout,
+    checkpointing: bool,
+    sp: Option<&SpGroup>,
+) -> (f64, Vec<Vec<f32>>) {
+    use ferl_trainer::batch::{MicroBatch, SampleRef};
+    use ferl_trainer::params::ParamStore;
+    let samples: Vec<(Vec<i64>, Vec<bool>)> = [(9usize, 4usize), (5, 2), (12, 7)]
+        .iter()
+        .enumerate()
+        .map(|(s, &(len, prompt))| {
+            (
+                (0..len)
+                    .map(|i| ((i * 7 + s * 13 + 3) % 61) as i64)
+                    .collect(),
+                (0..len).map(|i| i >= prompt).collect(),
+            )
+        })
+        .collect();
+    let refs: Vec<SampleRef> = samples
+        .iter()
+        .map(|(i, m)| SampleRef {
+            input_ids: i,
+            loss_mask: m,
+        })
+        .collect();
+    let mut mb = MicroBatch::new(&refs, layout, Device::Cpu).unwrap();
+    if let Some(group) = sp {
+        mb = mb.sequence_parallel(group).unwrap();
+    }
+    let mut e = engine();
+    e.options_mut().gradient_checkpointing = checkpointing;
+    e.store_mut().zero_grads();
+    let loss = e.forward_backward(&mb, 17).unwrap();
+    let (_, grads) = e.store_mut().master_and_grads();
+    (
+        loss,
+        grads
+            .iter()
+            .map(|g| Vec::<f32>::try_from(g.flatten(0, -1)).unwrap())
+            .collect(),
+    )
+}
+
+#[test]
+fn an_engine_step_over_the_group_sums_to_the_whole_sequence_step() {
+    use ferl_trainer::batch::Layout;
+    for layout in [Layout::Padded, Layout::Packed] {
+        for checkpointing in [false, true] {
+            let (loss, grads) = engine_step(layout, checkpointing, None);
+            for world in [2usize, 4] {
+                let ranks =
+                    with_group(world, move |g| engine_step(layout, checkpointing, Some(&g)));
+                let total: f64 = ranks.iter().map(|(l, _)| l).sum();
+                let ctx = format!("{layout:?}, checkpointing {checkpointing}, SP {world}");
+                assert!(
+                    (total - loss).abs() < 1e-5 * loss.abs(),
+                    "{ctx}: loss {total} vs {loss}"
+                );
+                let mut worst = 0f64;
+                for (p, whole) in grads.iter().enumerate() {
+                    for (i, w) in whole.iter().enumerate() {
+                        let sum: f32 = ranks.iter().map(|(_, g)| g[p][i]).sum();
+                        worst = worst.max(((sum - w).abs() - 1e-5 * w.abs()) as f64);
+                    }
+                }
+                assert!(worst < 1e-5, "{ctx}: gradients differ by {worst}");
+            }
+        }
+    }
+}
