@@ -7,7 +7,9 @@
 //! is not timed. Figures: tokens/s = real (non-pad) tokens of the timed steps / their wall time; peak memory =
 //! the child's `VmHWM` (resident high-water mark) — the whole process, interpreter and libraries included.
 //! Rows: `train_<side>_tokens_per_s`, `train_<side>_peak_rss_MiB`, `train_tokens_per_s_ratio` (ferl ÷ PyTorch, goal
-//! ≥ 1.2) and `train_peak_rss_ratio` (ferl ÷ PyTorch, goal ≤ 1.0).
+//! ≥ 1.2) and `train_peak_rss_ratio` (ferl ÷ PyTorch, goal ≤ 1.0), then `train_gemm_peak_GFLOPs` and
+//! `train_{ferl,pytorch}_cpu_mfu` (model FLOP/s ÷ the fp32 GEMM peak the ferl child measured on the same threads;
+//! goal ≥ 0.5) with their `_6n` variants ([`mfu`] says what is counted).
 //!
 //! `--lora-rank R [--lora-alpha A] [--model-shape SHAPE]` (issue #12) adds two more children on the same model,
 //! batches, loop and threads: ferl training LoRA adapters of rank `R` (alpha `A`, default 16, `all-linear`: the seven
@@ -25,13 +27,15 @@
 //! ferl's sides train through `--store local` (`LocalParams`, the default) or `--store fsdp` (`ferl-fsdp`'s
 //! FULL_SHARD at world size 1, the store a one-rank `ferl sft` trains through), full fine-tuning and LoRA alike.
 //!
-//! Four more modes share the prepared data and settings ([`common`]):
+//! Five more modes share the prepared data and settings ([`common`]):
 //! - `--nproc-per-node N` ([`fsdp`]): sharded training at world size 1 and N, ferl's FULL_SHARD trainer ranks beside
 //!   PyTorch FSDP2 (`fully_shard`, gloo), rows `fsdp_wW_*`.
 //! - `--token-budget N` ([`budget`]): token-budget micro-batches (`data.use_dynamic_bsz`) beside fixed ones, padded
 //!   and packed, rows `train_{fixed,budget}_*` and `train_budget_vs_fixed_*`.
 //! - `--packed-attention` ([`varlen`]): the attention op of a packed micro-batch at `--packed-len` tokens of GSM8K
 //!   sequences, the engine's varlen path beside the dense mask it replaced (ms and peak memory), rows `packed_attn_*`.
+//! - `--sequence-parallel K [--seq-len T]` ([`sp`]): peak memory per rank of Ulysses sequence parallelism over `K`
+//!   ranks on `T`-token sequences beside one rank and beside `K`-way data parallelism, rows `sp_*`.
 //! - `--model-shape SHAPE --device cpu|cuda` without `--lora-rank` ([`shape`]): bf16 steps of a random-init model of a
 //!   named shape (e.g. Qwen2.5-0.5B at seq 2048) on synthetic tokens, with tokens/s and MFU — the GPU benchmark
 //!   `bench/gpu/h200_sft.sh`.
@@ -39,7 +43,9 @@
 mod budget;
 mod common;
 mod fsdp;
+mod mfu;
 mod shape;
+mod sp;
 mod varlen;
 
 use crate::report::Report;
@@ -49,6 +55,7 @@ use common::{prepare, py_script, python, vm_hwm_kib, SideRecord};
 use ferl::actors::messages::Sample;
 use ferl::trainer::batch::SampleRef;
 use ferl::trainer::engine::EngineOptions;
+use ferl::trainer::model::config::ModelConfig;
 use ferl::trainer::model::load_model;
 use ferl::trainer::model::lora::{self, LoraSpec};
 use ferl::trainer::params::{LocalParams, ParamStore};
@@ -59,7 +66,7 @@ use std::time::Instant;
 use tch::{Device, Kind};
 
 /// Options of the train suite.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
     /// Samples per optimizer step (the global batch).
     #[arg(long, default_value_t = 16)]
@@ -132,6 +139,13 @@ pub struct TrainArgs {
     /// Internal: the packed sequence lengths of --packed-attention-child.
     #[arg(long, hide = true, value_delimiter = ',')]
     packed_lens: Vec<i64>,
+    /// Instead: peak memory per rank of Ulysses sequence parallelism over this many ranks at --seq-len tokens
+    /// (synthetic sequences), beside one rank and beside plain data parallelism over as many ranks.
+    #[arg(long)]
+    sequence_parallel: Option<usize>,
+    /// Internal: the ulysses_sequence_parallel_size of a --rank-child (with remove-padding).
+    #[arg(long, hide = true)]
+    rank_sp: Option<usize>,
     /// Instead: token-budget micro-batches of this many tokens beside fixed --micro-batch ones (padded and packed).
     #[arg(long)]
     token_budget: Option<usize>,
@@ -169,6 +183,9 @@ pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     }
     if let Some(budget) = a.token_budget {
         return budget::run(&a, budget, out);
+    }
+    if let Some(k) = a.sequence_parallel {
+        return sp::run(&a, k, out);
     }
     match (&a.model_shape, a.lora_rank, a.nproc_per_node) {
         (Some(shape), None, _) => return shape::run(&a, shape, out),
@@ -259,6 +276,9 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
     out.row("train_pytorch_peak_rss_MiB", torch_mib, "MiB");
     out.row("train_tokens_per_s_ratio", ferl_rate / torch_rate, "x");
     out.row("train_peak_rss_ratio", ferl_mib / torch_mib, "x");
+    if a.lora_rank.is_none() {
+        mfu_rows(a, dir, "train", &[ferl], &[torch], out)?;
+    }
     let Some(rank) = a.lora_rank else {
         return Ok(());
     };
@@ -281,6 +301,46 @@ fn measure(a: &TrainArgs, dir: &Path, out: &mut Report) -> Result<()> {
     out.row("lora_peak_rss_vs_full", lora_mib / ferl_mib, "x");
     out.row("lora_peak_rss_vs_peft", lora_mib / peft_mib, "x");
     out.row("lora_tokens_per_s_vs_peft", lora_rate / peft_rate, "x");
+    Ok(())
+}
+
+/// The `cpu_mfu` rows of one comparison (`PREFIX_{ferl,pytorch}_cpu_mfu[_6n]`, `PREFIX_gemm_peak_GFLOPs`): the
+/// model FLOPs of the timed steps over each side's (slowest rank's) time ÷ the sum of ferl's ranks' GEMM peaks.
+fn mfu_rows(
+    a: &TrainArgs,
+    dir: &Path,
+    prefix: &str,
+    ferl: &[SideRecord],
+    torch: &[SideRecord],
+    out: &mut Report,
+) -> Result<()> {
+    let peak: f64 = ferl
+        .iter()
+        .map(|r| {
+            r.gemm_flops_per_s
+                .context("a ferl record without gemm_flops_per_s")
+        })
+        .sum::<Result<f64>>()?;
+    let cfg = ModelConfig::from_file(&dir.join("model").join("config.json"))?;
+    let samples = common::read_samples(dir)?;
+    let (flops, flops_6n) = mfu::FlopModel::of(&cfg).timed_flops(&samples, a.batch, a.steps);
+    out.row(&format!("{prefix}_gemm_peak_GFLOPs"), peak / 1e9, "GFLOP/s");
+    for (side, ranks) in [("ferl", ferl), ("pytorch", torch)] {
+        if ranks.is_empty() {
+            continue;
+        }
+        let secs = mfu::slowest_s(ranks);
+        out.row(
+            &format!("{prefix}_{side}_cpu_mfu"),
+            flops / secs / peak,
+            "x",
+        );
+        out.row(
+            &format!("{prefix}_{side}_cpu_mfu_6n"),
+            flops_6n / secs / peak,
+            "x",
+        );
+    }
     Ok(())
 }
 
@@ -358,5 +418,6 @@ fn train_steps<P: ParamStore>(
     }
     Ok(serde_json::json!({
         "tokens": tokens, "step_s": secs, "loss": losses, "peak_rss_kib": vm_hwm_kib()?,
+        "gemm_flops_per_s": mfu::gemm_peak_flops(),
     }))
 }

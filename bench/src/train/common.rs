@@ -137,10 +137,12 @@ pub struct SideRecord {
     pub loss: Vec<f64>,
     /// Peak resident set, KiB.
     pub peak_rss_kib: f64,
+    /// The fp32 GEMM peak this side measured on its threads ([`super::mfu::gemm_peak_flops`]), when it did.
+    pub gemm_flops_per_s: Option<f64>,
 }
 
 impl SideRecord {
-    /// Reads a side's JSON (`tokens`, `step_s`, optional `loss`, `peak_rss_kib`).
+    /// Reads a side's JSON (`tokens`, `step_s`, optional `loss`, `peak_rss_kib`, optional `gemm_flops_per_s`).
     pub fn read(file: &Path) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(file)
@@ -159,6 +161,7 @@ impl SideRecord {
             peak_rss_kib: v["peak_rss_kib"]
                 .as_f64()
                 .with_context(|| format!("{}: no peak_rss_kib", file.display()))?,
+            gemm_flops_per_s: v["gemm_flops_per_s"].as_f64(),
         };
         if record.tokens.len() < 2 || record.tokens.len() != record.step_s.len() {
             bail!(
@@ -201,6 +204,7 @@ mod tests {
             step_s: vec![9.0, s, s],
             loss: vec![],
             peak_rss_kib: kib,
+            gemm_flops_per_s: None,
         };
         let (rate, mib) = group_figures(&[rank(1.0, 2048.0), rank(2.0, 1024.0)]);
         assert_eq!(rate, 50.0, "200 timed tokens over the slower rank's 4 s");

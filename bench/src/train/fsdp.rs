@@ -13,7 +13,9 @@
 //! (`VmHWM`, from `ferl_actors::rank::peak_memory_bytes` — the figure the trainer ranks report as
 //! `perf/max_memory_gb/rank_R`). Rows, for W in {1, N}: `fsdp_wW_{ferl,pytorch}_tokens_per_s`,
 //! `fsdp_wW_{ferl,pytorch}_peak_rss_MiB`, `fsdp_wW_first_loss_rel_diff_ppm` (the two sides train the same thing),
-//! then the ratios `fsdp_wW_tokens_per_s_ratio` (ferl ÷ PyTorch, goal ≥ 1.2) and `fsdp_wW_peak_rss_ratio` (goal ≤ 1).
+//! then the ratios `fsdp_wW_tokens_per_s_ratio` (ferl ÷ PyTorch, goal ≥ 1.2) and `fsdp_wW_peak_rss_ratio` (goal ≤ 1),
+//! and `fsdp_wW_{ferl,pytorch}_cpu_mfu[_6n]` over `fsdp_wW_gemm_peak_GFLOPs`, the sum of the GEMM peaks ferl's ranks
+//! measured at the same moment on their threads (`super::mfu`).
 
 use super::common::{group_figures, prepare, py_script, python, read_samples, SideRecord};
 use super::TrainArgs;
@@ -22,7 +24,7 @@ use anyhow::{bail, Context, Result};
 use ferl::actors::rank::RankState;
 use ferl::trainer::config::SftConfig;
 use ferl::trainer::data::rank_shard;
-use ferl_collective::{init_from_env, TcpStoreServer};
+use ferl_collective::{init_groups_from_env, TcpStoreServer};
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
@@ -49,6 +51,7 @@ pub fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<
             let (rate, mib) = group_figures(&ferl);
             out.row(&format!("fsdp_w{w}_ferl_tokens_per_s"), rate, "tokens/s");
             out.row(&format!("fsdp_w{w}_ferl_peak_rss_MiB"), mib, "MiB");
+            super::mfu_rows(a, dir, &format!("fsdp_w{w}"), &ferl, &[], out)?;
             continue;
         }
         let torch = run_pytorch(dir, w, threads)?;
@@ -74,12 +77,24 @@ pub fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<
         let (tr, tm) = group_figures(torch);
         out.row(&format!("fsdp_w{w}_tokens_per_s_ratio"), fr / tr, "x");
         out.row(&format!("fsdp_w{w}_peak_rss_ratio"), fm / tm, "x");
+        super::mfu_rows(a, dir, &format!("fsdp_w{w}"), ferl, torch, out)?;
     }
     Ok(())
 }
 
 /// Starts `world` ferl ranks (this binary, launcher environment) and reads their records.
 fn run_ferl(a: &TrainArgs, dir: &Path, world: usize, threads: usize) -> Result<Vec<SideRecord>> {
+    run_ranks(a, dir, world, threads, None)
+}
+
+/// [`run_ferl`], with `sp` the ranks' `ulysses_sequence_parallel_size` (and remove-padding) when given.
+pub fn run_ranks(
+    a: &TrainArgs,
+    dir: &Path,
+    world: usize,
+    threads: usize,
+    sp: Option<usize>,
+) -> Result<Vec<SideRecord>> {
     let out = dir.join(format!("ferl_w{world}"));
     std::fs::create_dir_all(&out)?;
     let secret = ferl_collective::JobSecret::generate()?;
@@ -104,6 +119,9 @@ fn run_ferl(a: &TrainArgs, dir: &Path, world: usize, threads: usize) -> Result<V
             .env("OMP_NUM_THREADS", threads.to_string());
         if a.gradient_checkpointing {
             cmd.arg("--gradient-checkpointing");
+        }
+        if let Some(k) = sp {
+            cmd.args(["--rank-sp", &k.to_string()]);
         }
         children.push(cmd.spawn().context("starting a ferl rank")?);
     }
@@ -178,7 +196,8 @@ fn rank_config(a: &TrainArgs, dir: &Path) -> Result<SftConfig> {
             "optim.clip_grad=1.0".into(),
             format!("data.train_batch_size={}", a.batch),
             format!("data.micro_batch_size_per_gpu={}", a.micro_batch),
-            "use_remove_padding=false".into(),
+            format!("use_remove_padding={}", a.rank_sp.is_some()),
+            format!("ulysses_sequence_parallel_size={}", a.rank_sp.unwrap_or(1)),
             "trainer.device=cpu".into(),
         ],
     )
@@ -190,9 +209,13 @@ pub fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
     tch::set_num_threads(a.threads.unwrap_or(1) as i32);
     let samples = read_samples(dir)?;
     let cfg = rank_config(a, dir)?;
-    let comm = init_from_env(Device::Cpu).context("joining the ferl group")?;
+    let (comm, subgroups) = init_groups_from_env(Device::Cpu).context("joining the ferl group")?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut state = RankState::build(cfg, comm, Device::Cpu, a.steps as u64)?;
+    state.join_sequence_parallel(|name, r, size| subgroups.connect(name, r, size))?;
+    let (dp_rank, dp_world) = state.data_rank_and_world();
+    state.sum_over_ranks(&[0.0]).context("barrier")?;
+    let gemm_flops_per_s = super::mfu::gemm_peak_flops();
     let (mut tokens, mut secs, mut losses, mut peak) = (Vec::new(), Vec::new(), Vec::new(), 0u64);
     for step in 0..a.steps {
         let indices: Vec<usize> = (step * a.batch..(step + 1) * a.batch).collect();
@@ -206,7 +229,7 @@ pub fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
         }
         let global_targets: i64 = indices.iter().map(|&i| samples[i].num_targets()).sum();
         let global_tokens: usize = indices.iter().map(|&i| samples[i].input_ids.len()).sum();
-        let mine: Vec<_> = rank_shard(&indices, rank, world)
+        let mine: Vec<_> = rank_shard(&indices, dp_rank, dp_world)
             .iter()
             .map(|&i| samples[i].clone())
             .collect();
@@ -232,6 +255,7 @@ pub fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
     );
     let record = serde_json::json!({
         "tokens": tokens, "step_s": secs, "loss": losses, "peak_rss_kib": peak as f64 / 1024.0,
+        "gemm_flops_per_s": gemm_flops_per_s,
     });
     let file = dir
         .join(format!("ferl_w{world}"))

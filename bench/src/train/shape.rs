@@ -204,6 +204,7 @@ pub fn stepper<P: ParamStore>(
         layout: Layout::Padded,
         device,
         completed_steps: 0,
+        sequence_parallel: None,
     })
 }
 

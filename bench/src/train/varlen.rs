@@ -48,6 +48,8 @@ const ROWS: usize = 400;
 
 /// Runs both forms in child processes and prints their rows.
 pub fn run(a: &TrainArgs, out: &mut Report) -> Result<()> {
+    // The device first: libtorch_cuda must be loaded before the first tensor op of the process.
+    options(a)?;
     let lens = gsm8k_lengths(a)?;
     let calls = Varlen::new(&lens, Device::Cpu)?.num_calls();
     eprintln!(
@@ -221,8 +223,8 @@ fn parity(a: &TrainArgs, lens: &[i64]) -> Result<f64> {
 
 /// A child: `form` (varlen or dense) over `--packed-lens`, printing `{"ms": .., "peak_mib": ..}` on stdout.
 pub fn child(a: &TrainArgs, form: &str) -> Result<()> {
-    tch::set_num_threads(a.threads.unwrap_or(2) as i32);
     let opts = options(a)?;
+    tch::set_num_threads(a.threads.unwrap_or(2) as i32);
     let x = inputs(a.packed_lens.iter().sum(), opts);
     drop(pass(form, &a.packed_lens, &x)?); // warm-up: one-time allocations (thread pools, kernel buffers)
     let base = reset_peak()?;
