@@ -8,9 +8,10 @@
 //!
 //! A forged shared-memory offer is not driven from here: offers travel only inside the authenticated mesh connection
 //! of a group, so a forger must first hold the job secret (the wrong-secret rows below show it cannot join without
-//! it). The offer checks themselves (a path outside `/dev/shm`, a wrong nonce, a symlink, another user's file) are
-//! covered by `ferl-collective`'s crate tests `tcp::shm::tests::offers_outside_the_segment_directory_or_with_the_wrong_nonce_are_refused`
-//! and `offers_through_a_link_or_of_another_users_file_are_refused`.
+//! it). The offer checks themselves (another descriptor, a wrong nonce or geometry, a torn header, another user) are
+//! covered by `ferl-collective`'s crate test `tcp::shm::tests::offers_of_another_descriptor_or_with_the_wrong_nonce_are_refused`
+//! and `ferl-shm`'s `offers_with_a_wrong_nonce_geometry_or_descriptor_are_refused`, `a_torn_or_foreign_header_is_refused`
+//! and `another_user_cannot_open_the_segment`.
 
 /// What a row runs.
 #[derive(Clone, Copy)]

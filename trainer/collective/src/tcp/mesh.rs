@@ -17,11 +17,9 @@ use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const OFFER_MAGIC: u32 = 0x5348_4d3f; // "SHM?"
-const MAX_OFFER_PATH: usize = 4096;
 
 /// The connections of one rank to all others (`None` at its own index).
 pub(crate) struct Mesh {
@@ -148,9 +146,6 @@ fn negotiate_shared_memory(
     streams: &mut [Option<TcpStream>],
 ) -> Result<Vec<Option<shm::ShmLink>>> {
     let (rank, timeout) = (cfg.rank, cfg.timeout);
-    if cfg.shared_memory {
-        super::shm_sweep::sweep_stale_segments();
-    }
     let mut links: Vec<Option<shm::ShmLink>> = (0..cfg.world).map(|_| None).collect();
     let mut pending: Vec<Option<Pending>> = (0..cfg.world).map(|_| None).collect();
     for other in rank + 1..cfg.world {
@@ -160,7 +155,7 @@ fn negotiate_shared_memory(
                 .map_err(|e| {
                     if shm::out_of_space(&e) {
                         tracing::warn!(
-                            "rank {rank}: /dev/shm is full, rank {other} gets TCP: {e:#}"
+                            "rank {rank}: no memory for a shared-memory segment, rank {other} gets TCP: {e:#}"
                         );
                     } else {
                         tracing::debug!("rank {rank}: no shared memory with rank {other}: {e:#}");
@@ -217,12 +212,8 @@ fn send_offer(stream: &mut TcpStream, offer: Option<&Offer>) -> std::io::Result<
     match offer {
         None => msg.extend_from_slice(&0u32.to_le_bytes()),
         Some(offer) => {
-            let path = offer.path.as_os_str().as_encoded_bytes();
-            msg.extend_from_slice(&(path.len() as u32).to_le_bytes());
-            msg.extend_from_slice(path);
-            for word in offer.nonce {
-                msg.extend_from_slice(&word.to_le_bytes());
-            }
+            msg.extend_from_slice(&(Offer::ENCODED_LEN as u32).to_le_bytes());
+            msg.extend_from_slice(&offer.encode());
         }
     }
     stream.write_all(&msg)
@@ -233,23 +224,15 @@ fn read_offer(stream: &mut TcpStream) -> Result<Option<Offer>> {
     stream.read_exact(&mut head)?;
     let magic = u32::from_le_bytes(head[..4].try_into()?);
     let len = u32::from_le_bytes(head[4..].try_into()?) as usize;
-    if magic != OFFER_MAGIC || len > MAX_OFFER_PATH {
-        bail!("malformed shared-memory offer (magic {magic:#x}, path of {len} bytes)");
+    if magic != OFFER_MAGIC || (len != 0 && len != Offer::ENCODED_LEN) {
+        bail!("malformed shared-memory offer (magic {magic:#x}, {len} bytes)");
     }
     if len == 0 {
         return Ok(None);
     }
-    let mut body = vec![0u8; len + 16];
+    let mut body = [0u8; Offer::ENCODED_LEN];
     stream.read_exact(&mut body)?;
-    let path = String::from_utf8(body[..len].to_vec()).context("offered path is not UTF-8")?;
-    let nonce = [
-        u64::from_le_bytes(body[len..len + 8].try_into()?),
-        u64::from_le_bytes(body[len + 8..].try_into()?),
-    ];
-    Ok(Some(Offer {
-        path: PathBuf::from(path),
-        nonce,
-    }))
+    Ok(Some(Offer::decode(&body)?))
 }
 
 pub(super) fn connect_retrying(addr: SocketAddr, deadline: Instant) -> Result<TcpStream> {

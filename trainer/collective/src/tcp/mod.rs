@@ -7,7 +7,6 @@ mod join;
 mod link;
 mod mesh;
 mod shm;
-mod shm_sweep;
 
 pub use link::Transport;
 
