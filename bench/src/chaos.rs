@@ -105,15 +105,14 @@ pub fn node(args: NodeArgs) -> Result<()> {
     ferl::init_tracing();
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
-        let opts = NodeOptions {
-            num_cpus: Some(1.0),
-            num_gpus: Some(0),
-            resources: ferl::runtime::parse_resources(&[args.resources])?,
-            heartbeat_bound: Duration::from_millis(args.heartbeat_ms),
-        };
+        let opts = NodeOptions::new()
+            .num_cpus(1.0)
+            .num_gpus(0)
+            .resources(ferl::runtime::parse_resources(&[args.resources])?)
+            .heartbeat_bound(Duration::from_millis(args.heartbeat_ms));
         let node = ferl::runtime::start_node(&args.address, None, opts, None).await?;
         println!("NODE {}", node.name);
-        node.wait().await
+        Ok(node.wait().await?)
     })
 }
 
@@ -162,16 +161,14 @@ async fn interruptible(work: impl std::future::Future<Output = Result<()>>) -> R
 
 /// Starts the head here and the node agents in their hosts, runs the soak, prints the rows.
 async fn soak(args: &ChaosArgs, net: &Net, dir: PathBuf, out: &mut Report) -> Result<()> {
-    let head = ferl::runtime::start_head(HeadOptions {
-        ip: net.hosts[0].ip.into(),
-        node: NodeOptions {
-            num_cpus: Some(1.0),
-            num_gpus: Some(0),
-            heartbeat_bound: Duration::from_millis(args.heartbeat_ms),
-            ..Default::default()
-        },
-        ..Default::default()
-    })
+    let head = ferl::runtime::start_head(
+        HeadOptions::new().ip(net.hosts[0].ip.into()).node(
+            NodeOptions::new()
+                .num_cpus(1.0)
+                .num_gpus(0)
+                .heartbeat_bound(Duration::from_millis(args.heartbeat_ms)),
+        ),
+    )
     .await?;
     let cluster = head.cluster.clone();
     let mut agents = Agents::new(

@@ -73,7 +73,10 @@
 //! - share large inputs: [`Cluster::put`] → [`ObjectRef`], read anywhere with [`Cluster::get`] (once per node);
 //! - rendezvous: [`Cluster::kv_put`], [`Cluster::kv_get`], [`Cluster::kv_wait`] (also from inside an actor through
 //!   [`Context::cluster`]);
-//! - failures: [`Error::ActorDied`], [`Error::Rank`], [`Error::Timeout`], [`Cluster::events`].
+//! - failures: [`Error::ActorDied`], [`Error::Rank`], [`Error::Timeout`], [`Error::Infeasible`] / [`Error::Busy`]
+//!   (placement), [`Error::NameTaken`], [`Error::JoinRefused`], [`Cluster::events`];
+//! - settings: [`RuntimeConfig`] (every environment variable of `runtime/README.md`, read once by the start
+//!   functions; [`RuntimeConfig::from_lookup`] builds one from any source), given to [`HeadOptions::config`].
 //!
 //! Message types from other crates: derive `rkyv::{Archive, Serialize, Deserialize}`, then
 //! `ferl_runtime::message!(MyMsg => MyReply);` and `ferl_runtime::register_actor!(MyActor, calls: [MyMsg]);` (both name
@@ -96,9 +99,8 @@ mod transport;
 /// The session folders of this machine's head and node agents (token, address, pid files), for the commands that
 /// start, find and stop them (`ferl start/status/stop`).
 pub mod session {
-    pub use crate::security::session::{
-        detach, is_running, local_address, local_token, resolve_token, root, stop_local,
-    };
+    pub use crate::cluster::config::{local_address, local_token, resolve_token, root, stop_local};
+    pub use crate::security::session::{detach, is_running};
 }
 
 pub use actor::actor_ref::{ActorRef, Call, ReplyStream};
@@ -107,12 +109,14 @@ pub use actor::{
     AnyActor, CallFn, ConstructFn, Context, Dispatch, Dispatchable, Handler, ItemSink, StreamFn,
     StreamHandler,
 };
+pub use cluster::config::{shipped_file, shipped_files};
 pub use cluster::worker_group::{split_even, WorkerGroup};
 pub use cluster::{
     bundle, connect, connect_or_init, init, local_ip_for, start_head, start_node, Cluster,
     HeadHandle, HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
 };
-pub use control::blobs::{shipped_file, shipped_files, SHIPPED_FILES_ENV};
+pub use control::blobs::SHIPPED_FILES_ENV;
+pub use control::config::RuntimeConfig;
 pub use control::head::JOBS_PREFIX;
 pub use control::objects::{ObjectRef, ObjectStats};
 pub use control::resources::parse_pairs as parse_resources;
@@ -121,6 +125,8 @@ pub use ferl_wire::{
     message, stream_message, Message, SharedBytes, StreamMessage, Wire, WireError,
 };
 pub use inventory;
+pub use transport::bulk::inbox::BulkLimits;
+pub use transport::config::TransportConfig;
 pub use transport::delivery::RawSink;
 pub use transport::error::{Error, Result};
 
@@ -155,5 +161,5 @@ pub fn stats() -> RuntimeStats {
 pub fn enter_worker_mode_if_spawned() {
     #[cfg(feature = "testing")]
     testbed::ensure_linked();
-    control::worker::enter_worker_mode_if_spawned();
+    control::worker::enter_worker_mode_if_spawned(cluster::config::lookup);
 }

@@ -189,6 +189,12 @@ async fn guarantee_10_named_actors_and_kv_rendezvous() {
         .await
         .unwrap_err();
     assert!(dup.to_string().contains("already exists"), "{dup}");
+    match &dup {
+        ferl_runtime::Error::NameTaken { namespace, name } => {
+            assert_eq!((namespace.as_str(), name.as_str()), ("jobs", "counter"))
+        }
+        other => panic!("a taken name gives NameTaken, not {other:?}"),
+    }
 
     assert_eq!(cluster.kv_get("k").await.unwrap(), None);
     let waiter = {

@@ -24,6 +24,7 @@ async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_return
         .await
         .unwrap();
     let pid = actor.call(Pid).await.unwrap();
+    let actor_id = actor.id();
     let pending = {
         let a = actor.clone();
         tokio::spawn(async move { a.call(Sleep(60_000)).await })
@@ -36,7 +37,8 @@ async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_return
         .unwrap()
         .unwrap_err();
     assert!(
-        matches!(&err, Error::ActorDied { actor, node, .. } if actor.contains("Counter") && node.starts_with("node-")),
+        matches!(&err, Error::ActorDied { actor, id, node, .. }
+            if actor.contains("Counter") && *id == actor_id && node.starts_with("node-")),
         "{err}"
     );
     // The constructor runs again: the count restarts at 5, in a new process.

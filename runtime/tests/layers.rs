@@ -231,6 +231,47 @@ fn every_module_uses_only_the_layers_below_it() {
     );
 }
 
+/// The layers that may read the process environment: the bootstrap layer (`cluster`, whose `config::lookup` is the
+/// runtime's one lookup function) and the facade.
+const READS_ENV: &[&str] = &["cluster"];
+
+#[test]
+fn no_module_below_the_bootstrap_layer_reads_the_environment() {
+    // Settings are read once, through `cluster::config::lookup`, into a `RuntimeConfig` that is passed down.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    for src in [root.join("src"), root.join("wire/src")] {
+        let mut all = Vec::new();
+        files(&src, &mut all);
+        for file in all {
+            let module = module_path(file.strip_prefix(&src).unwrap());
+            let top = module.first().map_or("lib".to_string(), |m| m.clone());
+            if FACADE.contains(&top.as_str()) || READS_ENV.contains(&top.as_str()) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                if ["env::var", "env::vars"]
+                    .iter()
+                    .any(|p| code(line).contains(p))
+                {
+                    let shown = file.strip_prefix(root).unwrap().display();
+                    found.push(format!("{shown}:{}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "the environment is read below the bootstrap layer (read it in RuntimeConfig::from_lookup and pass it \
+         down):\n{}",
+        found.join("\n")
+    );
+    // And the check sees a read where there is one.
+    assert!(code("    let v = std::env::var(\"X\"); // why").contains("env::var"));
+    assert!(!code("// std::env::var in a comment").contains("env::var"));
+}
+
 #[test]
 fn lib_rs_is_a_facade() {
     // Every layer is a private module; the only public modules are the facade's `session` (re-exports for the

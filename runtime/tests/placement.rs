@@ -101,6 +101,8 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         err.to_string().contains("infeasible") && err.to_string().contains("GPU"),
         "{err}"
     );
+    // The kind crosses the head typed: infeasible is not busy.
+    assert!(matches!(err, Error::Infeasible { .. }), "{err:?}");
     let err = cluster
         .create_group(
             vec![bundle(&[("CPU", 1.0)]); 3],
@@ -110,6 +112,7 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("STRICT_SPREAD"), "{err}");
+    assert!(matches!(err, Error::Infeasible { .. }), "{err:?}");
     let err = cluster
         .create_group(
             vec![bundle(&[("CPU", 3.0)])],
@@ -119,6 +122,7 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("fits no single node"), "{err}");
+    assert!(matches!(err, Error::Infeasible { .. }), "{err:?}");
     assert!(
         t0.elapsed() < Duration::from_secs(10),
         "infeasible groups must fail fast"
@@ -145,6 +149,18 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         t0.elapsed() >= Duration::from_millis(600) && err.to_string().contains("timed out"),
         "{err}"
     );
+    assert!(matches!(err, Error::Busy { .. }), "{err:?}");
+    // An actor's own reservation does not wait: busy at once, and infeasible when no node could ever hold it.
+    let busy = cluster
+        .spawn::<Counter>(0, SpawnOptions::new().resources(bundle(&[("CPU", 1.0)])))
+        .await
+        .unwrap_err();
+    assert!(matches!(busy, Error::Busy { .. }), "{busy:?}");
+    let never = cluster
+        .spawn::<Counter>(0, SpawnOptions::new().resources(bundle(&[("GPU", 1.0)])))
+        .await
+        .unwrap_err();
+    assert!(matches!(never, Error::Infeasible { .. }), "{never:?}");
     // A waiting group is placed as soon as resources are freed.
     let waiter = {
         let c = cluster.clone();

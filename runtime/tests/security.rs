@@ -20,6 +20,13 @@ async fn guarantee_7_wrong_token_is_refused_with_a_clear_error() {
         format!("{err:#}").contains("wrong cluster token"),
         "{err:#}"
     );
+    match &err {
+        ferl_runtime::Error::JoinRefused { head, reason } => {
+            assert_eq!(head, &addr);
+            assert!(reason.contains("wrong cluster token"), "{reason}");
+        }
+        other => panic!("a refused join gives JoinRefused, not {other:?}"),
+    }
     let ok = ferl_runtime::connect(&addr, Some(head.token.clone()))
         .await
         .expect("the right token joins");

@@ -368,15 +368,9 @@ async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process()
 }
 
 async fn ferl_runtime_head() -> ferl::runtime::HeadHandle {
-    let opts = ferl::HeadOptions {
-        node: ferl::NodeOptions {
-            num_cpus: Some(0.0),
-            num_gpus: Some(0),
-            ..Default::default()
-        },
-        worker_binary: Some(ferl_binary()),
-        ..Default::default()
-    };
+    let opts = ferl::HeadOptions::new()
+        .node(ferl::NodeOptions::new().num_cpus(0.0).num_gpus(0))
+        .worker_binary(ferl_binary());
     ferl::runtime::start_head(opts)
         .await
         .expect("starting the head")

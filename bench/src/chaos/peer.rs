@@ -184,6 +184,12 @@ pub fn error_name(e: &ferl::Error) -> &'static str {
         ferl::Error::Cluster(_) => "cluster",
         ferl::Error::Timeout { .. } => "timeout",
         ferl::Error::Rank { cause, .. } => error_name(cause),
+        ferl::Error::Infeasible { .. } => "infeasible",
+        ferl::Error::Busy { .. } => "busy",
+        ferl::Error::NameTaken { .. } => "name_taken",
+        ferl::Error::JoinRefused { .. } => "join_refused",
+        ferl::Error::Startup(_) => "startup",
+        _ => "other",
     }
 }
 

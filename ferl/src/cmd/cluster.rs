@@ -73,12 +73,16 @@ pub struct StopArgs {
 }
 
 fn node_options(a: &StartArgs) -> Result<NodeOptions> {
-    Ok(NodeOptions {
-        num_cpus: a.num_cpus,
-        num_gpus: a.num_gpus,
-        resources: ferl_runtime::parse_resources(&a.resources)?,
-        heartbeat_bound: Duration::from_millis(a.heartbeat_ms),
-    })
+    let mut opts = NodeOptions::new()
+        .resources(ferl_runtime::parse_resources(&a.resources)?)
+        .heartbeat_bound(Duration::from_millis(a.heartbeat_ms));
+    if let Some(n) = a.num_cpus {
+        opts = opts.num_cpus(n);
+    }
+    if let Some(n) = a.num_gpus {
+        opts = opts.num_gpus(n);
+    }
+    Ok(opts)
 }
 
 const READY_HEAD: &str = "ferl head listening on ";
@@ -96,13 +100,13 @@ pub fn start(args: StartArgs) -> Result<()> {
     rt.block_on(async {
         if args.head {
             let ip = args.node_ip.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            let opts = HeadOptions {
-                ip,
-                port: args.port,
-                node: node_options(&args)?,
-                worker_binary: None,
-                token: args.token.clone(),
-            };
+            let mut opts = HeadOptions::new()
+                .ip(ip)
+                .port(args.port)
+                .node(node_options(&args)?);
+            if let Some(token) = args.token.clone() {
+                opts = opts.token(token);
+            }
             let head = ferl_runtime::start_head(opts).await?;
             head.session.save_pid()?;
             let addr = head.cluster.head_address()?;
@@ -132,7 +136,7 @@ pub fn start(args: StartArgs) -> Result<()> {
                 node.name,
                 node.session.logs().display()
             );
-            node.wait().await
+            Ok(node.wait().await?)
         }
     })
 }

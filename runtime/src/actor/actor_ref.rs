@@ -119,6 +119,7 @@ impl<A> ActorRef<A> {
                 };
                 Error::ActorDied {
                     actor: self.label(),
+                    id: self.address.id,
                     node,
                     reason,
                 }
@@ -148,6 +149,7 @@ impl<A> ActorRef<A> {
                 Some(Fate::Dead { node, reason }) => {
                     return Err(Error::ActorDied {
                         actor: self.label(),
+                        id: self.address.id,
                         node,
                         reason,
                     })
@@ -158,6 +160,7 @@ impl<A> ActorRef<A> {
                 Some(Fate::Restarting) => {
                     return Err(Error::ActorDied {
                         actor: self.label(),
+                        id: self.address.id,
                         node: self.current().node,
                         reason: format!("still restarting after {RESTART_WAIT:?}"),
                     })
@@ -190,6 +193,7 @@ impl<A> ActorRef<A> {
         {
             return Err(Error::ActorDied {
                 actor: self.label(),
+                id: self.address.id,
                 node,
                 reason,
             });
@@ -223,6 +227,7 @@ impl<A> ActorRef<A> {
             };
             return Err(Error::ActorDied {
                 actor: self.label(),
+                id: self.address.id,
                 node,
                 reason,
             });
@@ -345,7 +350,8 @@ mod tests {
     async fn guarantee_5_a_call_still_connecting_fails_when_the_actor_dies() {
         let creds = ClusterCa::mint().unwrap().issue("driver").unwrap();
         let bind = "127.0.0.1:0".parse().unwrap();
-        let process = Process::start(creds, bind, Duration::from_secs(30)).unwrap();
+        let process =
+            Process::start(creds, bind, Duration::from_secs(30), Default::default()).unwrap();
         let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let address = ActorAddress {
             id: 7,

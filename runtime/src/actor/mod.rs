@@ -15,6 +15,7 @@ use rkyv::util::AlignedVec;
 
 use crate::actor::process::Process;
 use crate::transport::delivery::RawSink;
+use crate::transport::error::Error;
 
 pub(crate) mod actor_ref;
 pub(crate) mod host;
@@ -50,7 +51,8 @@ pub trait Actor: ActorName + Send + Sync + Sized + 'static {
 
 /// An actor that answers message `M`.
 pub trait Handler<M: Message>: Actor {
-    /// Handles one message; an error reaches the caller as [`crate::Error::Remote`].
+    /// Handles one message; an error reaches the caller as [`crate::Error::Remote`] (or, when it carries a runtime
+    /// `Error` of a kind that crosses the wire, such as `Infeasible`, `Busy` or `NameTaken`, as that kind).
     fn handle(
         &self,
         msg: M,
@@ -157,7 +159,7 @@ pub fn call_entry<A: Handler<M>, M: Message>() -> (&'static str, CallFn) {
             })?;
             let reply = actor.handle(msg, &ctx).await.map_err(|e| {
                 remote(
-                    RemoteErrorKind::Handler,
+                    Error::handler_kind(&e),
                     format!(
                         "actor {} ({}) failed on {}: {e:#}",
                         A::NAME,
@@ -191,7 +193,7 @@ pub fn stream_entry<A: StreamHandler<M>, M: StreamMessage>() -> (&'static str, S
                 .await
                 .map_err(|e| {
                     remote(
-                        RemoteErrorKind::Handler,
+                        Error::handler_kind(&e),
                         format!(
                             "actor {} ({}) failed on {}: {e:#}",
                             A::NAME,

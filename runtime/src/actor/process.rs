@@ -14,9 +14,10 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::actor::host::{run_mailbox, Mailbox, Offered};
 use crate::actor::{AnyActor, Context, Dispatch, Dispatchable, Message, StreamMessage};
-use crate::codec::{Wire, DEFAULT_MAX_FRAME};
+use crate::codec::Wire;
 use crate::protocol::{ActorAddress, CallKind, Event, RemoteError, RemoteErrorKind, Subscribe};
 use crate::security::tls::Credentials;
+use crate::transport::config::TransportConfig;
 use crate::transport::delivery::{Envelope, Payload, Responder};
 use crate::transport::error::Error;
 use crate::transport::{self, Connections, Inbound, Lanes, ReplyHandle};
@@ -73,13 +74,18 @@ impl Process {
             .expect("a process keeps one type of upper-layer state")
     }
 
-    /// Starts a process endpoint bound to `bind` with cluster credentials.
-    pub(crate) fn start(creds: Credentials, bind: SocketAddr, idle: Duration) -> Result<Arc<Self>> {
+    /// Starts a process endpoint bound to `bind` with cluster credentials; its connections follow `config`.
+    pub(crate) fn start(
+        creds: Credentials,
+        bind: SocketAddr,
+        idle: Duration,
+        config: TransportConfig,
+    ) -> Result<Arc<Self>> {
         let endpoint = transport::endpoint(&creds, bind, idle)?;
         let addr = endpoint.local_addr()?;
         let process = Arc::new(Self {
             addr,
-            conns: Connections::new(endpoint.clone(), DEFAULT_MAX_FRAME),
+            conns: Connections::new(endpoint.clone(), config),
             endpoint: endpoint.clone(),
             creds,
             actors: DashMap::new(),
@@ -93,14 +99,14 @@ impl Process {
             next_local: AtomicU64::new(LOCAL_ID_BASE),
         });
         let inbound: Arc<dyn Inbound> = process.clone();
-        let lanes = Lanes::start(inbound.clone(), DEFAULT_MAX_FRAME);
+        let lanes = Lanes::start(inbound.clone(), config);
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
                 tokio::spawn(transport::serve_connection(
                     incoming,
                     inbound.clone(),
                     lanes.clone(),
-                    DEFAULT_MAX_FRAME,
+                    config,
                 ));
             }
             lanes.stop();
@@ -224,6 +230,12 @@ impl Process {
             .await
             .map_err(|e| match e {
                 Error::Remote { message, .. } => Error::Cluster(strip_service_prefix(message)),
+                Error::Infeasible { message } => Error::Infeasible {
+                    message: strip_service_prefix(message),
+                },
+                Error::Busy { message } => Error::Busy {
+                    message: strip_service_prefix(message),
+                },
                 Error::Lost { reason, .. } => {
                     Error::Cluster(format!("head at {head} lost: {reason}"))
                 }

@@ -12,11 +12,11 @@ fn flag(args: &[String], name: &str) -> Option<String> {
 }
 
 fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
-    let mut opts = ferl_runtime::NodeOptions::default();
+    let mut opts = ferl_runtime::NodeOptions::new();
     if let Some(c) = flag(args, "--num-cpus") {
-        opts.num_cpus = Some(c.parse().context("--num-cpus")?);
+        opts = opts.num_cpus(c.parse().context("--num-cpus")?);
     }
-    opts.num_gpus = Some(
+    opts = opts.num_gpus(
         flag(args, "--num-gpus")
             .map(|g| g.parse())
             .transpose()
@@ -24,10 +24,10 @@ fn node_options(args: &[String]) -> Result<ferl_runtime::NodeOptions> {
             .unwrap_or(0),
     );
     if let Some(r) = flag(args, "--resources") {
-        opts.resources = ferl_runtime::parse_resources(&[r])?;
+        opts = opts.resources(ferl_runtime::parse_resources(&[r])?);
     }
     if let Some(ms) = flag(args, "--heartbeat-ms") {
-        opts.heartbeat_bound = Duration::from_millis(ms.parse().context("--heartbeat-ms")?);
+        opts = opts.heartbeat_bound(Duration::from_millis(ms.parse().context("--heartbeat-ms")?));
     }
     Ok(opts)
 }
@@ -46,10 +46,7 @@ async fn main() -> Result<()> {
     {
         match args.get(1).map(String::as_str) {
             Some("head") => {
-                let opts = ferl_runtime::HeadOptions {
-                    node: node_options(&args)?,
-                    ..Default::default()
-                };
+                let opts = ferl_runtime::HeadOptions::new().node(node_options(&args)?);
                 let head = ferl_runtime::start_head(opts).await?;
                 println!("ADDRESS {}", head.cluster.head_address()?);
                 println!("TOKEN {}", head.token);
@@ -66,7 +63,7 @@ async fn main() -> Result<()> {
                 )
                 .await?;
                 println!("NODE {}", node.name);
-                node.wait().await
+                Ok(node.wait().await?)
             }
             other => bail!("usage: ferl-runtime-testbed head|node [...] (got {other:?})"),
         }

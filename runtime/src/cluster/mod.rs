@@ -2,14 +2,15 @@
 //! run the long-lived head and node processes ([`start_head`], [`start_node`]) that `ferl start` uses. A [`Cluster`]
 //! spawns actors, reserves resource groups, and reads and writes the head's key-value store.
 
+pub(crate) mod config;
+pub(crate) mod options;
 pub(crate) mod worker_group;
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use anyhow::{Context as _, Result as AnyResult};
 use tokio::sync::broadcast;
 
 use crate::actor::actor_ref::ActorRef;
@@ -17,6 +18,7 @@ use crate::actor::process::Process;
 use crate::actor::{Actor, Dispatchable};
 use crate::codec::Wire;
 use crate::control::binary::BinaryServer;
+use crate::control::config::RuntimeConfig;
 use crate::control::head::Head;
 use crate::control::join::{join, JoinService};
 use crate::control::node::{NodeAgent, NodeConfig};
@@ -25,70 +27,15 @@ use crate::security::session::{self, Session};
 use crate::security::tls::{self, ClusterCa};
 use crate::transport::error::{Error, Result};
 
-/// Environment variable: heartbeat bound in milliseconds (default 3000).
-pub const HEARTBEAT_BOUND_ENV: &str = "FERL_HEARTBEAT_BOUND_MS";
-
-/// Settings of a head or an embedded cluster.
-#[derive(Debug, Clone)]
-pub struct HeadOptions {
-    /// IP to bind and advertise.
-    pub ip: IpAddr,
-    /// UDP port (0 = any).
-    pub port: u16,
-    /// Resources of the head's own node agent.
-    pub node: NodeOptions,
-    /// Binary workers run (default: this executable).
-    pub worker_binary: Option<PathBuf>,
-    /// Cluster token to use (default: a fresh random one).
-    pub token: Option<String>,
-}
-
-/// Settings of a node agent.
-#[derive(Debug, Clone)]
-pub struct NodeOptions {
-    /// CPUs to declare (default: detected).
-    pub num_cpus: Option<f64>,
-    /// GPUs to declare (default: detected with nvidia-smi).
-    pub num_gpus: Option<u32>,
-    /// Custom resources.
-    pub resources: Resources,
-    /// A node is declared dead after this long without heartbeats (default: `FERL_HEARTBEAT_BOUND_MS`, else 3 s).
-    pub heartbeat_bound: Duration,
-}
-
-fn default_bound() -> Duration {
-    let ms = std::env::var(HEARTBEAT_BOUND_ENV)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3000);
-    Duration::from_millis(ms)
-}
-
-impl Default for NodeOptions {
-    fn default() -> Self {
-        Self {
-            num_cpus: None,
-            num_gpus: None,
-            resources: Resources::new(),
-            heartbeat_bound: default_bound(),
-        }
-    }
-}
-
-impl Default for HeadOptions {
-    fn default() -> Self {
-        Self {
-            ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            port: 0,
-            node: NodeOptions::default(),
-            worker_binary: None,
-            token: None,
-        }
-    }
-}
+pub use self::options::{HeadOptions, NodeOptions, SpawnOptions};
 
 fn idle_timeout(bound: Duration) -> Duration {
     (bound * 3).max(Duration::from_secs(10))
+}
+
+/// A failure while starting or joining, before any cluster operation.
+fn startup(e: anyhow::Error) -> Error {
+    Error::Startup(format!("{e:#}"))
 }
 
 /// A running head (with its own node agent), as `ferl start --head` or [`init`] make it.
@@ -101,19 +48,44 @@ pub struct HeadHandle {
     pub token: String,
 }
 
-/// Starts a head and a node agent in this process.
-pub async fn start_head(opts: HeadOptions) -> AnyResult<HeadHandle> {
-    let session = Session::create("head")?;
-    let ca = ClusterCa::mint()?;
-    let creds = ca.issue("head")?;
+/// The node agent's settings from `opts` and `cfg`.
+fn node_config(
+    opts: &NodeOptions,
+    cfg: &RuntimeConfig,
+    session: &Session,
+    ip: IpAddr,
+    bound: Duration,
+) -> NodeConfig {
+    NodeConfig {
+        resources: crate::control::resources::node_resources(
+            opts.num_cpus,
+            opts.num_gpus,
+            opts.resources.clone(),
+        ),
+        log_dir: session.logs(),
+        ip: ip.to_string(),
+        heartbeat_interval: bound / 4,
+        bin_cache: cfg.bin_cache.clone(),
+        force_fetch: cfg.force_fetch,
+    }
+}
+
+/// Starts a head and a node agent in this process, with `opts.config` or else the environment's settings.
+pub async fn start_head(opts: HeadOptions) -> Result<HeadHandle> {
+    let cfg = opts.config.clone().unwrap_or_else(RuntimeConfig::from_env);
+    let session = Session::create(&cfg.session_root, "head").map_err(startup)?;
+    let ca = ClusterCa::mint().map_err(startup)?;
+    let creds = ca.issue("head").map_err(startup)?;
     let token = opts.token.clone().unwrap_or_else(tls::new_token);
-    session.save_token(&token)?;
-    let bound = opts.node.heartbeat_bound;
+    session.save_token(&token).map_err(startup)?;
+    let bound = opts.node.heartbeat_bound.unwrap_or(cfg.heartbeat_bound);
     let process = Process::start(
         creds.clone(),
         SocketAddr::new(opts.ip, opts.port),
         idle_timeout(bound),
-    )?;
+        cfg.transport,
+    )
+    .map_err(startup)?;
     let service = Arc::new(JoinService {
         token: token.clone(),
         ca,
@@ -121,23 +93,13 @@ pub async fn start_head(opts: HeadOptions) -> AnyResult<HeadHandle> {
     });
     process.accept_joins(Arc::new(move |conn| Box::pin(service.clone().serve(conn))));
     Head::start(&process, bound);
-    session.save_address(&process.addr.to_string())?;
-    let resources = crate::control::resources::node_resources(
-        opts.node.num_cpus,
-        opts.node.num_gpus,
-        opts.node.resources.clone(),
-    );
-    let node = NodeAgent::start(
-        &process,
-        process.addr,
-        NodeConfig {
-            resources,
-            log_dir: session.logs(),
-            ip: opts.ip.to_string(),
-            heartbeat_interval: bound / 4,
-        },
-    )
-    .await?;
+    session
+        .save_address(&process.addr.to_string())
+        .map_err(startup)?;
+    let node_cfg = node_config(&opts.node, &cfg, &session, opts.ip, bound);
+    let node = NodeAgent::start(&process, process.addr, node_cfg)
+        .await
+        .map_err(startup)?;
     let cluster = Cluster::new(process, Some(node));
     if let Some(bin) = opts.worker_binary {
         cluster.set_worker_binary(bin)?;
@@ -150,63 +112,79 @@ pub async fn start_head(opts: HeadOptions) -> AnyResult<HeadHandle> {
 }
 
 /// Starts an embedded local cluster (head and node agent in this process), like `ray.init()`.
-pub async fn init(opts: HeadOptions) -> AnyResult<Cluster> {
+pub async fn init(opts: HeadOptions) -> Result<Cluster> {
     Ok(start_head(opts).await?.cluster)
 }
 
-/// Environment variable naming a running cluster's head (`HOST:PORT`) for [`connect_or_init`].
-pub const ADDRESS_ENV: &str = "FERL_ADDRESS";
-
 /// Joins the cluster named by `FERL_ADDRESS` when it is set (token from `FERL_TOKEN` or the local head), else starts
-/// an embedded one with `opts`.
-pub async fn connect_or_init(opts: HeadOptions) -> AnyResult<Cluster> {
-    match std::env::var(ADDRESS_ENV) {
-        Ok(address) if !address.is_empty() => {
-            let cluster = connect(&address, opts.token.clone()).await?;
+/// an embedded one with `opts` (the address and token come from `opts.config` when it is given).
+pub async fn connect_or_init(opts: HeadOptions) -> Result<Cluster> {
+    let cfg = opts.config.clone().unwrap_or_else(RuntimeConfig::from_env);
+    match cfg.address.clone() {
+        Some(address) => {
+            let cluster = connect_with(&address, opts.token.clone(), cfg).await?;
             if let Some(bin) = opts.worker_binary {
                 cluster.set_worker_binary(bin)?;
             }
             Ok(cluster)
         }
-        _ => init(opts).await,
+        None => init(opts.config(cfg)).await,
     }
 }
 
 /// The IP this machine uses to reach `head` (no packet is sent).
-pub fn local_ip_for(head: SocketAddr) -> AnyResult<IpAddr> {
+pub fn local_ip_for(head: SocketAddr) -> Result<IpAddr> {
     if head.ip().is_loopback() {
         return Ok(head.ip());
     }
-    let sock = std::net::UdpSocket::bind(if head.is_ipv4() {
-        "0.0.0.0:0"
-    } else {
-        "[::]:0"
-    })?;
-    sock.connect(head)?;
-    Ok(sock.local_addr()?.ip())
+    let route = || -> std::io::Result<IpAddr> {
+        let sock = std::net::UdpSocket::bind(if head.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        })?;
+        sock.connect(head)?;
+        Ok(sock.local_addr()?.ip())
+    };
+    route().map_err(|e| Error::Startup(format!("finding this machine's IP towards {head}: {e}")))
 }
 
-fn parse_addr(address: &str) -> AnyResult<SocketAddr> {
+fn parse_addr(address: &str) -> Result<SocketAddr> {
     use std::net::ToSocketAddrs;
     address
         .to_socket_addrs()
-        .with_context(|| {
-            format!("cluster address `{address}`: expected HOST:PORT of a running head")
+        .map_err(|e| {
+            Error::Startup(format!(
+                "cluster address `{address}`: expected HOST:PORT of a running head: {e}"
+            ))
         })?
         .next()
-        .with_context(|| format!("cluster address `{address}` does not resolve"))
+        .ok_or_else(|| Error::Startup(format!("cluster address `{address}` does not resolve")))
 }
 
-/// Joins the cluster at `address` as a driver. The token is `token`, else `FERL_TOKEN`, else the local head's.
-pub async fn connect(address: &str, token: Option<String>) -> AnyResult<Cluster> {
+/// The token to join with: `given`, else the config's (`FERL_TOKEN`), else the local head's.
+fn token_for(given: Option<String>, cfg: &RuntimeConfig) -> Result<String> {
+    session::resolve_token(given, cfg.token.clone(), &cfg.session_root).map_err(startup)
+}
+
+/// Joins the cluster at `address` as a driver. The token is `token`, else `FERL_TOKEN`, else the local head's. A
+/// head that refuses this process gives [`Error::JoinRefused`] with why.
+pub async fn connect(address: &str, token: Option<String>) -> Result<Cluster> {
+    connect_with(address, token, RuntimeConfig::from_env()).await
+}
+
+async fn connect_with(address: &str, token: Option<String>, cfg: RuntimeConfig) -> Result<Cluster> {
     let head = parse_addr(address)?;
-    let token = session::resolve_token(token)?;
-    let creds = join(head, &token, idle_timeout(default_bound())).await?;
+    let token = token_for(token, &cfg)?;
+    let idle = idle_timeout(cfg.heartbeat_bound);
+    let creds = join(head, &token, idle).await?;
     let process = Process::start(
         creds,
         SocketAddr::new(local_ip_for(head)?, 0),
-        idle_timeout(default_bound()),
-    )?;
+        idle,
+        cfg.transport,
+    )
+    .map_err(startup)?;
     let _ = process.head.set(head);
     process.follow_head_events().await?;
     Ok(Cluster::new(process, None))
@@ -223,47 +201,45 @@ pub struct NodeHandle {
 }
 
 impl NodeHandle {
-    /// Waits until the head forgets this node or the connection to it is lost.
-    pub async fn wait(&self) -> AnyResult<()> {
+    /// Waits until the head forgets this node or the connection to it is lost (always an error).
+    pub async fn wait(&self) -> Result<()> {
         let head = self.process.head_addr()?;
         let conn = self.process.conns.get(head).await?;
         conn.closed().await;
         self.agent.stop_all();
-        anyhow::bail!("lost the connection to the head at {head}")
+        Err(Error::Unreachable {
+            addr: head.to_string(),
+            reason: format!("lost the connection to the head at {head}"),
+        })
     }
 }
 
-/// Starts a node agent in this process and joins the head at `address`.
+/// Starts a node agent in this process and joins the head at `address`, with the environment's settings. A head
+/// that refuses this node gives [`Error::JoinRefused`] with why.
 pub async fn start_node(
     address: &str,
     token: Option<String>,
     opts: NodeOptions,
     ip: Option<IpAddr>,
-) -> AnyResult<NodeHandle> {
+) -> Result<NodeHandle> {
+    let cfg = RuntimeConfig::from_env();
     let head = parse_addr(address)?;
-    let token = session::resolve_token(token)?;
-    let idle = idle_timeout(opts.heartbeat_bound);
+    let token = token_for(token, &cfg)?;
+    let bound = opts.heartbeat_bound.unwrap_or(cfg.heartbeat_bound);
+    let idle = idle_timeout(bound);
     let creds = join(head, &token, idle).await?;
     let ip = match ip {
         Some(ip) => ip,
         None => local_ip_for(head)?,
     };
-    let process = Process::start(creds, SocketAddr::new(ip, 0), idle)?;
+    let process =
+        Process::start(creds, SocketAddr::new(ip, 0), idle, cfg.transport).map_err(startup)?;
     let _ = process.head.set(head);
-    let session = Session::create("node")?;
-    let resources =
-        crate::control::resources::node_resources(opts.num_cpus, opts.num_gpus, opts.resources);
-    let agent = NodeAgent::start(
-        &process,
-        head,
-        NodeConfig {
-            resources,
-            log_dir: session.logs(),
-            ip: ip.to_string(),
-            heartbeat_interval: opts.heartbeat_bound / 4,
-        },
-    )
-    .await?;
+    let session = Session::create(&cfg.session_root, "node").map_err(startup)?;
+    let node_cfg = node_config(&opts, &cfg, &session, ip, bound);
+    let agent = NodeAgent::start(&process, head, node_cfg)
+        .await
+        .map_err(startup)?;
     Ok(NodeHandle {
         session,
         name: agent.name().to_string(),
@@ -297,83 +273,6 @@ impl ResourceGroup {
 /// Builds a bundle: `bundle(&[("CPU", 1.0)])`.
 pub fn bundle(pairs: &[(&str, f64)]) -> Resources {
     pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()
-}
-
-/// How to spawn an actor.
-#[derive(Debug, Clone)]
-pub struct SpawnOptions {
-    spec: SpawnSpec,
-}
-
-impl Default for SpawnOptions {
-    fn default() -> Self {
-        Self {
-            spec: SpawnSpec {
-                max_concurrency: 1,
-                mailbox: 1024,
-                namespace: "default".into(),
-                ..Default::default()
-            },
-        }
-    }
-}
-
-impl SpawnOptions {
-    /// Defaults: no group, no reserved resources, concurrency 1, mailbox 1024, no restarts.
-    pub fn new() -> Self {
-        Self::default()
-    }
-    /// Place the actor in bundle `index` of `group` (it gets the rank environment of that bundle).
-    pub fn in_bundle(mut self, group: &ResourceGroup, index: usize) -> Self {
-        self.spec.bundle = Some((group.id, index as u32));
-        self
-    }
-    /// Reserve these resources for the actor (outside any group).
-    pub fn resources(mut self, resources: Resources) -> Self {
-        self.spec.resources = resources;
-        self
-    }
-    /// Set an environment variable in the worker process.
-    pub fn env(mut self, key: &str, value: &str) -> Self {
-        self.spec.env.push((key.into(), value.into()));
-        self
-    }
-    /// Name the actor within a namespace (find it with [`Cluster::get_actor`]).
-    pub fn name(mut self, namespace: &str, name: &str) -> Self {
-        self.spec.namespace = namespace.into();
-        self.spec.name = Some(name.into());
-        self
-    }
-    /// Re-run the constructor up to `n` times after the worker dies.
-    pub fn max_restarts(mut self, n: u32) -> Self {
-        self.spec.max_restarts = n;
-        self
-    }
-    /// Handle up to `n` messages at once (default 1: strictly in order).
-    pub fn max_concurrency(mut self, n: u32) -> Self {
-        self.spec.max_concurrency = n.max(1);
-        self
-    }
-    /// Mailbox capacity; senders wait when it is full.
-    pub fn mailbox(mut self, n: u32) -> Self {
-        self.spec.mailbox = n.max(1);
-        self
-    }
-    /// Ship the file at `path` to the actor's node before its worker starts (by sha256, cached on the node, so it
-    /// travels at most once per node); the actor finds its local copy with [`crate::shipped_file`]`(name)`.
-    pub fn ship_file(mut self, name: &str, path: impl Into<PathBuf>) -> Self {
-        self.spec.files.push(crate::control::blobs::ShippedFile {
-            name: name.into(),
-            driver_path: path.into().display().to_string(),
-            ..Default::default()
-        });
-        self
-    }
-    /// Keep the actor alive after this driver's [`Cluster::shutdown`].
-    pub fn detached(mut self) -> Self {
-        self.spec.detached = true;
-        self
-    }
 }
 
 /// A handle on a cluster, from a driver, a worker (see [`crate::Context::cluster`]) or a head.
@@ -410,11 +309,12 @@ impl Cluster {
 
     /// Workers run this binary instead of the current executable (it must call
     /// [`crate::enter_worker_mode_if_spawned`] first and register the actor types).
-    pub fn set_worker_binary(&self, path: PathBuf) -> AnyResult<()> {
-        let spec = BinaryServer::host(&self.process, path)?;
+    pub fn set_worker_binary(&self, path: PathBuf) -> Result<()> {
+        let spec = BinaryServer::host(&self.process, path)
+            .map_err(|e| Error::Cluster(format!("{e:#}")))?;
         self.binary
             .set(spec)
-            .map_err(|_| anyhow::anyhow!("the worker binary is already set"))
+            .map_err(|_| Error::Cluster("the worker binary is already set".into()))
     }
 
     fn binary_spec(&self) -> Result<BinarySpec> {
@@ -433,7 +333,9 @@ impl Cluster {
         self.process.head_addr()
     }
 
-    /// Spawns an actor of type `A` in a new worker process.
+    /// Spawns an actor of type `A` in a new worker process. A name already used in its namespace gives
+    /// [`Error::NameTaken`]; resources of its own that no node could ever hold, [`Error::Infeasible`], and that
+    /// are held now, [`Error::Busy`] (an actor's reservation does not wait).
     pub async fn spawn<A: Actor>(&self, args: A::Args, opts: SpawnOptions) -> Result<ActorRef<A>> {
         let mut spec = opts.spec;
         spec.type_name = A::NAME.to_string();
@@ -442,7 +344,18 @@ impl Cluster {
         crate::control::binary::offer_files(&spec.binary.server, &mut spec.files)
             .map_err(|e| Error::Cluster(format!("{e:#}")))?;
         let detached = spec.detached;
-        let address = self.process.call_head(&SpawnActor { spec }).await?;
+        let named = spec.name.clone().map(|name| (spec.namespace.clone(), name));
+        let address = self
+            .process
+            .call_head(&SpawnActor { spec })
+            .await
+            .map_err(|e| match (e, named) {
+                // The head names it; the exact names are the ones asked for.
+                (Error::NameTaken { .. }, Some((namespace, name))) => {
+                    Error::NameTaken { namespace, name }
+                }
+                (e, _) => e,
+            })?;
         if !detached {
             self.owned.lock().expect("owned lock").push(address.id);
         }
@@ -506,7 +419,8 @@ impl Cluster {
         }
     }
 
-    /// Reserves bundles all-or-nothing; fails at once if infeasible, waits up to `timeout` while busy.
+    /// Reserves bundles all-or-nothing: fails at once with [`Error::Infeasible`] when the cluster can never hold
+    /// them, waits up to `timeout` while they are feasible but busy, then fails with [`Error::Busy`].
     pub async fn create_group(
         &self,
         bundles: Vec<Resources>,

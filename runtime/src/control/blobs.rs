@@ -1,7 +1,7 @@
 //! Files shipped with a spawn: a driver names files with [`crate::SpawnOptions::ship_file`]; before the node agent
 //! starts the actor's worker it makes sure each one is in the node's content-addressed cache (fetching it from the
 //! driver's file server (`binary.rs`) by sha256 when it is not), and tells the worker where each file is;
-//! the actor finds them with [`shipped_file`] / [`shipped_files`].
+//! the actor finds them with `ferl_runtime::shipped_file` / `shipped_files` (read through [`shipped_files_in`]).
 //!
 //! The cache is `$FERL_BIN_CACHE/files` (default `~/.cache/ferl/bin/files`); a file is stored as
 //! `SHA256` plus the extension of its driver-side name (`…/files/ab12….so`), so a file travels to a node at most
@@ -137,17 +137,13 @@ pub(crate) fn store_verified(dest: &Path, sha256: &str, bytes: &[u8]) -> Result<
     Ok(())
 }
 
-/// Every file shipped to this worker, name → local path (empty outside a worker or when nothing was shipped).
-pub fn shipped_files() -> Result<BTreeMap<String, PathBuf>> {
-    match std::env::var(SHIPPED_FILES_ENV) {
-        Ok(v) => parse_listing(&v),
-        Err(_) => Ok(BTreeMap::new()),
+/// The files a worker's [`SHIPPED_FILES_ENV`] value lists, name → local path (empty when `listing` is `None`); the
+/// bootstrap layer reads the variable (`shipped_files` in the facade).
+pub(crate) fn shipped_files_in(listing: Option<String>) -> Result<BTreeMap<String, PathBuf>> {
+    match listing {
+        Some(v) => parse_listing(&v),
+        None => Ok(BTreeMap::new()),
     }
-}
-
-/// The local path of the file shipped to this worker under `name`, if one was.
-pub fn shipped_file(name: &str) -> Result<Option<PathBuf>> {
-    Ok(shipped_files()?.remove(name))
 }
 
 fn parse_listing(v: &str) -> Result<BTreeMap<String, PathBuf>> {

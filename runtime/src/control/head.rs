@@ -18,6 +18,7 @@ use crate::control::membership::Membership;
 use crate::control::placement::{show, BundleSlot, PlaceError, Placement};
 use crate::control::supervision::{Life, Supervisor};
 use crate::protocol::*;
+use crate::transport::error::Error;
 
 mod recovery;
 mod status;
@@ -182,10 +183,11 @@ impl Head {
                     .named
                     .contains_key(&(spec.namespace.clone(), name.clone()))
                 {
-                    bail!(
-                        "an actor named `{name}` already exists in namespace `{}`",
-                        spec.namespace
-                    );
+                    return Err(Error::NameTaken {
+                        namespace: spec.namespace.clone(),
+                        name: name.clone(),
+                    }
+                    .into());
                 }
             }
             let (node, own, env) = match spec.bundle {
@@ -213,11 +215,18 @@ impl Head {
                         .reserve(std::slice::from_ref(&spec.resources), Strategy::Pack)
                     {
                         Ok(mut s) => s.remove(0),
-                        Err(e) => bail!(
-                            "cannot place actor {} needing {}: {e}",
-                            spec.type_name,
-                            show(&spec.resources)
-                        ),
+                        Err(e) => {
+                            let message = format!(
+                                "cannot place actor {} needing {}: {e}",
+                                spec.type_name,
+                                show(&spec.resources)
+                            );
+                            return Err(match e {
+                                PlaceError::Infeasible(_) => Error::Infeasible { message },
+                                PlaceError::Busy(_) => Error::Busy { message },
+                            }
+                            .into());
+                        }
                     };
                     let env = gpu_env(&slot);
                     (slot.node.clone(), Some(slot), env)
@@ -291,7 +300,7 @@ impl Head {
             .await
             .map_err(|e| {
                 let e = match e {
-                    crate::transport::error::Error::Remote { message, .. } => strip(message),
+                    Error::Remote { message, .. } => strip(message),
                     other => other.to_string(),
                 };
                 anyhow!("starting actor {type_name} {id} on {node}: {e}")
@@ -522,14 +531,22 @@ impl Handler<CreateGroup> for Head {
                     tracing::debug!(group = placed.group, nodes = ?placed.nodes, strategy = ?m.strategy, "resource group placed");
                     return Ok(placed);
                 }
-                Err(PlaceError::Infeasible(why)) => bail!("resource group is infeasible: {why}"),
+                Err(PlaceError::Infeasible(why)) => {
+                    return Err(Error::Infeasible {
+                        message: format!("resource group is infeasible: {why}"),
+                    }
+                    .into())
+                }
                 Err(PlaceError::Busy(why)) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        bail!(
-                            "timed out after {} ms waiting for resources: {why}",
-                            m.timeout_ms
-                        );
+                        return Err(Error::Busy {
+                            message: format!(
+                                "timed out after {} ms waiting for resources: {why}",
+                                m.timeout_ms
+                            ),
+                        }
+                        .into());
                     }
                     let _ = tokio::time::timeout(left.min(Duration::from_millis(200)), freed).await;
                 }

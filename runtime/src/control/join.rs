@@ -15,6 +15,7 @@ use crate::codec::{encode_frame, read_message};
 use crate::protocol::JoinMsg;
 use crate::security::tls::{constant_time_eq, join_proof, ClusterCa, Credentials};
 use crate::transport;
+use crate::transport::error::Error;
 
 const JOIN_MAX_FRAME: usize = 64 << 10;
 const JOIN_TIMEOUT: Duration = Duration::from_secs(20);
@@ -85,7 +86,8 @@ where
 }
 
 /// The joiner's side of the join exchange over any byte streams: sends `Hello`, checks the head's proof, sends its
-/// own, and returns the credentials the head answers with. `head` names the head in errors.
+/// own, and returns the credentials the head answers with. `head` names the head in errors; a refusal (the head's,
+/// or a head whose proof does not match the token) is an [`Error::JoinRefused`] inside the `anyhow` error.
 pub async fn joiner_exchange<R, W>(
     rx: &mut R,
     tx: &mut W,
@@ -115,10 +117,13 @@ where
         bail!("the process at {head} did not answer the join handshake");
     };
     if !constant_time_eq(&proof, &join_proof(token, "head", &nonce, head_cert)) {
-        bail!(
-            "joining the cluster at {head} was refused: wrong cluster token (the head's proof does not match the token \
-             given; pass the token printed by `ferl start --head` with --token or FERL_TOKEN)"
-        );
+        return Err(Error::JoinRefused {
+            head: head.into(),
+            reason: "wrong cluster token (the head's proof does not match the token given; pass the token printed \
+                     by `ferl start --head` with --token or FERL_TOKEN)"
+                .into(),
+        }
+        .into());
     }
     check_nonce(&theirs, "the head's")?;
     let proof = join_proof(token, "member", &theirs, head_cert);
@@ -133,7 +138,11 @@ where
             cert_der,
             key_der,
         }),
-        JoinMsg::Refused { reason } => bail!("joining the cluster at {head} was refused: {reason}"),
+        JoinMsg::Refused { reason } => Err(Error::JoinRefused {
+            head: head.into(),
+            reason,
+        }
+        .into()),
         _ => bail!("unexpected join answer from {head}"),
     }
 }
@@ -186,18 +195,29 @@ impl JoinService {
     }
 }
 
-/// The joiner's side: returns credentials minted by the head at `head`.
-pub async fn join(head: SocketAddr, token: &str, idle: Duration) -> Result<Credentials> {
+/// The joiner's side: returns credentials minted by the head at `head`. A head that refuses (a wrong token) gives
+/// [`Error::JoinRefused`] with its reason; one that cannot be reached, or does not finish the handshake in time,
+/// [`Error::Unreachable`].
+pub async fn join(
+    head: SocketAddr,
+    token: &str,
+    idle: Duration,
+) -> std::result::Result<Credentials, Error> {
     let bind: SocketAddr = if head.is_ipv4() {
-        "0.0.0.0:0".parse()?
+        SocketAddr::from(([0, 0, 0, 0], 0))
     } else {
-        "[::]:0".parse()?
+        SocketAddr::from(([0u16; 8], 0))
     };
-    let endpoint = quinn::Endpoint::client(bind)?;
+    let endpoint = quinn::Endpoint::client(bind)
+        .map_err(|e| Error::Startup(format!("opening a QUIC endpoint on {bind}: {e}")))?;
     let result = tokio::time::timeout(JOIN_TIMEOUT, join_on(&endpoint, head, token, idle))
         .await
-        .map_err(|_| anyhow!("joining the cluster at {head} timed out"))
-        .and_then(|r| r);
+        .unwrap_or_else(|_| {
+            Err(Error::Unreachable {
+                addr: head.to_string(),
+                reason: format!("joining the cluster at {head} timed out after {JOIN_TIMEOUT:?}"),
+            })
+        });
     endpoint.close(0u32.into(), b"joined");
     result
 }
@@ -207,21 +227,26 @@ async fn join_on(
     head: SocketAddr,
     token: &str,
     idle: Duration,
-) -> Result<Credentials> {
+) -> std::result::Result<Credentials, Error> {
+    let unreachable = |reason: String| Error::Unreachable {
+        addr: head.to_string(),
+        reason,
+    };
+    let client = transport::join_client(idle).map_err(|e| Error::Startup(format!("{e:#}")))?;
     let conn = endpoint
-        .connect_with(
-            transport::join_client(idle)?,
-            head,
-            crate::security::tls::CLUSTER_SERVER_NAME,
-        )?
+        .connect_with(client, head, crate::security::tls::CLUSTER_SERVER_NAME)
+        .map_err(|e| unreachable(e.to_string()))?
         .await
-        .with_context(|| format!("connecting to the head at {head}"))?;
+        .map_err(|e| unreachable(format!("connecting to the head at {head}: {e}")))?;
     let head_cert = conn
         .peer_identity()
         .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
         .and_then(|chain| chain.first().map(|c| c.to_vec()))
-        .ok_or_else(|| anyhow!("the head at {head} presented no certificate"))?;
-    let (mut tx, mut rx) = conn.open_bi().await?;
+        .ok_or_else(|| unreachable(format!("the head at {head} presented no certificate")))?;
+    let (mut tx, mut rx) = conn
+        .open_bi()
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
     let result = joiner_exchange(&mut rx, &mut tx, token, &head_cert, &head.to_string()).await;
     match &result {
         Err(e) if e.to_string().contains("wrong cluster token") => {
@@ -229,5 +254,12 @@ async fn join_on(
         }
         _ => conn.close(0u32.into(), b"done"),
     }
-    result
+    // A refusal keeps its kind; any other failure of the handshake is the head not admitting us, with why.
+    result.map_err(|e| match e.downcast::<Error>() {
+        Ok(typed) => typed,
+        Err(e) => Error::JoinRefused {
+            head: head.to_string(),
+            reason: format!("{e:#}"),
+        },
+    })
 }

@@ -4,6 +4,7 @@
 //!   [`supervision`] (an actor's lifecycle), [`resources`] (what a node offers);
 //! - the agents: [`head`] (the head actor), [`node`] (the node agent, which starts worker processes) and [`worker`]
 //!   (their side);
+//! - [`config`] (the runtime's one configuration, read by the bootstrap layer and passed down);
 //! - [`join`] (the token handshake that admits a member), shipping ([`binary`], [`blobs`]) and the object store
 //!   ([`objects`]).
 
@@ -20,6 +21,7 @@ macro_rules! pinned_message {
 
 pub(crate) mod binary;
 pub(crate) mod blobs;
+pub(crate) mod config;
 pub(crate) mod head;
 pub(crate) mod join;
 pub(crate) mod membership;

@@ -51,6 +51,10 @@ pub(crate) struct NodeConfig {
     pub log_dir: PathBuf,
     pub ip: String,
     pub heartbeat_interval: Duration,
+    /// Where fetched driver binaries (and shipped files) are cached (`RuntimeConfig::bin_cache`).
+    pub bin_cache: PathBuf,
+    /// Always fetch the driver's binary (`RuntimeConfig::force_fetch`).
+    pub force_fetch: bool,
 }
 
 impl NodeAgent {
@@ -73,22 +77,14 @@ impl NodeAgent {
             log_dir: cfg.log_dir.display().to_string(),
         };
         // Host first so the head can call back as soon as it knows us.
-        let bin_cache = std::env::var_os("FERL_BIN_CACHE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                std::env::var_os("HOME")
-                    .map(PathBuf::from)
-                    .unwrap_or_else(|| "/tmp".into())
-                    .join(".cache/ferl/bin")
-            });
         let mut agent = NodeAgent(Arc::new(NodeInner {
             process: process.clone(),
             head,
             name: String::new(),
             log_dir: cfg.log_dir.clone(),
             creds_path,
-            bin_cache,
-            force_fetch: std::env::var("FERL_NODE_FORCE_FETCH").is_ok_and(|v| v == "1"),
+            bin_cache: cfg.bin_cache.clone(),
+            force_fetch: cfg.force_fetch,
             workers: Mutex::new(HashMap::new()),
             fetch_lock: tokio::sync::Mutex::new(()),
         }));

@@ -12,6 +12,7 @@ use rkyv::util::AlignedVec;
 
 use crate::actor::process::{Process, NODE_ACTOR};
 use crate::actor::{self, Context};
+use crate::control::config::RuntimeConfig;
 use crate::protocol::{WorkerHello, WorkerReady};
 use crate::security::tls::Credentials;
 
@@ -31,10 +32,14 @@ pub mod env {
     pub const BIND_IP: &str = "FERL_BIND_IP";
 }
 
-/// If this process was started as a worker, host its actor until the node agent goes away, then exit; otherwise
-/// return at once. Every binary that spawns actors calls this first thing in `main`.
-pub fn enter_worker_mode_if_spawned() {
-    let Ok(id) = std::env::var(env::ACTOR_ID) else {
+/// A variable of the process environment by name (the bootstrap layer's one lookup function).
+pub(crate) type Lookup = fn(&str) -> Option<String>;
+
+/// If this process was started as a worker (its environment, read through `lookup`, has [`env::ACTOR_ID`]), host
+/// its actor until the node agent goes away, then exit; otherwise return at once. Every binary that spawns actors
+/// calls this (through the facade's `enter_worker_mode_if_spawned`) first thing in `main`.
+pub(crate) fn enter_worker_mode_if_spawned(lookup: Lookup) {
+    let Some(id) = lookup(env::ACTOR_ID) else {
         return;
     };
     let filter =
@@ -43,17 +48,18 @@ pub fn enter_worker_mode_if_spawned() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+    let config = RuntimeConfig::from_lookup(lookup);
     // Run on a thread of our own: `main` may already be inside a tokio runtime (`#[tokio::main]`).
     let worker = std::thread::spawn(move || {
         let mut builder = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = worker_threads() {
+        if let Some(n) = config.worker_threads {
             builder.worker_threads(n);
         }
         let rt = builder
             .enable_all()
             .build()
             .expect("building the worker's tokio runtime");
-        rt.block_on(run(id))
+        rt.block_on(run(id, lookup, config))
     });
     let code = match worker.join() {
         Ok(Ok(())) => 0,
@@ -69,19 +75,10 @@ pub fn enter_worker_mode_if_spawned() {
     std::process::exit(code);
 }
 
-/// Threads of the worker's runtime: `FERL_WORKER_THREADS`, else tokio's default.
-fn worker_threads() -> Option<usize> {
-    std::env::var("FERL_WORKER_THREADS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|n| *n > 0)
-}
-
-fn var(name: &str) -> Result<String> {
-    std::env::var(name).with_context(|| format!("worker environment variable {name} is missing"))
-}
-
-async fn run(id: String) -> Result<()> {
+async fn run(id: String, lookup: Lookup, config: RuntimeConfig) -> Result<()> {
+    let var = |name: &str| {
+        lookup(name).with_context(|| format!("worker environment variable {name} is missing"))
+    };
     let id: u64 = id
         .parse()
         .with_context(|| format!("{} = `{id}` is not a number", env::ACTOR_ID))?;
@@ -93,6 +90,7 @@ async fn run(id: String) -> Result<()> {
         creds,
         SocketAddr::new(ip.parse()?, 0),
         Duration::from_secs(10),
+        config.transport,
     )?;
     let _ = process.head.set(head);
     let _ = process

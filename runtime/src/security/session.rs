@@ -1,8 +1,8 @@
 //! Session folders: where a head or node keeps its token, address, logs and pid files.
 //!
-//! The root is `$FERL_TMPDIR` or `/tmp/ferl`; each head or node agent makes `session_<time>_<pid>/` under it, and a
-//! head points `session_latest` at its own, so commands on the head's machine find the token and address by
-//! themselves.
+//! The root is `$FERL_TMPDIR` or `/tmp/ferl` (read by the bootstrap layer and passed here); each head or node agent
+//! makes `session_<time>_<pid>/` under it, and a head points `session_latest` at its own, so commands on the head's
+//! machine find the token and address by themselves.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -11,17 +11,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 
-/// Environment variable overriding the session root.
+/// Environment variable overriding the session root (named in messages; the bootstrap layer reads it).
 pub const ROOT_ENV: &str = "FERL_TMPDIR";
-/// Environment variable holding the cluster token.
+/// Environment variable holding the cluster token (named in messages; the bootstrap layer reads it).
 pub const TOKEN_ENV: &str = "FERL_TOKEN";
-
-/// The session root folder.
-pub fn root() -> PathBuf {
-    std::env::var_os(ROOT_ENV)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/tmp/ferl"))
-}
 
 /// Creates the session root `root` private to this user (mode 0700), or checks that an existing one belongs to this
 /// user (and makes it private); a root owned by another user is refused, since its owner could read tokens or plant
@@ -73,10 +66,10 @@ pub struct Session {
 }
 
 impl Session {
-    /// Makes a fresh session folder (`kind` is `head` or `node`); a head also becomes `session_latest`.
-    pub fn create(kind: &str) -> Result<Self> {
-        let root = root();
-        ensure_private_root(&root)?;
+    /// Makes a fresh session folder under `root` (`kind` is `head` or `node`); a head also becomes
+    /// `session_latest`.
+    pub fn create(root: &Path, kind: &str) -> Result<Self> {
+        ensure_private_root(root)?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
@@ -127,29 +120,33 @@ impl Session {
     }
 }
 
-/// The token of the head on this machine (`session_latest/token`), if any.
-pub fn local_token() -> Option<String> {
-    std::fs::read_to_string(root().join("session_latest").join("token"))
+/// The token of the head on this machine (`session_latest/token` under `root`), if any.
+pub fn local_token(root: &Path) -> Option<String> {
+    std::fs::read_to_string(root.join("session_latest").join("token"))
         .ok()
         .map(|s| s.trim().to_string())
 }
 
-/// The address of the head on this machine, if any.
-pub fn local_address() -> Option<String> {
-    std::fs::read_to_string(root().join("session_latest").join("address"))
+/// The address of the head on this machine (`session_latest/address` under `root`), if any.
+pub fn local_address(root: &Path) -> Option<String> {
+    std::fs::read_to_string(root.join("session_latest").join("address"))
         .ok()
         .map(|s| s.trim().to_string())
 }
 
-/// The token to join with: the one given, else `FERL_TOKEN`, else the local head's.
-pub fn resolve_token(given: Option<String>) -> Result<String> {
+/// The token to join with: the one given, else `from_env` (`FERL_TOKEN`), else the local head's under `root`.
+pub fn resolve_token(
+    given: Option<String>,
+    from_env: Option<String>,
+    root: &Path,
+) -> Result<String> {
     given
-        .or_else(|| std::env::var(TOKEN_ENV).ok())
-        .or_else(local_token)
+        .or(from_env)
+        .or_else(|| local_token(root))
         .with_context(|| {
             format!(
                 "no cluster token: pass --token or set {TOKEN_ENV} (on the head's machine it is read from {})",
-                root().join("session_latest/token").display()
+                root.join("session_latest/token").display()
             )
         })
 }
@@ -165,14 +162,14 @@ pub fn detach(cmd: &mut std::process::Command) {
     }
 }
 
-/// Stops every head or node process that `ferl start` recorded under the session root: SIGTERM, then SIGKILL for
-/// any still running after `grace`. A pid file whose process is gone, or is no longer a `start` command (the pid
-/// was reused), is only removed. Returns the pids that were stopped; none of them runs when this returns.
-pub fn stop_local(grace: Duration) -> Vec<i32> {
+/// Stops every head or node process that `ferl start` recorded under the session root `root`: SIGTERM, then
+/// SIGKILL for any still running after `grace`. A pid file whose process is gone, or is no longer a `start` command
+/// (the pid was reused), is only removed. Returns the pids that were stopped; none of them runs when this returns.
+pub fn stop_local(root: &Path, grace: Duration) -> Vec<i32> {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
     let mut stopped = Vec::new();
-    for entry in std::fs::read_dir(root()).into_iter().flatten().flatten() {
+    for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
         let pid_file = entry.path().join("pid");
         let Some(pid) = std::fs::read_to_string(&pid_file)
             .ok()

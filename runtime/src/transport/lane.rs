@@ -25,10 +25,9 @@ use tokio::sync::Notify;
 use super::Inbound;
 use crate::protocol::Frame;
 use crate::transport::bulk::BulkInbox;
+use crate::transport::config::{TransportConfig, LANES_ENV};
 
 const NONCE_LEN: usize = 32;
-/// Set to `0` to keep every call stream on QUIC (`FERL_LANES`).
-const LANES_VAR: &str = "FERL_LANES";
 
 static LANES_OPENED: AtomicU64 = AtomicU64::new(0);
 
@@ -37,12 +36,6 @@ pub fn lanes_opened() -> u64 {
     LANES_OPENED.load(Ordering::Relaxed)
 }
 
-/// Whether this process offers and uses lanes (`FERL_LANES=0` turns them off).
-fn enabled() -> bool {
-    std::env::var(LANES_VAR)
-        .map(|v| v.trim() != "0")
-        .unwrap_or(true)
-}
 /// How long either side waits for the other's half of the lane handshake.
 const HANDSHAKE: Duration = Duration::from_secs(2);
 const ACCEPTED: u8 = 1;
@@ -61,18 +54,18 @@ pub(crate) struct Lanes {
 }
 
 impl Lanes {
-    /// Listens on a fresh abstract socket and serves lanes to `inbound`; without a socket (an error binding it),
-    /// offers nothing and calls stay on QUIC.
-    pub(crate) fn start(inbound: Arc<dyn Inbound>, max_frame: usize) -> Arc<Self> {
+    /// Listens on a fresh abstract socket and serves lanes to `inbound`; without a socket (an error binding it, or
+    /// lanes turned off in `cfg`), offers nothing and calls stay on QUIC.
+    pub(crate) fn start(inbound: Arc<dyn Inbound>, cfg: TransportConfig) -> Arc<Self> {
         let name = format!(
             "ferl-lane-{}-{}",
             std::process::id(),
             hex::encode(rand::random::<[u8; 16]>())
         );
-        let listener = if enabled() {
+        let listener = if cfg.lanes {
             Ok(())
         } else {
-            Err(std::io::Error::other(format!("{LANES_VAR}=0")))
+            Err(std::io::Error::other(format!("{LANES_ENV}=0")))
         }
         .and_then(|()| UnixAddr::from_abstract_name(name.as_bytes()))
         .and_then(|addr| std::os::unix::net::UnixListener::bind_addr(&addr))
@@ -100,7 +93,7 @@ impl Lanes {
                         let lanes = lanes.clone();
                         let inbound = inbound.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = lanes.serve(stream, inbound, max_frame).await {
+                            if let Err(e) = lanes.serve(stream, inbound, cfg).await {
                                 tracing::debug!("same-host lane refused: {e}");
                             }
                         });
@@ -147,7 +140,7 @@ impl Lanes {
         &self,
         mut stream: UnixStream,
         inbound: Arc<dyn Inbound>,
-        max_frame: usize,
+        cfg: TransportConfig,
     ) -> Result<(), String> {
         let cred = stream.peer_cred().map_err(|e| e.to_string())?;
         // SAFETY: getuid has no preconditions.
@@ -168,28 +161,25 @@ impl Lanes {
             .await
             .map_err(|e| e.to_string())?;
         let (read, write) = stream.into_split();
-        let out = super::Outbox::start(write, &offered.conn);
-        super::serve_call_stream(
-            offered.conn,
-            read,
-            out,
-            inbound,
-            offered.inbox,
-            None,
-            max_frame,
-        )
-        .await;
+        let out = super::Outbox::start(write, &offered.conn, cfg.shm_bytes);
+        super::serve_call_stream(offered.conn, read, out, inbound, offered.inbox, None, cfg).await;
         Ok(())
     }
 }
 
-/// The caller's half: connects to an offered lane, or says why not (then calls stay on QUIC).
-pub(crate) async fn connect(pid: u32, name: &str, nonce: &[u8]) -> Result<UnixStream, String> {
+/// The caller's half: connects to an offered lane, or says why not (then calls stay on QUIC; always when `lanes`
+/// is off here).
+pub(crate) async fn connect(
+    pid: u32,
+    name: &str,
+    nonce: &[u8],
+    lanes: bool,
+) -> Result<UnixStream, String> {
     if name.is_empty() {
         return Err("the callee offers no lane".into());
     }
-    if !enabled() {
-        return Err(format!("{LANES_VAR}=0"));
+    if !lanes {
+        return Err(format!("{LANES_ENV}=0"));
     }
     if nonce.len() != NONCE_LEN {
         return Err("malformed lane offer".into());
@@ -240,23 +230,38 @@ mod tests {
 
     #[tokio::test]
     async fn guarantee_13_a_lane_opens_only_with_the_offered_bytes_and_pid() {
-        let lanes = Lanes::start(Arc::new(Nobody), 1 << 20);
+        let lanes = Lanes::start(
+            Arc::new(Nobody),
+            TransportConfig {
+                max_frame: 1 << 20,
+                ..Default::default()
+            },
+        );
         let name = lanes.name.clone().expect("an abstract socket on Linux");
         let me = std::process::id();
         // Bytes never offered: the callee hangs up without accepting.
-        let err = connect(me, &name, &[7u8; NONCE_LEN]).await.unwrap_err();
+        let err = connect(me, &name, &[7u8; NONCE_LEN], true)
+            .await
+            .unwrap_err();
         assert!(!err.is_empty());
         // The right name but the wrong pid: refused before any byte is sent.
-        let err = connect(me + 1, &name, &[7u8; NONCE_LEN]).await.unwrap_err();
+        let err = connect(me + 1, &name, &[7u8; NONCE_LEN], true)
+            .await
+            .unwrap_err();
         assert!(err.contains("not the callee"), "{err}");
         // A name nobody listens on (another host's): not reachable.
-        let err = connect(me, "ferl-lane-nobody", &[7u8; NONCE_LEN])
+        let err = connect(me, "ferl-lane-nobody", &[7u8; NONCE_LEN], true)
             .await
             .unwrap_err();
         assert!(err.contains("not on this host"), "{err}");
         // Malformed offers.
-        assert!(connect(me, &name, &[1, 2, 3]).await.is_err());
-        assert!(connect(me, "", &[7u8; NONCE_LEN]).await.is_err());
+        assert!(connect(me, &name, &[1, 2, 3], true).await.is_err());
+        assert!(connect(me, "", &[7u8; NONCE_LEN], true).await.is_err());
+        // Lanes off here: refused naming the variable, whatever the offer.
+        let err = connect(me, &name, &[7u8; NONCE_LEN], false)
+            .await
+            .unwrap_err();
+        assert_eq!(err, "FERL_LANES=0");
         lanes.stop();
     }
 }

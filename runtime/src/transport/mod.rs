@@ -19,6 +19,7 @@ use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::sync::mpsc;
 
 pub(crate) mod bulk;
+pub(crate) mod config;
 pub(crate) mod delivery;
 pub(crate) mod error;
 mod lane;
@@ -26,6 +27,7 @@ mod peer;
 mod streams;
 
 use self::bulk::BulkInbox;
+use self::config::TransportConfig;
 use self::delivery::{Envelope, Payload, Responder};
 pub use self::lane::lanes_opened;
 pub(crate) use self::lane::Lanes;
@@ -191,11 +193,16 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// Starts the writer task of `send` (a QUIC stream, or a same-host lane).
-    fn start<W: AsyncWrite + Unpin + Send + 'static>(send: W, conn: &quinn::Connection) -> Self {
+    /// Starts the writer task of `send` (a QUIC stream, or a same-host lane), which offers a ring of `shm_bytes`
+    /// (none when 0) for large payloads.
+    fn start<W: AsyncWrite + Unpin + Send + 'static>(
+        send: W,
+        conn: &quinn::Connection,
+        shm_bytes: u64,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(1024);
         let link = Arc::new(ShmLink::default());
-        tokio::spawn(write_loop(send, rx, conn.clone(), link.clone()));
+        tokio::spawn(write_loop(send, rx, conn.clone(), link.clone(), shm_bytes));
         Self {
             tx,
             conn: conn.clone(),
@@ -256,7 +263,7 @@ pub(crate) async fn serve_connection(
     incoming: quinn::Incoming,
     inbound: Arc<dyn Inbound>,
     lanes: Arc<Lanes>,
-    max_frame: usize,
+    cfg: TransportConfig,
 ) {
     let conn = match incoming.await {
         Ok(c) => c,
@@ -265,14 +272,14 @@ pub(crate) async fn serve_connection(
     if conn.peer_identity().is_none() {
         return inbound.join(conn).await;
     }
-    let inbox = Arc::new(BulkInbox::default());
+    let inbox = Arc::new(BulkInbox::new(cfg.bulk));
     bulk::spawn_bulk_reader(conn.clone(), inbox.clone());
     while let Ok((send, recv)) = conn.accept_bi().await {
         let (conn, inbound, inbox, lanes) =
             (conn.clone(), inbound.clone(), inbox.clone(), lanes.clone());
         tokio::spawn(async move {
-            let out = Outbox::start(send, &conn);
-            serve_call_stream(conn, recv, out, inbound, inbox, Some(lanes), max_frame).await
+            let out = Outbox::start(send, &conn, cfg.shm_bytes);
+            serve_call_stream(conn, recv, out, inbound, inbox, Some(lanes), cfg).await
         });
     }
 }
@@ -286,10 +293,11 @@ async fn serve_call_stream<R: AsyncRead + Unpin>(
     inbound: Arc<dyn Inbound>,
     inbox: Arc<BulkInbox>,
     lanes: Option<Arc<Lanes>>,
-    max_frame: usize,
+    cfg: TransportConfig,
 ) {
+    let max_frame = cfg.max_frame;
     let mut reader = BufReader::with_capacity(64 << 10, recv);
-    let mut bodies = BodyReader::new(inbox, max_frame);
+    let mut bodies = BodyReader::new(inbox, &cfg);
     let mut buf = AlignedVec::new();
     let closed = conn.closed();
     tokio::pin!(closed);

@@ -19,6 +19,7 @@ use crate::codec::{encode_frame, read_frame};
 use crate::protocol::{ArchivedFrame, Body, CallKind, Frame, RemoteError};
 use crate::security::tls;
 use crate::transport::bulk::{self, BulkInbox};
+use crate::transport::config::TransportConfig;
 use crate::transport::error::Error;
 
 /// A caller waiting for an answer.
@@ -60,7 +61,7 @@ impl PeerConn {
     async fn open(
         endpoint: &quinn::Endpoint,
         addr: SocketAddr,
-        max_frame: usize,
+        cfg: TransportConfig,
     ) -> Result<Arc<Self>> {
         let conn = endpoint
             .connect(addr, tls::CLUSTER_SERVER_NAME)?
@@ -68,14 +69,14 @@ impl PeerConn {
             .with_context(|| format!("connecting to cluster process {addr}"))?;
         let (mut send, recv) = conn.open_bi().await?;
         let mut recv = BufReader::with_capacity(64 << 10, recv);
-        let lane = match ask_for_lane(&mut send, &mut recv, max_frame).await {
+        let lane = match ask_for_lane(&mut send, &mut recv, &cfg).await {
             Ok(stream) => Some(stream),
             Err(reason) => {
                 tracing::debug!("calls to {addr} stay on QUIC: {reason}");
                 None
             }
         };
-        let inbox = Arc::new(BulkInbox::default());
+        let inbox = Arc::new(BulkInbox::new(cfg.bulk));
         bulk::spawn_bulk_reader(conn.clone(), inbox.clone());
         let new = |out| {
             Arc::new(Self {
@@ -91,14 +92,14 @@ impl PeerConn {
             Some(stream) => {
                 let _ = send.finish();
                 let (read, write) = stream.into_split();
-                let peer = new(Outbox::start(write, &conn));
+                let peer = new(Outbox::start(write, &conn, cfg.shm_bytes));
                 let reader = BufReader::with_capacity(64 << 10, read);
-                tokio::spawn(read_replies(peer.clone(), reader, inbox, max_frame, true));
+                tokio::spawn(read_replies(peer.clone(), reader, inbox, cfg, true));
                 peer
             }
             None => {
-                let peer = new(Outbox::start(send, &conn));
-                tokio::spawn(read_replies(peer.clone(), recv, inbox, max_frame, false));
+                let peer = new(Outbox::start(send, &conn, cfg.shm_bytes));
+                tokio::spawn(read_replies(peer.clone(), recv, inbox, cfg, false));
                 peer
             }
         };
@@ -251,13 +252,13 @@ impl PeerConn {
 async fn ask_for_lane<R: AsyncRead + Unpin>(
     send: &mut quinn::SendStream,
     recv: &mut R,
-    max_frame: usize,
+    cfg: &TransportConfig,
 ) -> Result<tokio::net::UnixStream, String> {
     let mut ask = Vec::new();
     encode_frame(&Frame::LaneAsk, &mut ask).map_err(|e| e.to_string())?;
     send.write_all(&ask).await.map_err(|e| e.to_string())?;
     let mut buf = AlignedVec::new();
-    match tokio::time::timeout(LANE_ASK, read_frame(recv, max_frame, &mut buf)).await {
+    match tokio::time::timeout(LANE_ASK, read_frame(recv, cfg.max_frame, &mut buf)).await {
         Ok(Ok(true)) => {}
         Ok(Ok(false)) => return Err("the callee closed the call stream".into()),
         Ok(Err(e)) => return Err(e.to_string()),
@@ -265,7 +266,7 @@ async fn ask_for_lane<R: AsyncRead + Unpin>(
     }
     match rkyv::access::<ArchivedFrame, rancor::Error>(&buf) {
         Ok(ArchivedFrame::LaneOffer { pid, name, nonce }) => {
-            lane::connect(pid.to_native(), name.as_str(), nonce.as_slice()).await
+            lane::connect(pid.to_native(), name.as_str(), nonce.as_slice(), cfg.lanes).await
         }
         Ok(_) => Err("the callee answered the lane request with another frame".into()),
         Err(e) => Err(format!("malformed lane offer: {e}")),
@@ -278,10 +279,11 @@ async fn read_replies<R: AsyncRead + Unpin>(
     peer: Arc<PeerConn>,
     mut reader: R,
     inbox: Arc<BulkInbox>,
-    max_frame: usize,
+    cfg: TransportConfig,
     lane: bool,
 ) {
-    let mut bodies = BodyReader::new(inbox, max_frame);
+    let max_frame = cfg.max_frame;
+    let mut bodies = BodyReader::new(inbox, &cfg);
     let mut buf = AlignedVec::new();
     let closed = peer.conn.closed();
     tokio::pin!(closed);
@@ -392,15 +394,16 @@ async fn handle_reply<R: tokio::io::AsyncRead + Unpin>(
 pub(crate) struct Connections {
     endpoint: quinn::Endpoint,
     peers: DashMap<SocketAddr, Arc<OnceCell<Arc<PeerConn>>>>,
-    max_frame: usize,
+    cfg: TransportConfig,
 }
 
 impl Connections {
-    pub(crate) fn new(endpoint: quinn::Endpoint, max_frame: usize) -> Self {
+    /// No connection yet; each one opened from `endpoint` follows `cfg`.
+    pub(crate) fn new(endpoint: quinn::Endpoint, cfg: TransportConfig) -> Self {
         Self {
             endpoint,
             peers: DashMap::new(),
-            max_frame,
+            cfg,
         }
     }
 
@@ -409,7 +412,7 @@ impl Connections {
         for _ in 0..2 {
             let cell = self.peers.entry(addr).or_default().clone();
             let peer = cell
-                .get_or_try_init(|| PeerConn::open(&self.endpoint, addr, self.max_frame))
+                .get_or_try_init(|| PeerConn::open(&self.endpoint, addr, self.cfg))
                 .await
                 .map_err(|e| {
                     self.peers.remove_if(&addr, |_, c| Arc::ptr_eq(c, &cell));

@@ -8,6 +8,7 @@ use rkyv::util::AlignedVec;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
+use super::config::TransportConfig;
 use super::{Outbox, BULK_THRESHOLD};
 use crate::codec::{encode_frame, FrameError};
 use crate::protocol::{ArchivedFrame, Body, Frame};
@@ -52,6 +53,8 @@ struct Writer {
     conn: quinn::Connection,
     link: Arc<ShmLink>,
     ring: Option<SendRing>,
+    /// Size of the ring to offer (`TransportConfig::shm_bytes`); 0: none.
+    shm_bytes: u64,
     next_bulk: u64,
     batch: Vec<u8>,
 }
@@ -97,7 +100,7 @@ impl Writer {
 
     /// Creates the ring and queues its offer ahead of the current frame.
     fn offer_ring(&mut self) {
-        let capacity = bulk::ring_capacity();
+        let capacity = self.shm_bytes;
         if capacity == 0 {
             self.link.0.store(SHM_REFUSED, Ordering::Release);
             return;
@@ -130,11 +133,13 @@ pub(super) async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
     mut rx: mpsc::Receiver<Outgoing>,
     conn: quinn::Connection,
     link: Arc<ShmLink>,
+    shm_bytes: u64,
 ) {
     let mut w = Writer {
         conn,
         link,
         ring: None,
+        shm_bytes,
         next_bulk: 0,
         batch: Vec::with_capacity(WRITE_BATCH),
     };
@@ -186,6 +191,8 @@ pub(super) struct BodyReader {
     ring: Option<RecvRing>,
     pub(super) inbox: Arc<BulkInbox>,
     max_frame: usize,
+    /// Whether this process takes rings offered by peers (`TransportConfig::shm_bytes` > 0).
+    shm_on: bool,
 }
 
 /// A payload as read from the stream: here, or still arriving on a bulk stream.
@@ -196,11 +203,12 @@ pub(super) enum Got {
 
 impl BodyReader {
     /// A reader of payloads, before any ring is offered.
-    pub(super) fn new(inbox: Arc<BulkInbox>, max_frame: usize) -> Self {
+    pub(super) fn new(inbox: Arc<BulkInbox>, cfg: &TransportConfig) -> Self {
         Self {
             ring: None,
             inbox,
-            max_frame,
+            max_frame: cfg.max_frame,
+            shm_on: cfg.shm_bytes > 0,
         }
     }
 
@@ -236,7 +244,7 @@ impl BodyReader {
         else {
             return;
         };
-        let opened = if bulk::ring_capacity() == 0 {
+        let opened = if !self.shm_on {
             Err("the same-host path is off here (FERL_SHM_BYTES=0)".to_string())
         } else {
             RecvRing::open(

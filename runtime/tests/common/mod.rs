@@ -25,16 +25,14 @@ pub fn private_tmp() {
 /// An embedded head (with its own node of `cpus` CPUs) whose workers run the testbed binary.
 pub async fn head(cpus: f64, heartbeat: Duration) -> HeadHandle {
     private_tmp();
-    let opts = HeadOptions {
-        node: NodeOptions {
-            num_cpus: Some(cpus),
-            num_gpus: Some(0),
-            heartbeat_bound: heartbeat,
-            ..Default::default()
-        },
-        worker_binary: Some(testbed()),
-        ..Default::default()
-    };
+    let opts = HeadOptions::new()
+        .node(
+            NodeOptions::new()
+                .num_cpus(cpus)
+                .num_gpus(0)
+                .heartbeat_bound(heartbeat),
+        )
+        .worker_binary(testbed());
     ferl_runtime::start_head(opts)
         .await
         .expect("starting the head")

@@ -30,6 +30,14 @@ pub enum RemoteErrorKind {
     Handler,
     /// The message could not be decoded.
     Decode,
+    // Appended (wire version 3 unchanged: the earlier kinds keep their tags): typed failures of control messages,
+    // which the caller turns back into the runtime's matching error.
+    /// A resource request the cluster can never satisfy.
+    Infeasible,
+    /// A feasible resource request that found its resources held (until its timeout, for a group).
+    Busy,
+    /// An actor of the requested name already exists in its namespace.
+    NameTaken,
 }
 
 /// A failure reported by the remote side of a call.
@@ -51,7 +59,8 @@ pub enum Body {
     /// It lies in the sender's shared-memory ring, which the receiver mapped after a [`Frame::ShmOffer`]
     /// (same-host bulk path).
     Shared {
-        /// Offset of the first byte in the ring's data area.
+        /// Position of the first byte in the ring: bytes the ring carried before it (its offset in the data area is
+        /// this modulo the ring's size).
         offset: u64,
         /// Length in bytes.
         len: u64,

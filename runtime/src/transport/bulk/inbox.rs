@@ -19,7 +19,7 @@ use tokio::sync::{oneshot, Notify};
 
 use super::{buffer, MAX_BULK};
 
-/// Default of `FERL_BULK_UNCLAIMED_BYTES`: one payload of the largest size fits.
+/// Default of `FERL_BULK_UNCLAIMED_BYTES` (read by `transport::config`): one payload of the largest size fits.
 pub const DEFAULT_UNCLAIMED_BYTES: u64 = MAX_BULK;
 /// Default of `FERL_BULK_UNCLAIMED_PAYLOADS`.
 pub const DEFAULT_UNCLAIMED_PAYLOADS: usize = 1024;
@@ -42,40 +42,6 @@ pub struct BulkLimits {
     pub payloads: usize,
     /// Longest wait for room, and longest time a payload stays unclaimed (`FERL_BULK_UNCLAIMED_TIMEOUT_S`).
     pub timeout: Duration,
-}
-
-impl BulkLimits {
-    /// The limits set by the environment, else the defaults; an unparsable value is ignored with a warning.
-    pub fn from_env() -> Self {
-        Self {
-            bytes: env_or("FERL_BULK_UNCLAIMED_BYTES", DEFAULT_UNCLAIMED_BYTES),
-            payloads: env_or(
-                "FERL_BULK_UNCLAIMED_PAYLOADS",
-                DEFAULT_UNCLAIMED_PAYLOADS as u64,
-            ) as usize,
-            timeout: Duration::from_secs_f64(env_or_f64(
-                "FERL_BULK_UNCLAIMED_TIMEOUT_S",
-                DEFAULT_UNCLAIMED_TIMEOUT_S as f64,
-            )),
-        }
-    }
-}
-
-fn env_or(name: &str, default: u64) -> u64 {
-    env_or_f64(name, default as f64) as u64
-}
-
-fn env_or_f64(name: &str, default: f64) -> f64 {
-    let Ok(text) = std::env::var(name) else {
-        return default;
-    };
-    match text.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => v,
-        _ => {
-            tracing::warn!("{name}={text:?} is not a non-negative number; using {default}");
-            default
-        }
-    }
 }
 
 /// Bulk payloads that arrived (or are awaited) on one connection, by id.
@@ -112,13 +78,6 @@ pub(crate) enum Admission {
     Claimed,
     /// It counts against the limits until a frame names it.
     Unclaimed,
-}
-
-impl Default for BulkInbox {
-    /// An inbox with the limits of the environment.
-    fn default() -> Self {
-        Self::new(BulkLimits::from_env())
-    }
 }
 
 impl Drop for BulkInbox {
