@@ -1,5 +1,6 @@
 //! One training rank's state, independent of how the rank was started: its shard of the model in a
-//! [`ShardedParams`] (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD from `model.fsdp_config`), and the [`Stepper`]. The [`crate::TrainerRank`] actor wraps it for the cluster path; [`crate::spmd::SpmdExecutor`] uses
+//! [`ShardedParams`] (FULL_SHARD, SHARD_GRAD_OP or NO_SHARD from `model.fsdp_config`; HSDP's shard and replica groups
+//! when `fsdp_size` asks for them), and the [`Stepper`]. The [`crate::TrainerRank`] actor wraps it for the cluster path; [`crate::spmd::SpmdExecutor`] uses
 //! it directly for one process and for ranks started by torchrun or SLURM.
 //!
 //! Invariants:
@@ -17,7 +18,7 @@ use anyhow::{bail, Context as _, Result};
 use ferl_collective::Communicator;
 use ferl_config::{Dtype, SftConfig};
 use ferl_fsdp::{
-    load_sharded, save_sharded, FsdpOptions, ShardSnapshot, ShardedParams, WithTensors,
+    load_sharded, save_sharded, FsdpOptions, ShardGroups, ShardSnapshot, ShardedParams, WithTensors,
 };
 use ferl_trainer::batch::{Layout, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
@@ -65,12 +66,41 @@ pub fn load_model_for(cfg: &SftConfig) -> Result<(ModelConfig, ModelLayout, Vec<
     Ok((loaded.config, layout, params))
 }
 
+/// Forms a collective group of some of the world group's ranks over its rendezvous: `connect(name, rank, size)` joins
+/// group `name` of `size` ranks as its rank `rank` ([`ferl_collective::Subgroups::connect`]).
+pub type ConnectGroup<'a> = &'a dyn Fn(&str, usize, usize) -> Result<Arc<dyn Communicator>>;
+
+/// The groups this rank's store shards over: the world group, or under HSDP (`model.fsdp_config.fsdp_size=S` below
+/// the world size, see [`RankLayout`]) shard group `fsdp{g}` (ranks `g·S .. (g+1)·S`) and replica group
+/// `replica{i}` (the ranks at index `i` of their shard group), formed with `connect` in that order on every rank.
+fn shard_groups(
+    cfg: &SftConfig,
+    comm: Arc<dyn Communicator>,
+    connect: Option<ConnectGroup<'_>>,
+) -> Result<ShardGroups> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let layout = RankLayout::new(cfg, world)?;
+    if !layout.hybrid() {
+        return Ok(comm.into());
+    }
+    let size = layout.shard_size;
+    let connect = connect.with_context(|| {
+        format!("model.fsdp_config.fsdp_size={size}: this launch path forms no HSDP groups")
+    })?;
+    let (group, index) = (layout.shard_group(rank), layout.shard_rank(rank));
+    let shard = connect(&format!("fsdp{group}"), index, size)
+        .with_context(|| format!("rank {rank}: joining HSDP shard group fsdp{group}"))?;
+    let replicate = connect(&format!("replica{index}"), group, layout.replicas())
+        .with_context(|| format!("rank {rank}: joining HSDP replica group replica{index}"))?;
+    Ok(ShardGroups::hybrid(shard, replicate))
+}
+
 /// The model of `model.partial_pretrain` sharded over `comm`'s group, each rank reading only its shard's bytes of
 /// the safetensors files (design note 14: no rank holds the whole model at start); with LoRA, the adapters (fresh,
 /// seeded by `trainer.seed`, or from `model.lora_adapter_path`, both small) are made whole in memory and sharded.
 fn shard_model(
     cfg: &SftConfig,
-    comm: Arc<dyn Communicator>,
+    comm: ShardGroups,
     fsdp: FsdpOptions,
 ) -> Result<(ModelConfig, ShardedParams, Option<LoraSpec>)> {
     let dir = resolve_model_dir(cfg)?;
@@ -169,6 +199,7 @@ pub struct RankState {
     /// Parameters of the whole model (for FLOP counts).
     pub num_params: i64,
     comm: Arc<dyn Communicator>,
+    groups: ShardGroups,
     fsdp: FsdpOptions,
     pending_save: Option<std::thread::JoinHandle<Result<()>>>,
     kernels: KernelRegistry,
@@ -176,15 +207,29 @@ pub struct RankState {
 }
 
 impl RankState {
-    /// Loads the model on `device`, keeps this rank's shard, and joins the store to `comm`'s group.
+    /// Loads the model on `device`, keeps this rank's shard, and joins the store to `comm`'s group. A launch path
+    /// that forms subgroups calls [`Self::build_in_groups`] instead (HSDP is refused here).
     pub fn build(
         cfg: SftConfig,
         comm: Arc<dyn Communicator>,
         device: Device,
         total_steps: u64,
     ) -> Result<Self> {
+        Self::build_in_groups(cfg, comm, None, device, total_steps)
+    }
+
+    /// [`Self::build`], forming HSDP's shard and replica groups with `connect` when `model.fsdp_config.fsdp_size`
+    /// asks for them (every rank of `comm`'s group calls it alike).
+    pub fn build_in_groups(
+        cfg: SftConfig,
+        comm: Arc<dyn Communicator>,
+        connect: Option<ConnectGroup<'_>>,
+        device: Device,
+        total_steps: u64,
+    ) -> Result<Self> {
         let fsdp = FsdpOptions::from_fsdp_config(&cfg.model.fsdp_config, device);
-        let (config, store, lora) = shard_model(&cfg, comm.clone(), fsdp)?;
+        let groups = shard_groups(&cfg, comm.clone(), connect)?;
+        let (config, store, lora) = shard_model(&cfg, groups.clone(), fsdp)?;
         let num_params = ModelLayout::new(&config).num_params();
         let stepper = build_stepper(&cfg, config, store, device, total_steps)?;
         Ok(Self {
@@ -192,6 +237,7 @@ impl RankState {
             stepper,
             num_params,
             comm,
+            groups,
             fsdp,
             pending_save: None,
             kernels: KernelRegistry::builtin(),
@@ -334,15 +380,12 @@ impl RankState {
         }
         .with_model_config(self.stepper.engine.config());
         let meta = serde_json::to_string(&snap.meta)?;
-        let (rank, world) = self.rank_and_world();
-        let files = vec![
-            ferl_fsdp::checkpoint::model_file(dir, world, rank)
-                .display()
-                .to_string(),
-            ferl_fsdp::checkpoint::optim_file(dir, world, rank)
-                .display()
-                .to_string(),
-        ];
+        // Under HSDP only the first shard group writes (its files are those of a run at its size).
+        let files = snap
+            .files(dir)
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect();
         self.save_adapter(dir)?;
         let dir = dir.to_path_buf();
         self.pending_save = Some(std::thread::spawn(move || snap.write(&dir)));
@@ -394,7 +437,7 @@ impl RankState {
         let loaded = load_sharded(
             dir,
             layout,
-            self.comm.clone(),
+            self.groups.clone(),
             self.fsdp,
             self.adam_config(),
         )

@@ -230,8 +230,8 @@ fn in_process(
     run::run(&mut exec, &cfg, train_len, run_opts)
 }
 
-/// Builds a rank's state for a run over `train_len` samples, with the `liger` kernels when asked for, in its
-/// sequence-parallel group (formed by `subgroups`) when the config asks for one.
+/// Builds a rank's state for a run over `train_len` samples, with the `liger` kernels when asked for, in its HSDP
+/// and sequence-parallel groups (formed by `subgroups`) when the config asks for them.
 fn rank_state(
     cfg: &SftConfig,
     comm: Arc<dyn Communicator>,
@@ -241,7 +241,15 @@ fn rank_state(
     host: Option<Arc<PluginHost>>,
 ) -> Result<RankState> {
     let total = run::RunPlan::new(cfg, train_len)?.total_steps;
-    let mut state = RankState::build(cfg.clone(), comm, device, total)?;
+    let connect = |name: &str, rank, size| match subgroups {
+        Some(s) => s.connect(name, rank, size),
+        None => bail!("this launch path forms no subgroups"),
+    };
+    let connect: Option<crate::rank::ConnectGroup<'_>> = match subgroups {
+        Some(_) => Some(&connect),
+        None => None,
+    };
+    let mut state = RankState::build_in_groups(cfg.clone(), comm, connect, device, total)?;
     state.join_sequence_parallel(|name, rank, size| {
         subgroups
             .context("this launch path forms no sequence-parallel groups")?
@@ -371,15 +379,8 @@ fn run_cluster(
                 .with_context(|| format!("joining the cluster at {a}"))?,
             None => {
                 let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let node = NodeOptions {
-                    num_cpus: Some(cpus.max(world + 2) as f64),
-                    ..Default::default()
-                };
-                ferl_runtime::init(HeadOptions {
-                    node,
-                    ..Default::default()
-                })
-                .await?
+                let node = NodeOptions::new().num_cpus(cpus.max(world + 2) as f64);
+                ferl_runtime::init(HeadOptions::new().node(node)).await?
             }
         };
         let result = train_checked(&cluster, cfg, world, plugins, registry).await;

@@ -99,9 +99,11 @@ impl Actor for TrainerRank {
                     format!("trainer rank {rank}/{world}: joining the collective group")
                 })?;
             let liger = cfg.model.use_liger;
-            let mut state = RankState::build(cfg, comm, device, args.total_steps)
-                .with_context(|| format!("trainer rank {rank}/{world}: building the model"))?;
             let subgroups = Subgroups::new(device, rendezvous, options);
+            let connect = |name: &str, r, size| subgroups.connect(name, r, size);
+            let mut state =
+                RankState::build_in_groups(cfg, comm, Some(&connect), device, args.total_steps)
+                    .with_context(|| format!("trainer rank {rank}/{world}: building the model"))?;
             state.join_sequence_parallel(|name, r, size| subgroups.connect(name, r, size))?;
             if liger {
                 // The `liger` plugin shipped from the driver, else the built-in kernels.

@@ -238,12 +238,23 @@ fn keys_the_engine_cannot_honour_are_refused() {
     tiny_model(dir.path());
     let cfg = config(
         dir.path(),
-        &["model.external_lib=foo", "ulysses_sequence_parallel_size=2"],
+        &[
+            "model.external_lib=foo",
+            "trainer.default_hdfs_dir=hdfs://x",
+        ],
     );
     let err = run_with_data(&cfg, &(8, 1), None, quiet()).err().unwrap();
     let msg = format!("{err:#}");
     assert!(
-        msg.contains("model.external_lib") && msg.contains("ulysses_sequence_parallel_size"),
+        msg.contains("model.external_lib") && msg.contains("trainer.default_hdfs_dir"),
+        "{msg}"
+    );
+    // Sequence parallelism needs ranks to share sequences: one process is refused naming the key and the ranks.
+    let cfg = config(dir.path(), &["ulysses_sequence_parallel_size=2"]);
+    let err = run_with_data(&cfg, &(8, 1), None, quiet()).err().unwrap();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("ulysses_sequence_parallel_size=2") && msg.contains("number of ranks"),
         "{msg}"
     );
 }

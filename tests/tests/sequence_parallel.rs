@@ -2,7 +2,8 @@
 //! remove-padding trains the same loss and gradient-norm curves as the one-process reference within 1e-5 (fp32,
 //! 6 steps): SP 2 at world 2, SP 2 at world 4 (data parallelism 2), SP 4 at world 4 (the tiny model's 2 KV heads
 //! repeated to 4) on the actor path, and SP 2 at world 2 on the launcher path; with gradient checkpointing too.
-//! A size that does not divide the ranks, or the model's heads, is refused naming both numbers. The model has 4
+//! A size that does not divide the ranks is refused naming the key; one that does not divide the model's heads is
+//! refused naming both numbers. The model has 4
 //! query heads and 2 KV heads.
 
 use ferl_tests::*;
@@ -76,7 +77,7 @@ fn sizes_that_do_not_split_are_refused_naming_both_numbers() {
     )
     .unwrap_err();
     assert!(
-        err.contains("ulysses_sequence_parallel_size=2") && err.contains("(3)"),
+        err.contains("ulysses_sequence_parallel_size=2") && err.contains("number of ranks"),
         "{err}"
     );
     let o = overrides(&fx, "bad", &["ulysses_sequence_parallel_size=3"]);

@@ -233,8 +233,9 @@ pub struct FsdpConfig {
     /// Re-shard parameters after forward (FSDP2's `reshard_after_forward`). `sharding_strategy: SHARD_GRAD_OP` sets
     /// it to false (see [`crate::spellings`]).
     pub reshard_after_forward: bool,
-    /// Size of one sharding group; -1 shards over all ranks (verl's `fsdp_size`). `sharding_strategy: NO_SHARD`
-    /// sets it to 1; `HYBRID_SHARD` needs it set above 1 (see [`crate::spellings`]).
+    /// Size of one sharding group; -1 shards over all ranks (verl's `fsdp_size`); a size dividing the ranks shards
+    /// within groups of it and replicates across them (HSDP). `sharding_strategy: NO_SHARD` sets it to 1;
+    /// `HYBRID_SHARD` needs it set above 1 (see [`crate::spellings`]).
     pub fsdp_size: i64,
     /// Prefetch the next layer's all-gather during forward.
     pub forward_prefetch: bool,

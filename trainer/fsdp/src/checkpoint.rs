@@ -12,12 +12,16 @@
 //! The files are the same whatever the strategy (a NO_SHARD rank writes its slice of its replica), and loading works
 //! at any world size and strategy: each rank reads only the bytes of the old slices overlapping its new range (the
 //! files' headers, then those byte ranges) and reslices them.
+//!
+//! Under HSDP (shard groups of `S` ranks, see [`crate::groups`]) only the first shard group (replica 0) writes: the
+//! files are those of an `S`-rank run (`world_size` = `S`, `replica_groups` = `world / S` in the metadata), since
+//! every shard group holds the same whole model. They load at any world size and any `S` like any other.
 
+use crate::groups::ShardGroups;
 use crate::store::{local_range, ShardedParams};
 use crate::units::{FlatUnit, UnitPlan};
 use crate::FsdpOptions;
 use anyhow::{bail, Context, Result};
-use ferl_collective::Communicator;
 use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::model::lora::{
@@ -28,7 +32,6 @@ use ferl_trainer::optim::{AdamW, AdamWConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 /// Name of the metadata file of a sharded checkpoint.
@@ -40,8 +43,12 @@ const FORMAT: &str = "ferl-fsdp/1";
 pub struct CheckpointMeta {
     /// Format tag (`ferl-fsdp/1`).
     pub format: String,
-    /// Number of ranks that wrote the checkpoint.
+    /// Number of ranks that wrote the checkpoint (under HSDP, the shard group's size: the files are cut for it).
     pub world_size: usize,
+    /// Shard groups of the run that saved it (HSDP; 1 otherwise): each held the whole model and only the first
+    /// wrote it. Informational: loading needs only `world_size`.
+    #[serde(default = "one")]
+    pub replica_groups: usize,
     /// Training steps completed when it was taken.
     pub global_step: i64,
     /// AdamW's step count (bias correction).
@@ -51,6 +58,10 @@ pub struct CheckpointMeta {
     /// The model's `config.json` as read (lets [`export_sharded`] write a Hugging Face folder without the source).
     #[serde(default)]
     pub model_config: Option<serde_json::Value>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The model file of rank `r` at world size `w`.
@@ -67,8 +78,10 @@ pub fn optim_file(dir: &Path, w: usize, r: usize) -> PathBuf {
 pub struct ShardSnapshot {
     /// Metadata (identical on every rank).
     pub meta: CheckpointMeta,
-    /// The rank that took it.
+    /// The rank that took it (within its shard group under HSDP).
     pub rank: usize,
+    /// Its replica (shard group) index under HSDP, else 0: only replica 0 writes files.
+    pub replica: usize,
     /// Unit name → this rank's slice of the master.
     pub model: Vec<(String, Tensor)>,
     /// `{unit}.exp_avg` / `{unit}.exp_avg_sq` → this rank's slices of the AdamW moments.
@@ -79,6 +92,7 @@ impl ShardSnapshot {
     /// Copies this rank's slices of the masters and of `optimizer`'s moments (CPU copies) after `global_step` steps.
     pub fn take(store: &ShardedParams, optimizer: &AdamW, global_step: i64) -> Result<Self> {
         let (rank, world) = store.rank_and_world();
+        let (replica, replicas) = store.replica_rank_and_count();
         let plan = store.plan();
         if optimizer.exp_avg.len() != plan.trainable_units() {
             bail!(
@@ -107,12 +121,14 @@ impl ShardSnapshot {
             meta: CheckpointMeta {
                 format: FORMAT.into(),
                 world_size: world,
+                replica_groups: replicas,
                 global_step,
                 optimizer_step: optimizer.step,
                 units: plan.units.clone(),
                 model_config: None,
             },
             rank,
+            replica,
             model,
             optim,
         })
@@ -124,9 +140,27 @@ impl ShardSnapshot {
         self
     }
 
-    /// Writes this rank's two files into `dir` (created if needed). Rank 0 should call [`ShardSnapshot::write_meta`]
-    /// once every rank's `write` has returned.
+    /// The files [`Self::write`] writes into `dir`: this rank's two, none for a replica other than the first.
+    pub fn files(&self, dir: &Path) -> Vec<PathBuf> {
+        let w = self.meta.world_size;
+        match self.replica {
+            0 => vec![model_file(dir, w, self.rank), optim_file(dir, w, self.rank)],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether this snapshot's rank writes `fsdp_meta.json` (rank 0 of the first replica).
+    pub fn writes_meta(&self) -> bool {
+        self.rank == 0 && self.replica == 0
+    }
+
+    /// Writes this rank's two files into `dir` (created if needed; nothing for a replica other than the first).
+    /// The rank of [`Self::writes_meta`] should call [`ShardSnapshot::write_meta`] once every rank's `write` has
+    /// returned.
     pub fn write(&self, dir: &Path) -> Result<()> {
+        if self.replica != 0 {
+            return Ok(());
+        }
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let w = self.meta.world_size;
         write_safetensors(&model_file(dir, w, self.rank), &self.model)?;
@@ -164,7 +198,7 @@ pub fn save_sharded(
             ok[0]
         );
     }
-    if snap.rank == 0 {
+    if snap.writes_meta() {
         snap.write_meta(dir)?;
     }
     Ok(())
@@ -280,19 +314,21 @@ pub struct LoadedShards {
     pub bytes_read: u64,
 }
 
-/// Loads the checkpoint in `dir` into a store over `comm` (any world size, any strategy): each rank reads only the
-/// bytes of its new range from the old slices overlapping it.
+/// Loads the checkpoint in `dir` into a store over `comm` (any world size, any strategy; a communicator, or HSDP's
+/// [`ShardGroups`], each shard group loading the whole model): each rank reads only the bytes of its new range from
+/// the old slices overlapping it.
 pub fn load_sharded(
     dir: &Path,
     layout: ModelLayout,
-    comm: Arc<dyn Communicator>,
+    comm: impl Into<ShardGroups>,
     opts: FsdpOptions,
     adam: AdamWConfig,
 ) -> Result<LoadedShards> {
     let meta = read_meta(dir)?;
     let plan = UnitPlan::new(&layout);
     check_units(dir, &meta, &plan)?;
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let groups: ShardGroups = comm.into();
+    let (rank, world) = groups.shard_rank_and_size();
     let ranges: Vec<(i64, i64)> = plan
         .units
         .iter()
@@ -325,7 +361,7 @@ pub fn load_sharded(
     let masters = read_all(model_file, "")?;
     let exp_avg = read_all(optim_file, ".exp_avg")?;
     let exp_avg_sq = read_all(optim_file, ".exp_avg_sq")?;
-    let store = ShardedParams::from_local_masters(layout, plan, masters, comm, opts)?;
+    let store = ShardedParams::from_local_masters(layout, plan, masters, groups, opts)?;
     let device = store.local_masters()[0].device();
     let mut optimizer = AdamW::new(adam, store.trainable_masters());
     optimizer.exp_avg = exp_avg.into_iter().map(|t| t.to_device(device)).collect();

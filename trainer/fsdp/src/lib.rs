@@ -5,7 +5,8 @@
 //! The model's tensors are grouped per stage (embedding, each decoder layer, final norm + head) into [`FlatUnit`]s:
 //! one flat fp32 buffer per unit, padded to a multiple of the world size. Rank `r` keeps slice `r` of each buffer as its
 //! fp32 master (FULL_SHARD, SHARD_GRAD_OP) or the whole buffer (NO_SHARD). The optimizer (`ferl_trainer::optim::AdamW`,
-//! element-wise) runs on those local buffers only.
+//! element-wise) runs on those local buffers only. HSDP ([`ShardGroups::hybrid`], `fsdp_size=S`) does the same within
+//! each shard group of `S` ranks (the "world" of the units is `S`) and sums gradients across the groups.
 //!
 //! # Using it (one trainer rank)
 //! ```no_run
@@ -30,6 +31,7 @@
 //!
 //! # Modules
 //! - [`units`]: the flat unit layout (who owns which elements).
+//! - [`groups`]: [`ShardGroups`], the shard group and (HSDP) replica group a store communicates over.
 //! - [`store`]: [`ShardedParams`] — gather (all-gather + prefetch), reduce-scatter, release (FULL_SHARD frees the
 //!   gathered bytes even where a kept autograd graph refers to them, and `regather` fills them again), norms, and
 //!   [`MemoryStats`], the bytes a rank holds.
@@ -42,6 +44,7 @@
 
 pub mod checkpoint;
 pub mod global;
+pub mod groups;
 pub mod load;
 pub mod store;
 pub mod units;
@@ -52,6 +55,7 @@ pub use checkpoint::{
     CheckpointMeta, LoadedShards, ShardSnapshot,
 };
 pub use global::global_step;
+pub use groups::ShardGroups;
 pub use load::{ParamSource, WithTensors};
 pub use store::{CommStats, MemoryStats, ShardedParams};
 pub use units::{FlatUnit, UnitPlan};

@@ -6,15 +6,14 @@
 //! few tensors given in memory besides ([`WithTensors`], LoRA's fresh adapters over a base read from files).
 //! [`ShardedParams::from_source`] asks each source only for the ranges that overlap the rank's slice of each unit.
 
+use crate::groups::ShardGroups;
 use crate::store::{local_range, ShardedParams};
 use crate::units::UnitPlan;
 use crate::FsdpOptions;
 use anyhow::{bail, Context, Result};
-use ferl_collective::Communicator;
 use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::model::weights::WeightReader;
 use std::collections::HashMap;
-use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 /// Element ranges of the model's tensors, for building a rank's shard.
@@ -94,17 +93,19 @@ pub fn local_masters(
 }
 
 impl ShardedParams {
-    /// Shards the model whose tensors `source` holds over `comm`'s group, reading only this rank's part of each
-    /// unit: with a [`WeightReader`], a rank never holds more of the model than its shard.
+    /// Shards the model whose tensors `source` holds over `comm`'s group (a communicator, or HSDP's
+    /// [`ShardGroups`]: then over the shard group), reading only this rank's part of each unit: with a
+    /// [`WeightReader`], a rank never holds more of the model than its shard.
     pub fn from_source(
         layout: ModelLayout,
         source: &mut (impl ParamSource + ?Sized),
-        comm: Arc<dyn Communicator>,
+        comm: impl Into<ShardGroups>,
         opts: FsdpOptions,
     ) -> Result<Self> {
+        let groups = comm.into();
         let plan = UnitPlan::new(&layout);
-        let (rank, world) = (comm.rank(), comm.world_size());
+        let (rank, world) = groups.shard_rank_and_size();
         let locals = local_masters(&plan, source, &opts, rank, world)?;
-        Self::from_local_masters(layout, plan, locals, comm, opts)
+        Self::from_local_masters(layout, plan, locals, groups, opts)
     }
 }

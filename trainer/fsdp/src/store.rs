@@ -1,10 +1,13 @@
-//! [`ShardedParams`]: the [`ParamStore`] that shards the model over a [`Communicator`] group.
+//! [`ShardedParams`]: the [`ParamStore`] that shards the model over a
+//! [`Communicator`](ferl_collective::Communicator) group, or over HSDP's [`ShardGroups`].
 //!
 //! # Invariants
 //! 1. `master[u]` is fp32 on the master device: this rank's shard of unit `u` (FULL_SHARD, SHARD_GRAD_OP) or the whole
 //!    padded flat buffer (NO_SHARD). `grads[u]` has the same shape and device.
 //! 2. After [`ShardedParams::finish_grads`] (which `grad_sq_norm` and `master_and_grads` run), `grads[u]` holds the
-//!    *sum over ranks* of every gradient accumulated since `zero_grads`, restricted to this rank's range.
+//!    *sum over ranks* of every gradient accumulated since `zero_grads`, restricted to this rank's range. Under HSDP
+//!    ([`ShardGroups`]) "ranks" are all of them: units are padded and sliced over the shard group (`world` is its
+//!    size), reduce-scattered within it and all-reduced across the replica group.
 //! 3. Gathered copies never outlive a change of the masters: every cache and prefetch is dropped before the optimizer
 //!    sees the masters, and gathers read copies of the shards, never the masters themselves.
 //!    Within a step, `full[u]` keeps the handle of every buffer gathered for unit `u` until `drop_gathered`: FULL_SHARD's
@@ -22,16 +25,15 @@
 //!    no gradient buffer (an empty tensor), no reduction and no optimizer state: [`ParamStore::master_and_grads`]
 //!    returns only the trainable units, which come first in the plan.
 
+use crate::groups::ShardGroups;
 use crate::units::UnitPlan;
 use crate::worker::{CommWorker, Pending};
 use crate::{FsdpOptions, ShardingStrategy};
 use anyhow::{bail, Context, Result};
-use ferl_collective::Communicator;
 use ferl_trainer::model::layout::{ModelLayout, Stage};
 use ferl_trainer::params::{ParamStore, StageParams};
 use ferl_trainer::storage::{free_storage, refill_storage, storage_nbytes};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
@@ -78,6 +80,8 @@ pub struct ShardedParams {
     opts: FsdpOptions,
     rank: usize,
     world: usize,
+    replica: usize,
+    replicas: usize,
     master_device: Device,
     worker: CommWorker,
     master: Vec<Tensor>,
@@ -97,11 +101,12 @@ pub struct ShardedParams {
 
 impl ShardedParams {
     /// Shards the full fp32 parameters `full` (in `layout.tensors` order, identical on every rank — e.g. from
-    /// `load_model` or `init_params` with one seed) over `comm`'s group; this rank keeps only its part.
+    /// `load_model` or `init_params` with one seed) over `comm`'s group (a communicator, or HSDP's
+    /// [`ShardGroups`]); this rank keeps only its part.
     pub fn new(
         layout: ModelLayout,
         full: &[Tensor],
-        comm: Arc<dyn Communicator>,
+        comm: impl Into<ShardGroups>,
         opts: FsdpOptions,
     ) -> Result<Self> {
         if full.len() != layout.tensors.len() {
@@ -128,11 +133,14 @@ impl ShardedParams {
         layout: ModelLayout,
         plan: UnitPlan,
         locals: Vec<Tensor>,
-        comm: Arc<dyn Communicator>,
+        groups: ShardGroups,
         opts: FsdpOptions,
     ) -> Result<Self> {
-        let world = comm.world_size();
-        let rank = comm.rank();
+        let (rank, world) = groups.shard_rank_and_size();
+        let (replica, replicas) = groups.replica_rank_and_count();
+        if replicas > 1 && opts.strategy == ShardingStrategy::NoShard {
+            bail!("HSDP (a replica group) needs a sharding strategy, not NO_SHARD");
+        }
         let master_device = if opts.cpu_offload {
             Device::Cpu
         } else {
@@ -178,8 +186,10 @@ impl ShardedParams {
             opts,
             rank,
             world,
+            replica,
+            replicas,
             master_device,
-            worker: CommWorker::new(comm),
+            worker: CommWorker::new(groups.shard, groups.replicate),
             master,
             grads,
             full,
@@ -206,9 +216,14 @@ impl ShardedParams {
         &self.opts
     }
 
-    /// This rank and the group size.
+    /// This rank and the size of the group the units are sliced over: the shard group under HSDP, else all ranks.
     pub fn rank_and_world(&self) -> (usize, usize) {
         (self.rank, self.world)
+    }
+
+    /// This rank's replica index (its shard group under HSDP, else 0) and the number of replicas (1 without HSDP).
+    pub fn replica_rank_and_count(&self) -> (usize, usize) {
+        (self.replica, self.replicas)
     }
 
     /// Communication counters since the store was built.
@@ -287,9 +302,10 @@ impl ShardedParams {
         &self.master[..self.plan.trainable_units()]
     }
 
-    /// Sums `values` over the ranks (through the store's communication thread, in order with its other collectives).
+    /// Sums `values` over all ranks, every replica included (through the store's communication thread, in order
+    /// with its other collectives).
     pub fn all_reduce_sum(&mut self, values: &[f64]) -> Result<Vec<f64>> {
-        if self.world == 1 {
+        if self.world * self.replicas == 1 {
             return Ok(values.to_vec());
         }
         let t = Tensor::from_slice(values).to_device(self.opts.device);
@@ -641,7 +657,14 @@ impl ParamStore for ShardedParams {
             local += g.square().sum(Kind::Double).double_value(&[]);
         }
         if self.sharded() && self.world > 1 {
-            Ok(self.all_reduce_sum(&[local])?[0])
+            // Replicas hold equal shards: the shard group's sum is the whole gradient's.
+            let t = Tensor::from_slice(&[local]).to_device(self.opts.device);
+            let out = self
+                .worker
+                .all_reduce_shard_group(t)
+                .wait()
+                .context("summing the gradient norm over the shard group")?;
+            Ok(Vec::<f64>::try_from(&out.to_device(Device::Cpu))?[0])
         } else {
             Ok(local)
         }

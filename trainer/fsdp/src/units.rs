@@ -6,6 +6,7 @@
 //!    it. A tied output matrix therefore lives in the embedding unit and the head stage refers to it there.
 //! 2. A unit's flat buffer is its tensors' elements in stage order, back to back, followed by zero padding up to
 //!    `padded = ceil(numel / world) * world`; rank `r` owns `[r * shard, (r + 1) * shard)` with `shard = padded / world`.
+//!    Under HSDP `world` is the shard group's size (`fsdp_size`): each shard group holds a whole copy.
 //! 3. Padding elements have zero value and zero gradient forever (AdamW keeps zeros at zero).
 //! 4. A stage's trainable and frozen tensors (LoRA's adapters and its frozen base) are separate units (the adapters'
 //!    unit is named `{stage}.adapters`), and every trainable unit comes before every frozen one, so the optimizer's

@@ -4,7 +4,9 @@
 //! # Invariants
 //! 1. Collectives run one at a time, in the order they were submitted. Every rank submits the same sequence (the
 //!    schedule is the same on every rank), so the ranks' collectives always match.
-//! 2. Nothing else calls the communicator while the worker exists: all collectives of the store go through it.
+//! 2. Nothing else calls the communicators while the worker exists: all collectives of the store go through it.
+//! 3. Under HSDP a reduction is one job: the shard group's collective, then the replica group's all-reduce of its
+//!    result, so every rank of both groups sees the same order.
 
 use anyhow::{anyhow, Result};
 use ferl_collective::Communicator;
@@ -30,15 +32,17 @@ impl Pending {
     }
 }
 
-/// The thread that owns the communicator's calls.
+/// The thread that owns the communicators' calls.
 pub struct CommWorker {
+    replicate: Option<Arc<dyn Communicator>>,
     tx: Option<Sender<Job>>,
     handle: Option<JoinHandle<()>>,
 }
 
 impl CommWorker {
-    /// Starts the thread for `comm`.
-    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+    /// Starts the thread for the shard group `comm` and, under HSDP, the replica group `replicate`.
+    pub fn new(comm: Arc<dyn Communicator>, replicate: Option<Arc<dyn Communicator>>) -> Self {
+        let replicate = replicate.filter(|r| r.world_size() > 1);
         let (tx, rx) = channel::<Job>();
         let rank = comm.rank();
         let handle = std::thread::Builder::new()
@@ -50,6 +54,7 @@ impl CommWorker {
             })
             .expect("spawning the communication thread");
         Self {
+            replicate,
             tx: Some(tx),
             handle: Some(handle),
         }
@@ -81,20 +86,41 @@ impl CommWorker {
         })
     }
 
-    /// Sums the 1-D `full` across ranks and returns this rank's block.
+    /// Sums the 1-D `full` across every rank and returns this rank's block of the shard group: a reduce-scatter
+    /// within the shard group, then (HSDP) an all-reduce of the block across the replica group.
     pub fn reduce_scatter(&self, full: Tensor) -> Pending {
+        let replicate = self.replicate.clone();
         self.submit("reduce_scatter", move |c| {
-            if c.world_size() == 1 {
-                return Ok(full);
+            let mut block = match c.world_size() {
+                1 => full,
+                _ => c.reduce_scatter_flat(&full, ferl_collective::ReduceOp::Sum)?,
+            };
+            if let Some(r) = replicate {
+                r.all_reduce(&mut block, ferl_collective::ReduceOp::Sum)?;
             }
-            c.reduce_scatter_flat(&full, ferl_collective::ReduceOp::Sum)
+            Ok(block)
         })
     }
 
-    /// Sums `t` across ranks and returns it.
-    pub fn all_reduce(&self, mut t: Tensor) -> Pending {
+    /// Sums `t` across every rank (shard group, then replica group) and returns it.
+    pub fn all_reduce(&self, t: Tensor) -> Pending {
+        self.all_reduce_in(t, true)
+    }
+
+    /// Sums `t` across the shard group only (the ranks that together hold one copy of the model).
+    pub fn all_reduce_shard_group(&self, t: Tensor) -> Pending {
+        self.all_reduce_in(t, false)
+    }
+
+    fn all_reduce_in(&self, mut t: Tensor, replicas: bool) -> Pending {
+        let replicate = self.replicate.clone().filter(|_| replicas);
         self.submit("all_reduce", move |c| {
-            c.all_reduce(&mut t, ferl_collective::ReduceOp::Sum)?;
+            if c.world_size() > 1 {
+                c.all_reduce(&mut t, ferl_collective::ReduceOp::Sum)?;
+            }
+            if let Some(r) = replicate {
+                r.all_reduce(&mut t, ferl_collective::ReduceOp::Sum)?;
+            }
             Ok(t)
         })
     }

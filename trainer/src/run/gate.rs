@@ -84,6 +84,7 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
             "model.fsdp_config.cpu_offload",
             "model.fsdp_config.offload_params",
             "model.fsdp_config.sharding_strategy",
+            "model.fsdp_config.fsdp_size",
             "optim.lr",
             "optim.lr_warmup_steps_ratio",
             "optim.lr_warmup_steps",
@@ -115,7 +116,6 @@ pub fn supported_keys(loggers: &[String]) -> Supported {
         .values("optim.optimizer", &["AdamW"])
         .values("optim.optimizer_impl", &["torch.optim"])
         .values("model.use_liger", &["false", "true"])
-        .values("model.fsdp_config.fsdp_size", &["-1", "1"])
         .values("model.fsdp_config.wrap_policy.min_num_params", &["0"])
         .values("trainer.device", &["cpu", "cuda"])
         .values("trainer.logger", &names)
@@ -206,7 +206,9 @@ fn check_contents(cfg: &SftConfig) -> Result<()> {
 }
 
 /// Every rank must run the same number of micro-batches per step, so the global batch splits evenly over the ranks
-/// (verl requires the same), and micro-batches are whole; a token budget holds at least one longest sample.
+/// (verl requires the same), and micro-batches are whole; a token budget holds at least one longest sample. The
+/// rank layout (`RankLayout::new`) refuses a sequence-parallel or HSDP (`model.fsdp_config.fsdp_size`) group size
+/// that does not divide the ranks.
 fn check_batch_split(cfg: &SftConfig, world: usize) -> Result<()> {
     let (batch, micro) = (cfg.data.train_batch_size, cfg.data.micro_batch_size_per_gpu);
     let dp = RankLayout::new(cfg, world)?.dp_world();
