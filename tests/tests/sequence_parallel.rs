@@ -1,10 +1,10 @@
 //! Ulysses sequence parallelism end to end on the CPU (issue #13): `ulysses_sequence_parallel_size=K` with
 //! remove-padding trains the same loss and gradient-norm curves as the one-process reference within 1e-5 (fp32,
 //! 6 steps): SP 2 at world 2, SP 2 at world 4 (data parallelism 2), SP 4 at world 4 (the tiny model's 2 KV heads
-//! repeated to 4) on the actor path, and SP 2 at world 2 on the launcher path; with gradient checkpointing too.
+//! repeated to 4) on the actor path, and SP 2 at world 2 on the launcher path; with gradient checkpointing too, and
+//! with LoRA and the liger kernels.
 //! A size that does not divide the ranks is refused naming the key; one that does not divide the model's heads is
-//! refused naming both numbers. The model has 4
-//! query heads and 2 KV heads.
+//! refused naming both numbers. The model has 4 query heads and 2 KV heads.
 
 use ferl_tests::*;
 
@@ -62,6 +62,25 @@ fn sequence_parallel_runs_match_the_one_process_curves() {
             REL,
         );
     }
+}
+
+/// LoRA adapters (base frozen) and the liger kernels (the layer split at replaced ops) under SP 2 at world 2.
+#[test]
+fn sequence_parallel_with_lora_and_liger_matches_the_one_process_curves() {
+    let fx = Fixture::new().unwrap();
+    let keys = [
+        "model.lora_rank=8",
+        "model.lora_alpha=16",
+        "model.target_modules=all-linear",
+        "model.use_liger=true",
+    ];
+    let reference = reference_run(&overrides(&fx, "ref", &keys)).unwrap();
+    let mut sp = keys.to_vec();
+    sp.push("ulysses_sequence_parallel_size=2");
+    let o = overrides(&fx, "lora", &sp);
+    let got = run_path(DRIVER, fx.dir.path(), LaunchPath::Actors(2), &o, "lora")
+        .unwrap_or_else(|e| panic!("SP 2 with LoRA and liger failed: {e}"));
+    assert_curves_match("SP 2, LoRA, liger", &got.steps, &reference, REL);
 }
 
 #[test]
