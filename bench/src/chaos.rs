@@ -29,7 +29,7 @@ use workload::{Soak, Tally};
 
 /// Options of the chaos suite.
 #[derive(Args, Debug, Clone)]
-pub struct ChaosArgs {
+pub(crate) struct ChaosArgs {
     /// Seconds of traffic.
     #[arg(long, default_value_t = 120.0)]
     seconds: f64,
@@ -88,7 +88,7 @@ impl ChaosArgs {
 
 /// Options of the hidden `chaos-node` command: a node agent, as `ferl start --address ... --block` runs it.
 #[derive(Args, Debug)]
-pub struct NodeArgs {
+pub(crate) struct NodeArgs {
     /// The head's address.
     #[arg(long)]
     address: String,
@@ -101,7 +101,7 @@ pub struct NodeArgs {
 }
 
 /// Runs a node agent until it is killed or loses its head (the token comes from `FERL_TOKEN`).
-pub fn node(args: NodeArgs) -> Result<()> {
+pub(crate) fn node(args: NodeArgs) -> Result<()> {
     ferl::init_tracing();
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
@@ -117,7 +117,7 @@ pub fn node(args: NodeArgs) -> Result<()> {
 }
 
 /// Runs the suite and prints its rows.
-pub fn run(args: ChaosArgs, out: &mut Report) -> Result<()> {
+pub(crate) fn run(args: ChaosArgs, out: &mut Report) -> Result<()> {
     if args.nodes < 2 || args.actors_per_node < 2 {
         bail!("--nodes and --actors-per-node must be at least 2 (relays go from a front to a back on another node)");
     }

@@ -30,7 +30,7 @@ const TRANSPORT_VAR: &str = "FERL_BENCH_TRANSPORT";
 
 /// Options of the collectives suite.
 #[derive(Args, Debug)]
-pub struct CollectivesArgs {
+pub(crate) struct CollectivesArgs {
     /// Buffer sizes (KiB/MiB suffixes).
     #[arg(long, value_delimiter = ',', default_value = "1KiB,1MiB,16MiB,128MiB")]
     sizes: Vec<String>,
@@ -72,7 +72,7 @@ fn iterations(bytes: usize) -> usize {
 }
 
 /// Runs the suite and prints its rows.
-pub fn run(args: CollectivesArgs, out: &mut Report) -> Result<()> {
+pub(crate) fn run(args: CollectivesArgs, out: &mut Report) -> Result<()> {
     let sizes: Vec<(String, usize)> = args
         .sizes
         .iter()

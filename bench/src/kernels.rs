@@ -33,7 +33,7 @@ use tch::{Device, Kind, Tensor};
 
 /// Options of the kernels suite.
 #[derive(Args, Debug)]
-pub struct KernelsArgs {
+pub(crate) struct KernelsArgs {
     /// Hidden size (the tiny Qwen2's).
     #[arg(long, default_value_t = 128)]
     hidden: i64,
@@ -182,7 +182,7 @@ fn run_child(variant: &str, a: &KernelsArgs) -> Result<Figures> {
 }
 
 /// Runs the suite and prints its rows.
-pub fn run(args: KernelsArgs, out: &mut Report) -> Result<()> {
+pub(crate) fn run(args: KernelsArgs, out: &mut Report) -> Result<()> {
     if let Some(variant) = &args.child {
         return child(variant, &args);
     }

@@ -1,19 +1,19 @@
 //! How every suite prints its figures: `name value unit` per line, or one JSON object per line with `--json`.
 
 /// Collects and prints benchmark figures.
-pub struct Report {
+pub(crate) struct Report {
     json: bool,
 }
 
 impl Report {
     /// A report printing plain rows, or JSON lines when `json`.
-    pub fn new(json: bool) -> Self {
+    pub(crate) fn new(json: bool) -> Self {
         Self { json }
     }
 
     /// Prints one figure at once (so long suites show progress).
     #[allow(dead_code)]
-    pub fn row(&mut self, name: &str, value: f64, unit: &str) {
+    pub(crate) fn row(&mut self, name: &str, value: f64, unit: &str) {
         if self.json {
             println!(
                 "{}",
@@ -25,5 +25,5 @@ impl Report {
     }
 
     /// Ends the report.
-    pub fn finish(self) {}
+    pub(crate) fn finish(self) {}
 }

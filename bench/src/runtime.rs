@@ -18,7 +18,7 @@ use crate::report::Report;
 
 /// Options of the runtime suite.
 #[derive(Args, Debug)]
-pub struct RuntimeArgs {
+pub(crate) struct RuntimeArgs {
     /// Seconds each throughput figure runs for.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
@@ -31,7 +31,7 @@ pub struct RuntimeArgs {
 }
 
 /// Runs the suite and prints its rows.
-pub fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
+pub(crate) fn run(args: RuntimeArgs, out: &mut Report) -> Result<()> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = args.driver_threads {
         builder.worker_threads(n.max(1));

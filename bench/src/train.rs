@@ -67,7 +67,7 @@ use tch::{Device, Kind};
 
 /// Options of the train suite.
 #[derive(Args, Debug, Clone)]
-pub struct TrainArgs {
+pub(crate) struct TrainArgs {
     /// Samples per optimizer step (the global batch).
     #[arg(long, default_value_t = 16)]
     batch: usize,
@@ -165,7 +165,7 @@ pub struct TrainArgs {
 
 /// Runs the suite: the single-process comparison, or (`--nproc-per-node`) the sharded one, or (`--model-shape`) the
 /// synthetic-shape run; internally also one side's child process.
-pub fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
+pub(crate) fn run(a: TrainArgs, out: &mut Report) -> Result<()> {
     if let (Some(spec), Some(dir)) = (&a.budget_child, &a.child) {
         return budget::child(&a, spec, a.token_budget.unwrap_or(0), dir);
     }

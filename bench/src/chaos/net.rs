@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 
 /// netem-like settings of one host's link (applied in each direction).
 #[derive(Debug, Clone, Copy)]
-pub struct Link {
+pub(super) struct Link {
     /// Mean one-way delay.
     pub delay: Duration,
     /// Uniform jitter around the delay.
@@ -42,7 +42,7 @@ impl Link {
 
 /// One emulated host: its namespace and address.
 #[derive(Debug, Clone)]
-pub struct Host {
+pub(super) struct Host {
     /// Network namespace name (`ip netns exec NAME ...`).
     pub ns: String,
     /// Address of its `fc0` device.
@@ -107,7 +107,7 @@ struct Switch {
 }
 
 /// The soak's hosts and the switch between them. Host 0 is the head's.
-pub struct Net {
+pub(super) struct Net {
     /// The hosts, head first.
     pub hosts: Vec<Host>,
     switch: Option<Arc<Switch>>,
@@ -116,7 +116,7 @@ pub struct Net {
 }
 
 /// Runs `cmd`, failing with its stderr.
-pub fn sh(cmd: &mut Command) -> Result<()> {
+pub(super) fn sh(cmd: &mut Command) -> Result<()> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
     if !out.status.success() {
         bail!(
@@ -133,7 +133,7 @@ fn ip(args: &[&str]) -> Result<()> {
 }
 
 /// Moves the calling thread into the network namespace `ns` (threads it starts later are there too).
-pub fn enter_netns(ns: &str) -> Result<()> {
+pub(super) fn enter_netns(ns: &str) -> Result<()> {
     let f = File::open(format!("/run/netns/{ns}"))
         .with_context(|| format!("opening network namespace {ns}"))?;
     // SAFETY: setns on a valid namespace fd; it changes only the calling thread's network namespace.
@@ -179,7 +179,7 @@ impl Net {
     /// Makes `count` hosts (namespaces `PREFIX-0`, `PREFIX-1`, ...; host 0 at 10.77.0.1, host i at 10.77.0.(10+i))
     /// with `link` on every link, and starts the switch; a flapping link loses `flap_loss` of its packets. Needs
     /// root (CAP_NET_ADMIN) and the tun driver.
-    pub fn create(
+    pub(super) fn create(
         prefix: &str,
         count: usize,
         link: Link,
@@ -239,23 +239,23 @@ impl Net {
     }
 
     /// A handle that changes the links while the switch runs.
-    pub fn links(&self) -> Links {
+    pub(super) fn links(&self) -> Links {
         Links(self.switch.clone().expect("the switch runs"))
     }
 }
 
 /// Changes links of a running [`Net`].
 #[derive(Clone)]
-pub struct Links(Arc<Switch>);
+pub(super) struct Links(Arc<Switch>);
 
 impl Links {
     /// Cuts host `host` off (every packet to or from it is lost, as for a powered-off machine), or reconnects it.
-    pub fn set_down(&self, host: usize, down: bool) {
+    pub(super) fn set_down(&self, host: usize, down: bool) {
         self.0.links.lock().expect("links lock")[host].down = down;
     }
 
     /// Raises host `host`'s loss to the flap loss, or lowers it back.
-    pub fn set_flapping(&self, host: usize, flapping: bool) {
+    pub(super) fn set_flapping(&self, host: usize, flapping: bool) {
         self.0.links.lock().expect("links lock")[host].flapping = flapping;
     }
 }

@@ -14,7 +14,7 @@ use ferl::{Actor, Context, Handler};
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// A peer of the soak. One per slot; slots are pinned to hosts by a custom resource (`h1`, `h2`, ...).
-pub struct Peer {
+pub(super) struct Peer {
     seen: Mutex<HashSet<u64>>,
     notes: Mutex<HashMap<u32, u64>>,
     duplicates: Mutex<u64>,
@@ -170,10 +170,10 @@ impl Handler<Stats> for Peer {
 }
 
 /// The name a relay puts between brackets when its inner call passed its bound.
-pub const HANG: &str = "hang";
+pub(super) const HANG: &str = "hang";
 
 /// A short name for each variant of the runtime's error (how failures are counted).
-pub fn error_name(e: &ferl::Error) -> &'static str {
+pub(super) fn error_name(e: &ferl::Error) -> &'static str {
     match e {
         ferl::Error::ActorDied { .. } => "actor_died",
         ferl::Error::Remote { .. } => "remote",
@@ -194,7 +194,7 @@ pub fn error_name(e: &ferl::Error) -> &'static str {
 }
 
 /// The name of a failure: the variant, or for a relay's failure `relay_` and the inner call's name.
-pub fn failure_name(e: &ferl::Error) -> String {
+pub(super) fn failure_name(e: &ferl::Error) -> String {
     if let ferl::Error::Remote { message, .. } = e {
         if let Some(inner) = message
             .split_once("failed [")

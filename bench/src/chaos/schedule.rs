@@ -29,14 +29,14 @@ struct Kill {
 
 /// Every kill of the soak.
 #[derive(Default)]
-pub struct Kills {
+pub(super) struct Kills {
     list: Mutex<Vec<Kill>>,
     spurious: Mutex<Vec<String>>,
 }
 
 /// How fast kills were noticed.
 #[derive(Debug, Default)]
-pub struct Detection {
+pub(super) struct Detection {
     /// Kills made.
     pub kills: usize,
     /// Kills never noticed.
@@ -70,7 +70,7 @@ impl Kills {
     }
 
     /// A call failed with `ActorDied` naming `node` at `at`.
-    pub fn call_failed(&self, node: &str, at: Instant) {
+    pub(super) fn call_failed(&self, node: &str, at: Instant) {
         let mut list = self.list.lock().expect("kills lock");
         if let Some(k) = list.iter_mut().find(|k| k.node == node && at >= k.at) {
             k.call.get_or_insert(at);
@@ -78,13 +78,13 @@ impl Kills {
     }
 
     /// Whether every kill so far was noticed by the membership.
-    pub fn all_noticed(&self) -> bool {
+    pub(super) fn all_noticed(&self) -> bool {
         let list = self.list.lock().expect("kills lock");
         list.iter().all(|k| k.event.is_some())
     }
 
     /// The figures of the soak.
-    pub fn detection(&self) -> Detection {
+    pub(super) fn detection(&self) -> Detection {
         let list = self.list.lock().expect("kills lock");
         let mut d = Detection {
             kills: list.len(),
@@ -106,7 +106,7 @@ impl Kills {
 }
 
 /// Follows the driver's cluster events: empties the slots of dead actors and times node deaths.
-pub async fn follow_events(soak: Arc<Soak>, mut events: broadcast::Receiver<Event>) {
+pub(super) async fn follow_events(soak: Arc<Soak>, mut events: broadcast::Receiver<Event>) {
     loop {
         match events.recv().await {
             Ok(Event::ActorDied { id, .. }) => soak.actor_died(id),
@@ -125,7 +125,7 @@ struct Agent {
 }
 
 /// The node agents of hosts `1..`, started, killed and restarted.
-pub struct Agents {
+pub(super) struct Agents {
     /// This executable.
     pub exe: PathBuf,
     /// The head's address.
@@ -144,7 +144,7 @@ pub struct Agents {
 
 impl Agents {
     /// Agents for `hosts`, none running yet.
-    pub fn new(
+    pub(super) fn new(
         exe: PathBuf,
         address: String,
         token: String,
@@ -166,7 +166,7 @@ impl Agents {
     }
 
     /// Starts host `host`'s agent in its namespace and waits until it joined; returns its node name.
-    pub async fn start(&mut self, host: usize) -> Result<String> {
+    pub(super) async fn start(&mut self, host: usize) -> Result<String> {
         self.starts += 1;
         let log = self
             .log_dir
@@ -221,7 +221,7 @@ async fn joined(lines: &mut Lines<BufReader<ChildStdout>>) -> Result<String> {
 
 /// When kills happen.
 #[derive(Debug, Clone, Copy)]
-pub struct Plan {
+pub(super) struct Plan {
     /// Mean time between kills (0: no kills).
     pub kill_every: Duration,
     /// Mean time a killed host stays down.
@@ -236,7 +236,7 @@ fn around(d: Duration, rng: &mut StdRng) -> Duration {
 }
 
 /// Kills a random node agent (cutting its host off), restarts it after a while, again and again until the end.
-pub async fn kill_nodes(
+pub(super) async fn kill_nodes(
     soak: Arc<Soak>,
     agents: &mut Agents,
     links: Links,
@@ -268,7 +268,7 @@ pub async fn kill_nodes(
 }
 
 /// Raises a random link's loss for 2–4 s every 3–6 s until the end.
-pub async fn flap_links(soak: Arc<Soak>, links: Links, hosts: usize, mut rng: StdRng) {
+pub(super) async fn flap_links(soak: Arc<Soak>, links: Links, hosts: usize, mut rng: StdRng) {
     while Instant::now() < soak.end {
         tokio::time::sleep(Duration::from_secs_f64(rng.random_range(3.0..6.0))).await;
         let host = rng.random_range(0..hosts);

@@ -17,7 +17,7 @@ use super::schedule::Kills;
 /// One actor position on a host; empty while its actor is dead and not yet replaced. A front relays to backs on
 /// other hosts and a back never calls anyone, so no cycle of calls can deadlock actors that handle one message at a
 /// time.
-pub struct Slot {
+pub(super) struct Slot {
     /// Index of the host (1-based: host 0 is the head's).
     pub host: usize,
     /// Whether the driver's relays go through this slot (else relays go to it).
@@ -31,7 +31,7 @@ impl Slot {
     }
 
     /// Empties the slot if it still holds actor `id`.
-    pub fn clear_if(&self, id: u64) {
+    pub(super) fn clear_if(&self, id: u64) {
         let mut a = self.actor.lock().expect("slot lock");
         if a.as_ref().is_some_and(|a| a.id() == id) {
             *a = None;
@@ -41,7 +41,7 @@ impl Slot {
 
 /// Outcomes of the soak's calls.
 #[derive(Default)]
-pub struct Tally {
+pub(super) struct Tally {
     /// Calls that returned a verified reply.
     pub completed: u64,
     /// Failed calls by error name.
@@ -60,13 +60,13 @@ pub struct Tally {
 
 impl Tally {
     /// Calls that failed with a named error.
-    pub fn failed_total(&self) -> u64 {
+    pub(super) fn failed_total(&self) -> u64 {
         self.failed.values().sum()
     }
 }
 
 /// Everything the soak's tasks share.
-pub struct Soak {
+pub(super) struct Soak {
     /// The actor slots.
     pub slots: Vec<Slot>,
     /// Call outcomes.
@@ -81,7 +81,11 @@ pub struct Soak {
 
 impl Soak {
     /// Slots holding `peers` (host, whether a front, actor); the traffic window of `seconds` starts now.
-    pub fn new(peers: Vec<(usize, bool, ActorRef<Peer>)>, seconds: f64, bound: Duration) -> Self {
+    pub(super) fn new(
+        peers: Vec<(usize, bool, ActorRef<Peer>)>,
+        seconds: f64,
+        bound: Duration,
+    ) -> Self {
         let slots = peers
             .into_iter()
             .map(|(host, front, actor)| Slot {
@@ -104,7 +108,7 @@ impl Soak {
     }
 
     /// Empties the slot holding actor `id`, if any (it died).
-    pub fn actor_died(&self, id: u64) {
+    pub(super) fn actor_died(&self, id: u64) {
         self.slots.iter().for_each(|s| s.clear_if(id));
     }
 
@@ -114,7 +118,7 @@ impl Soak {
 }
 
 /// Keeps slot `index` filled until the soak ends: spawns a peer on its host whenever it is empty.
-pub async fn keep_slot(soak: Arc<Soak>, cluster: Cluster, index: usize) {
+pub(super) async fn keep_slot(soak: Arc<Soak>, cluster: Cluster, index: usize) {
     let slot = &soak.slots[index];
     let need = bundle(&[(&format!("h{}", slot.host), 1.0)]);
     while soak.running() {
@@ -176,7 +180,7 @@ fn pick(soak: &Soak, rng: &mut StdRng) -> Option<(ActorRef<Peer>, Option<ActorRe
 }
 
 /// One caller task: tells a [`Note`] then calls (a [`Ping`], or a [`Relay`] through the target), back to back.
-pub async fn caller(soak: Arc<Soak>, caller: u32, seed: u64) {
+pub(super) async fn caller(soak: Arc<Soak>, caller: u32, seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed ^ u64::from(caller));
     let mut seq = 0u64;
     while soak.running() {
@@ -306,7 +310,7 @@ fn check(pong: &Pong, (id, seq, data): (u64, u64, &[u8])) -> Option<String> {
 }
 
 /// Asks every live peer how many calls it executed twice (must be none).
-pub async fn duplicates(soak: &Soak) -> u64 {
+pub(super) async fn duplicates(soak: &Soak) -> u64 {
     let mut total = 0;
     for slot in &soak.slots {
         let Some(actor) = slot.get() else { continue };

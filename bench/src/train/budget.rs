@@ -32,7 +32,7 @@ const RUNS: [(&str, &str); 4] = [
 ];
 
 /// Runs the comparison at a budget of `budget` tokens per micro-batch.
-pub fn run(a: &TrainArgs, budget: usize, out: &mut Report) -> Result<()> {
+pub(super) fn run(a: &TrainArgs, budget: usize, out: &mut Report) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("ferl-bench-budget-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let result = measure(a, budget, &dir, out);
@@ -106,7 +106,7 @@ fn run_child(
 }
 
 /// One run (`--budget-child FORM,LAYOUT --child DIR`): `--steps` steps on the prepared rows.
-pub fn child(a: &TrainArgs, spec: &str, budget: usize, dir: &Path) -> Result<()> {
+pub(super) fn child(a: &TrainArgs, spec: &str, budget: usize, dir: &Path) -> Result<()> {
     tch::set_num_threads(a.threads.unwrap_or(2) as i32);
     let (form, layout) = spec.split_once(',').context("--budget-child FORM,LAYOUT")?;
     let layout = match layout {

@@ -9,12 +9,12 @@ use ferl::trainer::model::init_model;
 use std::path::{Path, PathBuf};
 
 /// Peak resident set of this process (`VmHWM`) in KiB.
-pub fn vm_hwm_kib() -> Result<f64> {
+pub(super) fn vm_hwm_kib() -> Result<f64> {
     Ok(ferl::actors::rank::peak_memory_bytes() as f64 / 1024.0)
 }
 
 /// The venv's Python (`$FERL_VENV`, else `~/.cache/ferl/venv`).
-pub fn python() -> PathBuf {
+pub(super) fn python() -> PathBuf {
     let venv = std::env::var_os("FERL_VENV")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -24,14 +24,14 @@ pub fn python() -> PathBuf {
 }
 
 /// A script of `trainer/py/`.
-pub fn py_script(name: &str) -> PathBuf {
+pub(super) fn py_script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../trainer/py")
         .join(name)
 }
 
 /// The loop both sides run: constant lr 1e-4, AdamW (0.9, 0.95), weight decay 0.01, clipping at 1.0.
-pub fn settings(a: &TrainArgs) -> serde_json::Value {
+pub(super) fn settings(a: &TrainArgs) -> serde_json::Value {
     serde_json::json!({
         "lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.01, "warmup_ratio": 0.0, "min_lr_ratio": 0.0,
         "scheduler": "constant", "total_steps": a.steps, "clip_grad": 1.0,
@@ -56,7 +56,7 @@ fn model_config_file(a: &TrainArgs, dir: &Path) -> Result<PathBuf> {
 
 /// Writes `dir/model` (the tiny Qwen2 or `--model-shape`'s, random init, seed 0), `dir/data.json` (the first
 /// `batch * steps` GSM8K rows, tokenized: `input_ids`, `loss_mask`) and `dir/settings.json`.
-pub fn prepare(a: &TrainArgs, dir: &Path) -> Result<()> {
+pub(super) fn prepare(a: &TrainArgs, dir: &Path) -> Result<()> {
     init_model(
         &model_config_file(a, dir)?,
         Some(&a.tokenizer),
@@ -92,7 +92,7 @@ pub fn prepare(a: &TrainArgs, dir: &Path) -> Result<()> {
 }
 
 /// The tokenized rows of `dir/data.json`.
-pub fn read_samples(dir: &Path) -> Result<Vec<ferl::actors::messages::Sample>> {
+pub(super) fn read_samples(dir: &Path) -> Result<Vec<ferl::actors::messages::Sample>> {
     let file = dir.join("data.json");
     let raw: Vec<serde_json::Value> = serde_json::from_str(
         &std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?,
@@ -128,7 +128,7 @@ pub fn read_samples(dir: &Path) -> Result<Vec<ferl::actors::messages::Sample>> {
 /// One side's record of a run (one process, or one rank): per-step real tokens (of the global batch), wall seconds,
 /// loss, and the peak resident set.
 #[derive(Debug, Clone)]
-pub struct SideRecord {
+pub(super) struct SideRecord {
     /// Real tokens of each step's global batch.
     pub tokens: Vec<f64>,
     /// Wall seconds of each step.
@@ -143,7 +143,7 @@ pub struct SideRecord {
 
 impl SideRecord {
     /// Reads a side's JSON (`tokens`, `step_s`, optional `loss`, `peak_rss_kib`, optional `gemm_flops_per_s`).
-    pub fn read(file: &Path) -> Result<Self> {
+    pub(super) fn read(file: &Path) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(file)
                 .with_context(|| format!("reading {}", file.display()))?,
@@ -175,18 +175,18 @@ impl SideRecord {
     }
 
     /// Tokens per second over the timed steps (all but the first).
-    pub fn tokens_per_s(&self) -> f64 {
+    pub(super) fn tokens_per_s(&self) -> f64 {
         self.tokens[1..].iter().sum::<f64>() / self.step_s[1..].iter().sum::<f64>()
     }
 
     /// Seconds of the timed steps.
-    pub fn timed_s(&self) -> f64 {
+    pub(super) fn timed_s(&self) -> f64 {
         self.step_s[1..].iter().sum()
     }
 }
 
 /// Combines the records of a group's ranks: global tokens over the slowest rank's time, the largest peak.
-pub fn group_figures(ranks: &[SideRecord]) -> (f64, f64) {
+pub(super) fn group_figures(ranks: &[SideRecord]) -> (f64, f64) {
     let tokens: f64 = ranks[0].tokens[1..].iter().sum();
     let slowest = ranks.iter().map(SideRecord::timed_s).fold(0.0, f64::max);
     let peak = ranks.iter().map(|r| r.peak_rss_kib).fold(0.0, f64::max);

@@ -31,7 +31,7 @@ use std::time::Instant;
 use tch::Device;
 
 /// Measures both sides at world size 1 and `world`, then prints the rows.
-pub fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<()> {
+pub(super) fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> Result<()> {
     if world == 0 || !a.batch.is_multiple_of(world) {
         bail!(
             "--nproc-per-node {world}: --batch {} must be a positive multiple of it",
@@ -88,7 +88,7 @@ fn run_ferl(a: &TrainArgs, dir: &Path, world: usize, threads: usize) -> Result<V
 }
 
 /// [`run_ferl`], with `sp` the ranks' `ulysses_sequence_parallel_size` (and remove-padding) when given.
-pub fn run_ranks(
+pub(super) fn run_ranks(
     a: &TrainArgs,
     dir: &Path,
     world: usize,
@@ -205,7 +205,7 @@ fn rank_config(a: &TrainArgs, dir: &Path) -> Result<SftConfig> {
 
 /// One ferl rank (`--rank-child DIR`): joins the group from the environment and trains its share of each global
 /// batch of `DIR/data.json`, writing `DIR/ferl_wW/rank_R.json`.
-pub fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
+pub(super) fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
     tch::set_num_threads(a.threads.unwrap_or(1) as i32);
     let samples = read_samples(dir)?;
     let cfg = rank_config(a, dir)?;

@@ -31,7 +31,7 @@ const GEMM_N: i64 = 1024;
 
 /// The FLOP counts of one model (see the module docs).
 #[derive(Clone, Copy, Debug)]
-pub struct FlopModel {
+pub(super) struct FlopModel {
     /// Parameters outside the embedding and the output projection.
     body: f64,
     /// Elements of the output projection (`vocab × hidden`).
@@ -44,7 +44,7 @@ pub struct FlopModel {
 
 impl FlopModel {
     /// The counts of `cfg`'s model.
-    pub fn of(cfg: &ModelConfig) -> Self {
+    pub(super) fn of(cfg: &ModelConfig) -> Self {
         let all = ModelLayout::new(cfg).num_params() as f64;
         let head = (cfg.vocab_size * cfg.hidden_size) as f64;
         let stored_vocab_mats = if cfg.tie_word_embeddings { 1.0 } else { 2.0 };
@@ -57,19 +57,19 @@ impl FlopModel {
     }
 
     /// Model FLOPs of one sample of `tokens` real tokens with `targets` target positions.
-    pub fn sample_flops(&self, tokens: i64, targets: i64) -> f64 {
+    pub(super) fn sample_flops(&self, tokens: i64, targets: i64) -> f64 {
         let n = tokens as f64;
         6.0 * self.body * n + 6.0 * self.head * targets as f64 + self.attention * n * n
     }
 
     /// The `6 · N · tokens` (plus attention) count of one sample.
-    pub fn sample_flops_6n(&self, tokens: i64) -> f64 {
+    pub(super) fn sample_flops_6n(&self, tokens: i64) -> f64 {
         let n = tokens as f64;
         6.0 * self.all * n + self.attention * n * n
     }
 
     /// Both counts, summed over the timed steps (all but the first) of `steps` global batches of `batch` samples.
-    pub fn timed_flops(&self, samples: &[Sample], batch: usize, steps: usize) -> (f64, f64) {
+    pub(super) fn timed_flops(&self, samples: &[Sample], batch: usize, steps: usize) -> (f64, f64) {
         let timed = samples.iter().take(batch * steps).skip(batch);
         timed.fold((0.0, 0.0), |(f, f6), s| {
             let n = s.input_ids.len() as i64;
@@ -82,7 +82,7 @@ impl FlopModel {
 }
 
 /// FLOP/s of a `1024³` fp32 matmul on this thread's torch thread pool: two warm-ups, then the best of five.
-pub fn gemm_peak_flops() -> f64 {
+pub(super) fn gemm_peak_flops() -> f64 {
     let opts = (Kind::Float, Device::Cpu);
     let (a, b) = (
         Tensor::randn([GEMM_N, GEMM_N], opts),
@@ -102,7 +102,7 @@ pub fn gemm_peak_flops() -> f64 {
 }
 
 /// The slowest rank's timed seconds.
-pub fn slowest_s(ranks: &[SideRecord]) -> f64 {
+pub(super) fn slowest_s(ranks: &[SideRecord]) -> f64 {
     ranks.iter().map(SideRecord::timed_s).fold(0.0, f64::max)
 }
 

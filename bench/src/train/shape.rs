@@ -40,7 +40,7 @@ use tch::{Device, Kind, Tensor};
 /// The `config.json` values of a named shape: `qwen2.5-0.5b` (Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads, 2 kv
 /// heads, intermediate 4864, vocab 151,936, tied), `tiny-qwen2` (`assets/models/tiny-qwen2`), `test` (a few thousand
 /// parameters' worth of layers and a 2,048-token vocabulary, for dry runs).
-pub fn shape_config(name: &str) -> Result<serde_json::Value> {
+pub(super) fn shape_config(name: &str) -> Result<serde_json::Value> {
     let (hidden, layers, heads, kv, inter, vocab) = match name {
         "qwen2.5-0.5b" => (896, 24, 14, 2, 4864, 151_936),
         "tiny-qwen2" => (128, 4, 4, 2, 384, 151_936),
@@ -57,7 +57,7 @@ pub fn shape_config(name: &str) -> Result<serde_json::Value> {
 }
 
 /// Model FLOPs of one step over `tokens` tokens in sequences of `seq_len` (see the module docs).
-pub fn step_flops(cfg: &ModelConfig, num_params: i64, tokens: i64, seq_len: i64) -> f64 {
+pub(super) fn step_flops(cfg: &ModelConfig, num_params: i64, tokens: i64, seq_len: i64) -> f64 {
     let attention =
         12.0 * cfg.num_layers as f64 * (cfg.num_heads * cfg.head_dim) as f64 * seq_len as f64;
     tokens as f64 * (6.0 * num_params as f64 + attention)
@@ -65,7 +65,7 @@ pub fn step_flops(cfg: &ModelConfig, num_params: i64, tokens: i64, seq_len: i64)
 
 /// The device `--device` names; for `cuda`, loads libtorch_cuda first (the binary does not link it) and fails with
 /// the reason when no GPU is usable.
-pub fn resolve_device(name: &str) -> Result<Device> {
+pub(super) fn resolve_device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         "cuda" => {
@@ -89,7 +89,7 @@ fn kind_of(name: &str) -> Result<Kind> {
 }
 
 /// Runs the steps and prints the rows `sft_<shape>_<device>_*`.
-pub fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
+pub(super) fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
     let device_name = a.device.as_deref().unwrap_or("cpu");
     let device = resolve_device(device_name)?;
     let kind = kind_of(&a.dtype)?;
@@ -159,7 +159,7 @@ pub fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
 
 /// `ferl-fsdp`'s FULL_SHARD store at world size 1 over the device's communicator (what a one-rank `ferl sft` trains
 /// through); takes the parameters so that their full copy is freed once sharded.
-pub fn fsdp_store(
+pub(super) fn fsdp_store(
     layout: ModelLayout,
     params: Vec<Tensor>,
     kind: Kind,
@@ -179,7 +179,7 @@ pub fn fsdp_store(
 
 /// A stepper over `store` with the bench loop: AdamW (0.9, 0.95, weight decay 0.01) over the store's trainable
 /// tensors, constant lr 1e-4, clipping at 1.0, `--micro-batch`, padded micro-batches.
-pub fn stepper<P: ParamStore>(
+pub(super) fn stepper<P: ParamStore>(
     cfg: &ModelConfig,
     mut store: P,
     kind: Kind,

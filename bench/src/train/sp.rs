@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 
 /// Runs the three groups and prints the rows.
-pub fn run(a: &TrainArgs, k: usize, out: &mut Report) -> Result<()> {
+pub(super) fn run(a: &TrainArgs, k: usize, out: &mut Report) -> Result<()> {
     if k < 2 || a.steps < 2 {
         bail!("--sequence-parallel needs at least 2 ranks and --steps at least 2");
     }

@@ -47,7 +47,7 @@ const PARITY_LEN: i64 = 1024;
 const ROWS: usize = 400;
 
 /// Runs both forms in child processes and prints their rows.
-pub fn run(a: &TrainArgs, out: &mut Report) -> Result<()> {
+pub(super) fn run(a: &TrainArgs, out: &mut Report) -> Result<()> {
     // The device first: libtorch_cuda must be loaded before the first tensor op of the process.
     options(a)?;
     let lens = gsm8k_lengths(a)?;
@@ -222,7 +222,7 @@ fn parity(a: &TrainArgs, lens: &[i64]) -> Result<f64> {
 }
 
 /// A child: `form` (varlen or dense) over `--packed-lens`, printing `{"ms": .., "peak_mib": ..}` on stdout.
-pub fn child(a: &TrainArgs, form: &str) -> Result<()> {
+pub(super) fn child(a: &TrainArgs, form: &str) -> Result<()> {
     let opts = options(a)?;
     tch::set_num_threads(a.threads.unwrap_or(2) as i32);
     let x = inputs(a.packed_lens.iter().sum(), opts);

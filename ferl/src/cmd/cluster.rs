@@ -13,7 +13,7 @@ use ferl_runtime::{session, HeadOptions, NodeOptions};
 
 /// Arguments of `ferl start`.
 #[derive(Args, Debug)]
-pub struct StartArgs {
+pub(crate) struct StartArgs {
     /// Start a head (with a node agent for this machine).
     #[arg(long, conflicts_with = "address")]
     head: bool,
@@ -49,7 +49,7 @@ pub struct StartArgs {
 
 /// Arguments of `ferl status`.
 #[derive(Args, Debug)]
-pub struct StatusArgs {
+pub(crate) struct StatusArgs {
     /// Head address (default: the head started on this machine).
     #[arg(long)]
     address: Option<String>,
@@ -63,7 +63,7 @@ pub struct StatusArgs {
 
 /// Arguments of `ferl stop`.
 #[derive(Args, Debug)]
-pub struct StopArgs {
+pub(crate) struct StopArgs {
     /// Head address (default: the head started on this machine).
     #[arg(long)]
     address: Option<String>,
@@ -89,7 +89,7 @@ const READY_HEAD: &str = "ferl head listening on ";
 const READY_NODE: &str = "ferl node joined as ";
 
 /// `ferl start`.
-pub fn start(args: StartArgs) -> Result<()> {
+pub(crate) fn start(args: StartArgs) -> Result<()> {
     if !args.head && args.address.is_none() {
         bail!("`ferl start` needs --head or --address HOST:PORT");
     }
@@ -211,7 +211,7 @@ fn head_address(given: Option<String>) -> Result<String> {
 }
 
 /// `ferl status`.
-pub fn status(args: StatusArgs) -> Result<()> {
+pub(crate) fn status(args: StatusArgs) -> Result<()> {
     let address = head_address(args.address)?;
     let rt = tokio::runtime::Runtime::new()?;
     let status = rt.block_on(async {
@@ -285,7 +285,7 @@ fn print_job(j: &serde_json::Value) {
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// `ferl stop`: asks the head to stop the cluster, then stops what this machine started and waits until it is gone.
-pub fn stop(args: StopArgs) -> Result<()> {
+pub(crate) fn stop(args: StopArgs) -> Result<()> {
     let local = session::local_address();
     let address = head_address(args.address.clone()).ok();
     // A head named with --address that could not be asked (wrong token, unreachable) fails the command, after the

@@ -6,14 +6,14 @@ use clap::{Args, Subcommand};
 
 /// `ferl data` subcommands.
 #[derive(Subcommand)]
-pub enum DataCommand {
+pub(crate) enum DataCommand {
     /// GSM8K jsonl (or HF parquet) into verl's train.parquet/test.parquet, plus flat question/answer columns.
     Gsm8k(Gsm8kArgs),
 }
 
 /// Arguments of `ferl data gsm8k`.
 #[derive(Args)]
-pub struct Gsm8kArgs {
+pub(crate) struct Gsm8kArgs {
     /// Folder holding train.jsonl and test.jsonl (or train.parquet/test.parquet, or HF's main/*.parquet).
     #[arg(long)]
     pub input_dir: PathBuf,
@@ -23,7 +23,7 @@ pub struct Gsm8kArgs {
 }
 
 /// Runs a `ferl data` subcommand.
-pub fn run(c: DataCommand) -> anyhow::Result<()> {
+pub(crate) fn run(c: DataCommand) -> anyhow::Result<()> {
     match c {
         DataCommand::Gsm8k(a) => {
             let out = ferl_data::expand_path(&a.local_dir);

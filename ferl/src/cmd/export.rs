@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Arguments of `ferl export`.
 #[derive(Args)]
-pub struct ExportArgs {
+pub(crate) struct ExportArgs {
     /// A `global_step_N` checkpoint folder (or a Hugging Face folder).
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -33,7 +33,7 @@ pub struct ExportArgs {
 }
 
 /// Writes the export. A refused or failed export leaves no `--out` folder behind (unless it existed before).
-pub fn run(a: ExportArgs) -> Result<()> {
+pub(crate) fn run(a: ExportArgs) -> Result<()> {
     let existed = a.out.exists();
     let result = export(&a);
     if result.is_err() && !existed {

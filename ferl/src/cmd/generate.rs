@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 /// Arguments of `ferl generate`.
 #[derive(Args)]
-pub struct GenerateArgs {
+pub(crate) struct GenerateArgs {
     /// Model folder or Hugging Face Hub id (resolved as `model.partial_pretrain` is).
     #[arg(long)]
     pub model: String,
@@ -70,7 +70,7 @@ pub struct GenerateArgs {
 }
 
 /// Runs `ferl generate`.
-pub fn run(a: GenerateArgs) -> Result<()> {
+pub(crate) fn run(a: GenerateArgs) -> Result<()> {
     check_args(&a)?;
     let device = rollout::parse_device(&a.device).context("--device")?;
     let kind = rollout::parse_dtype(&a.dtype).context("--dtype")?;

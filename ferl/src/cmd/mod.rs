@@ -1,10 +1,10 @@
 //! One module per `ferl` subcommand.
 
-pub mod cluster;
-pub mod data;
-pub mod export;
-pub mod generate;
-pub mod model;
-pub mod plugin;
-pub mod sft;
-pub mod sft_dist;
+pub(crate) mod cluster;
+pub(crate) mod data;
+pub(crate) mod export;
+pub(crate) mod generate;
+pub(crate) mod model;
+pub(crate) mod plugin;
+pub(crate) mod sft;
+pub(crate) mod sft_dist;

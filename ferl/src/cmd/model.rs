@@ -6,14 +6,14 @@ use std::path::PathBuf;
 
 /// `ferl model` subcommands.
 #[derive(Subcommand)]
-pub enum ModelCommand {
+pub(crate) enum ModelCommand {
     /// Write a randomly initialised model (transformers' initialisation, seeded) as a Hugging Face folder.
     Init(InitArgs),
 }
 
 /// Arguments of `ferl model init`.
 #[derive(Args)]
-pub struct InitArgs {
+pub(crate) struct InitArgs {
     /// A Hugging Face `config.json` (Qwen2 or Llama).
     #[arg(long)]
     pub config: PathBuf,
@@ -29,7 +29,7 @@ pub struct InitArgs {
 }
 
 /// Runs a `ferl model` subcommand.
-pub fn run(c: ModelCommand) -> Result<()> {
+pub(crate) fn run(c: ModelCommand) -> Result<()> {
     match c {
         ModelCommand::Init(a) => {
             ferl_trainer::model::init_model(&a.config, a.tokenizer.as_deref(), &a.out, a.seed)?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 /// `ferl plugin` subcommands.
 #[derive(Subcommand)]
-pub enum PluginCommand {
+pub(crate) enum PluginCommand {
     /// Show the plugins a running job has loaded (`--run-dir`) or the plugin files of a folder (`--dir`).
     List(ListArgs),
     /// Ask a running job to load plugin NAME again from its file; it switches at the next step boundary.
@@ -21,7 +21,7 @@ pub enum PluginCommand {
 
 /// Options of `ferl plugin list`.
 #[derive(Args)]
-pub struct ListArgs {
+pub(crate) struct ListArgs {
     /// The job's run directory (`trainer.default_local_dir`).
     #[arg(long, env = "FERL_RUN_DIR", conflicts_with = "dir")]
     run_dir: Option<PathBuf>,
@@ -32,7 +32,7 @@ pub struct ListArgs {
 
 /// Options of `ferl plugin reload`.
 #[derive(Args)]
-pub struct ReloadArgs {
+pub(crate) struct ReloadArgs {
     /// The plugin's name (as `ferl plugin list` shows it).
     name: String,
     /// The job's run directory (`trainer.default_local_dir`).
@@ -44,7 +44,7 @@ pub struct ReloadArgs {
 }
 
 /// Runs a `ferl plugin` subcommand.
-pub fn run(c: PluginCommand) -> Result<()> {
+pub(crate) fn run(c: PluginCommand) -> Result<()> {
     match c {
         PluginCommand::List(a) => list(a),
         PluginCommand::Reload(a) => reload(a),

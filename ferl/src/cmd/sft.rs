@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 /// Arguments of `ferl sft`.
 #[derive(Args, Debug)]
-pub struct SftArgs {
+pub(crate) struct SftArgs {
     /// A YAML file with verl's `sft_trainer.yaml` keys.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -23,7 +23,7 @@ pub struct SftArgs {
 }
 
 /// Loads the config and trains as the flags say (one process, a cluster, or a launcher rank).
-pub fn run(args: SftArgs) -> Result<()> {
+pub(crate) fn run(args: SftArgs) -> Result<()> {
     let cfg = SftConfig::load(args.config.as_deref(), &args.overrides)?;
     match args.cfg.as_deref() {
         Some("job") => {

@@ -9,7 +9,7 @@ use ferl_trainer::config::SftConfig;
 
 /// The distribution flags of `ferl sft`.
 #[derive(Args, Debug, Default, Clone)]
-pub struct DistArgs {
+pub(crate) struct DistArgs {
     /// Ranks per machine: one trainer actor per bundle of a resource group (GPU bundles on GPU machines).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node")]
     pub nproc_per_node: Option<usize>,
@@ -23,7 +23,7 @@ pub struct DistArgs {
 }
 
 /// Whether this process was started as one rank of an external launch (torchrun, or `srun` with several tasks).
-pub fn launched_externally() -> bool {
+pub(crate) fn launched_externally() -> bool {
     let set = |k: &str| std::env::var_os(k).is_some();
     let slurm_tasks = std::env::var("SLURM_NTASKS")
         .ok()
@@ -34,7 +34,7 @@ pub fn launched_externally() -> bool {
 
 impl DistArgs {
     /// The launch these flags (and the environment) ask for.
-    pub fn launch(&self) -> Launch {
+    pub(crate) fn launch(&self) -> Launch {
         match self.nproc_per_node {
             Some(n) => Launch::Cluster {
                 nproc_per_node: n,
@@ -53,7 +53,7 @@ impl DistArgs {
 }
 
 /// Trains `cfg` as the flags say and prints what happened.
-pub fn run(cfg: SftConfig, args: &DistArgs) -> Result<()> {
+pub(crate) fn run(cfg: SftConfig, args: &DistArgs) -> Result<()> {
     let summary = run_sft(cfg, &args.launch())?;
     print_summary(&summary);
     Ok(())

@@ -119,15 +119,17 @@ unsafe extern "C" fn open_shim<T: DatasetPlugin>(
     out: *mut *mut c_void,
     err: *mut ErrorBuf,
 ) -> i32 {
-    let (status, inst) = guard(err, || T::open(config.to_str()?));
-    if let Some(inner) = inst {
-        *out = Box::into_raw(Box::new(Instance {
-            inner,
-            current: None,
-        }))
-        .cast();
+    unsafe {
+        let (status, inst) = guard(err, || T::open(config.to_str()?));
+        if let Some(inner) = inst {
+            *out = Box::into_raw(Box::new(Instance {
+                inner,
+                current: None,
+            }))
+            .cast();
+        }
+        status
     }
-    status
 }
 
 unsafe extern "C" fn len_shim<T: DatasetPlugin>(
@@ -135,10 +137,12 @@ unsafe extern "C" fn len_shim<T: DatasetPlugin>(
     out: *mut u64,
     err: *mut ErrorBuf,
 ) -> i32 {
-    guard_status(err, || {
-        *out = (*inst.cast::<Instance<T>>()).inner.len();
-        Ok(())
-    })
+    unsafe {
+        guard_status(err, || {
+            *out = (*inst.cast::<Instance<T>>()).inner.len();
+            Ok(())
+        })
+    }
 }
 
 unsafe extern "C" fn get_shim<T: DatasetPlugin>(
@@ -147,60 +151,64 @@ unsafe extern "C" fn get_shim<T: DatasetPlugin>(
     out: *mut Example,
     err: *mut ErrorBuf,
 ) -> i32 {
-    guard_status(err, || {
-        let inst = &mut *inst.cast::<Instance<T>>();
-        let len = inst.inner.len();
-        if index >= len {
-            return Err(format!(
-                "example index {index} is out of range (the dataset has {len})"
-            ));
-        }
-        let ex = inst.inner.get(index)?;
-        if let ExampleData::Tokens {
-            input_ids,
-            loss_mask,
-        } = &ex
-        {
-            if input_ids.len() != loss_mask.len() {
+    unsafe {
+        guard_status(err, || {
+            let inst = &mut *inst.cast::<Instance<T>>();
+            let len = inst.inner.len();
+            if index >= len {
                 return Err(format!(
-                    "example {index}: {} token ids but {} loss-mask entries",
-                    input_ids.len(),
-                    loss_mask.len()
+                    "example index {index} is out of range (the dataset has {len})"
                 ));
             }
-        }
-        let ex = inst.current.insert(ex);
-        let o = &mut *out;
-        *o = Example::empty();
-        match ex {
-            ExampleData::PromptResponse { prompt, response } => {
-                o.kind = crate::dataset::EXAMPLE_PROMPT_RESPONSE;
-                o.prompt = FerlStr::new(prompt);
-                o.response = FerlStr::new(response);
-            }
-            ExampleData::MessagesJson(json) => {
-                o.kind = EXAMPLE_MESSAGES_JSON;
-                o.messages_json = FerlStr::new(json);
-            }
-            ExampleData::Tokens {
+            let ex = inst.inner.get(index)?;
+            if let ExampleData::Tokens {
                 input_ids,
                 loss_mask,
-            } => {
-                o.kind = EXAMPLE_TOKENS;
-                o.input_ids = input_ids.as_ptr();
-                o.loss_mask = loss_mask.as_ptr();
-                o.n_tokens = input_ids.len();
+            } = &ex
+            {
+                if input_ids.len() != loss_mask.len() {
+                    return Err(format!(
+                        "example {index}: {} token ids but {} loss-mask entries",
+                        input_ids.len(),
+                        loss_mask.len()
+                    ));
+                }
             }
-        }
-        Ok(())
-    })
+            let ex = inst.current.insert(ex);
+            let o = &mut *out;
+            *o = Example::empty();
+            match ex {
+                ExampleData::PromptResponse { prompt, response } => {
+                    o.kind = crate::dataset::EXAMPLE_PROMPT_RESPONSE;
+                    o.prompt = FerlStr::new(prompt);
+                    o.response = FerlStr::new(response);
+                }
+                ExampleData::MessagesJson(json) => {
+                    o.kind = EXAMPLE_MESSAGES_JSON;
+                    o.messages_json = FerlStr::new(json);
+                }
+                ExampleData::Tokens {
+                    input_ids,
+                    loss_mask,
+                } => {
+                    o.kind = EXAMPLE_TOKENS;
+                    o.input_ids = input_ids.as_ptr();
+                    o.loss_mask = loss_mask.as_ptr();
+                    o.n_tokens = input_ids.len();
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 unsafe extern "C" fn close_shim<T: DatasetPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
-    guard_status(err, || {
-        drop(Box::from_raw(inst.cast::<Instance<T>>()));
-        Ok(())
-    })
+    unsafe {
+        guard_status(err, || {
+            drop(Box::from_raw(inst.cast::<Instance<T>>()));
+            Ok(())
+        })
+    }
 }
 
 /// The table for `T` (used by [`crate::export_dataset!`] in a `static`).

@@ -310,10 +310,12 @@ impl KernelVTable {
     /// # Safety
     /// `ops` points to `n_ops` ops that outlive `'a` (true while the library is loaded).
     pub unsafe fn ops<'a>(&self) -> &'a [KernelOp] {
-        if self.n_ops == 0 {
-            &[]
-        } else {
-            std::slice::from_raw_parts(self.ops, self.n_ops)
+        unsafe {
+            if self.n_ops == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(self.ops, self.n_ops)
+            }
         }
     }
 }
@@ -348,10 +350,12 @@ pub trait KernelOpImpl {
 }
 
 unsafe fn attrs_slice<'a>(attrs: *const f64, n: usize) -> &'a [f64] {
-    if n == 0 || attrs.is_null() {
-        &[]
-    } else {
-        std::slice::from_raw_parts(attrs, n)
+    unsafe {
+        if n == 0 || attrs.is_null() {
+            &[]
+        } else {
+            std::slice::from_raw_parts(attrs, n)
+        }
     }
 }
 
@@ -363,26 +367,28 @@ unsafe extern "C" fn forward_shim<T: KernelOpImpl>(
     outputs: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    let host = Host::new(&*host);
-    let (status, out) = guard(err, || {
-        let ins = host.borrow_all(inputs, T::N_INPUTS as usize);
-        let outs = T::forward(&host, &ins, attrs_slice(attrs, n_attrs))?;
-        let want = (T::N_OUTPUTS + T::N_SAVED) as usize;
-        if outs.len() != want {
-            return Err(format!(
-                "kernel op {} returned {} tensors, expected {want}",
-                T::NAME,
-                outs.len()
-            ));
+    unsafe {
+        let host = Host::new(&*host);
+        let (status, out) = guard(err, || {
+            let ins = host.borrow_all(inputs, T::N_INPUTS as usize);
+            let outs = T::forward(&host, &ins, attrs_slice(attrs, n_attrs))?;
+            let want = (T::N_OUTPUTS + T::N_SAVED) as usize;
+            if outs.len() != want {
+                return Err(format!(
+                    "kernel op {} returned {} tensors, expected {want}",
+                    T::NAME,
+                    outs.len()
+                ));
+            }
+            Ok(outs)
+        });
+        if let Some(outs) = out {
+            for (i, t) in outs.into_iter().enumerate() {
+                *outputs.add(i) = t.into_raw();
+            }
         }
-        Ok(outs)
-    });
-    if let Some(outs) = out {
-        for (i, t) in outs.into_iter().enumerate() {
-            *outputs.add(i) = t.into_raw();
-        }
+        status
     }
-    status
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -396,28 +402,30 @@ unsafe extern "C" fn backward_shim<T: KernelOpImpl>(
     grad_inputs: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    let host = Host::new(&*host);
-    let (status, out) = guard(err, || {
-        let gouts = host.borrow_all(grad_outputs, T::N_OUTPUTS as usize);
-        let ins = host.borrow_all(inputs, T::N_INPUTS as usize);
-        let sv = host.borrow_all(saved, T::N_SAVED as usize);
-        let grads = T::backward(&host, &gouts, &ins, &sv, attrs_slice(attrs, n_attrs))?;
-        if grads.len() != T::N_INPUTS as usize {
-            return Err(format!(
-                "kernel op {} returned {} gradients, expected {}",
-                T::NAME,
-                grads.len(),
-                T::N_INPUTS
-            ));
+    unsafe {
+        let host = Host::new(&*host);
+        let (status, out) = guard(err, || {
+            let gouts = host.borrow_all(grad_outputs, T::N_OUTPUTS as usize);
+            let ins = host.borrow_all(inputs, T::N_INPUTS as usize);
+            let sv = host.borrow_all(saved, T::N_SAVED as usize);
+            let grads = T::backward(&host, &gouts, &ins, &sv, attrs_slice(attrs, n_attrs))?;
+            if grads.len() != T::N_INPUTS as usize {
+                return Err(format!(
+                    "kernel op {} returned {} gradients, expected {}",
+                    T::NAME,
+                    grads.len(),
+                    T::N_INPUTS
+                ));
+            }
+            Ok(grads)
+        });
+        if let Some(grads) = out {
+            for (i, g) in grads.into_iter().enumerate() {
+                *grad_inputs.add(i) = g.map_or(TensorHandle::NULL, Tensor::into_raw);
+            }
         }
-        Ok(grads)
-    });
-    if let Some(grads) = out {
-        for (i, g) in grads.into_iter().enumerate() {
-            *grad_inputs.add(i) = g.map_or(TensorHandle::NULL, Tensor::into_raw);
-        }
+        status
     }
-    status
 }
 
 /// The table entry for `T` (used in a `static` array by [`crate::export_kernel!`] or a built-in table).

@@ -132,10 +132,12 @@ impl FerlStr {
     /// # Safety
     /// `ptr` must point to `len` readable bytes that outlive `'a`.
     pub unsafe fn as_bytes<'a>(&self) -> &'a [u8] {
-        if self.ptr.is_null() || self.len == 0 {
-            &[]
-        } else {
-            std::slice::from_raw_parts(self.ptr, self.len)
+        unsafe {
+            if self.ptr.is_null() || self.len == 0 {
+                &[]
+            } else {
+                std::slice::from_raw_parts(self.ptr, self.len)
+            }
         }
     }
 
@@ -144,8 +146,10 @@ impl FerlStr {
     /// # Safety
     /// As [`FerlStr::as_bytes`].
     pub unsafe fn to_str<'a>(&self) -> Result<&'a str, String> {
-        std::str::from_utf8(self.as_bytes())
-            .map_err(|e| format!("string passed across the plugin ABI is not UTF-8: {e}"))
+        unsafe {
+            std::str::from_utf8(self.as_bytes())
+                .map_err(|e| format!("string passed across the plugin ABI is not UTF-8: {e}"))
+        }
     }
 }
 
@@ -167,16 +171,18 @@ impl ErrorBuf {
     /// # Safety
     /// `err` is null or points to a valid `ErrorBuf` whose `buf` has `cap` writable bytes.
     pub unsafe fn write(err: *mut ErrorBuf, msg: &str) {
-        let Some(e) = err.as_mut() else { return };
-        if e.buf.is_null() {
-            return;
+        unsafe {
+            let Some(e) = err.as_mut() else { return };
+            if e.buf.is_null() {
+                return;
+            }
+            let mut n = msg.len().min(e.cap);
+            while n > 0 && !msg.is_char_boundary(n) {
+                n -= 1;
+            }
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), e.buf, n);
+            e.len = n;
         }
-        let mut n = msg.len().min(e.cap);
-        while n > 0 && !msg.is_char_boundary(n) {
-            n -= 1;
-        }
-        std::ptr::copy_nonoverlapping(msg.as_ptr(), e.buf, n);
-        e.len = n;
     }
 }
 

@@ -56,11 +56,13 @@ unsafe extern "C" fn open_shim<T: LoggerPlugin>(
     out: *mut *mut c_void,
     err: *mut ErrorBuf,
 ) -> i32 {
-    let (status, inst) = guard(err, || T::open(config.to_str()?));
-    if let Some(inst) = inst {
-        *out = Box::into_raw(Box::new(inst)).cast();
+    unsafe {
+        let (status, inst) = guard(err, || T::open(config.to_str()?));
+        if let Some(inst) = inst {
+            *out = Box::into_raw(Box::new(inst)).cast();
+        }
+        status
     }
-    status
 }
 
 unsafe extern "C" fn log_shim<T: LoggerPlugin>(
@@ -70,29 +72,33 @@ unsafe extern "C" fn log_shim<T: LoggerPlugin>(
     n: usize,
     err: *mut ErrorBuf,
 ) -> i32 {
-    guard_status(err, || {
-        let raw = if n == 0 {
-            &[][..]
-        } else {
-            std::slice::from_raw_parts(metrics, n)
-        };
-        let mut pairs = Vec::with_capacity(raw.len());
-        for m in raw {
-            pairs.push((m.name.to_str()?, m.value));
-        }
-        (*inst.cast::<T>()).log(step, &pairs)
-    })
+    unsafe {
+        guard_status(err, || {
+            let raw = if n == 0 {
+                &[][..]
+            } else {
+                std::slice::from_raw_parts(metrics, n)
+            };
+            let mut pairs = Vec::with_capacity(raw.len());
+            for m in raw {
+                pairs.push((m.name.to_str()?, m.value));
+            }
+            (*inst.cast::<T>()).log(step, &pairs)
+        })
+    }
 }
 
 unsafe extern "C" fn flush_shim<T: LoggerPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
-    guard_status(err, || (*inst.cast::<T>()).flush())
+    unsafe { guard_status(err, || (*inst.cast::<T>()).flush()) }
 }
 
 unsafe extern "C" fn close_shim<T: LoggerPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
-    guard_status(err, || {
-        let mut boxed = Box::from_raw(inst.cast::<T>());
-        boxed.flush()
-    })
+    unsafe {
+        guard_status(err, || {
+            let mut boxed = Box::from_raw(inst.cast::<T>());
+            boxed.flush()
+        })
+    }
 }
 
 /// The table for `T` (used by [`crate::export_logger!`] in a `static`).

@@ -23,18 +23,20 @@ pub unsafe fn guard<T>(
     err: *mut ErrorBuf,
     f: impl FnOnce() -> Result<T, String>,
 ) -> (i32, Option<T>) {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => (STATUS_OK, Some(v)),
-        Ok(Err(msg)) => {
-            ErrorBuf::write(err, &msg);
-            (STATUS_ERROR, None)
-        }
-        Err(payload) => {
-            ErrorBuf::write(
-                err,
-                &format!("plugin panicked: {}", panic_text(payload.as_ref())),
-            );
-            (STATUS_PANIC, None)
+    unsafe {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(Ok(v)) => (STATUS_OK, Some(v)),
+            Ok(Err(msg)) => {
+                ErrorBuf::write(err, &msg);
+                (STATUS_ERROR, None)
+            }
+            Err(payload) => {
+                ErrorBuf::write(
+                    err,
+                    &format!("plugin panicked: {}", panic_text(payload.as_ref())),
+                );
+                (STATUS_PANIC, None)
+            }
         }
     }
 }
@@ -44,5 +46,5 @@ pub unsafe fn guard<T>(
 /// # Safety
 /// As [`guard`].
 pub unsafe fn guard_status(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), String>) -> i32 {
-    guard(err, f).0
+    unsafe { guard(err, f).0 }
 }

@@ -110,20 +110,22 @@ unsafe extern "C" fn open_shim<T: RewardPlugin>(
     out: *mut *mut c_void,
     err: *mut ErrorBuf,
 ) -> i32 {
-    let (status, inst) = guard(err, || {
-        let inner = T::open(config.to_str()?)?;
-        let names = inner.extra_names();
-        Ok(Instance {
-            inner,
-            names,
-            raw_names: Vec::new(),
-        })
-    });
-    if let Some(mut inst) = inst {
-        inst.raw_names = inst.names.iter().map(|s| FerlStr::new(s)).collect();
-        *out = Box::into_raw(Box::new(inst)).cast();
+    unsafe {
+        let (status, inst) = guard(err, || {
+            let inner = T::open(config.to_str()?)?;
+            let names = inner.extra_names();
+            Ok(Instance {
+                inner,
+                names,
+                raw_names: Vec::new(),
+            })
+        });
+        if let Some(mut inst) = inst {
+            inst.raw_names = inst.names.iter().map(|s| FerlStr::new(s)).collect();
+            *out = Box::into_raw(Box::new(inst)).cast();
+        }
+        status
     }
-    status
 }
 
 unsafe extern "C" fn extra_names_shim<T: RewardPlugin>(
@@ -132,12 +134,14 @@ unsafe extern "C" fn extra_names_shim<T: RewardPlugin>(
     n: *mut usize,
     err: *mut ErrorBuf,
 ) -> i32 {
-    guard_status(err, || {
-        let inst = &*inst.cast::<Instance<T>>();
-        *names = inst.raw_names.as_ptr();
-        *n = inst.raw_names.len();
-        Ok(())
-    })
+    unsafe {
+        guard_status(err, || {
+            let inst = &*inst.cast::<Instance<T>>();
+            *names = inst.raw_names.as_ptr();
+            *n = inst.raw_names.len();
+            Ok(())
+        })
+    }
 }
 
 /// Reads `n` rows at `items` as UTF-8 strings; an error names the row and the field.
@@ -148,24 +152,27 @@ unsafe fn read_rows<'a>(
     items: *const RewardItem,
     n: usize,
 ) -> Result<Vec<RewardInput<'a>>, String> {
-    let raw = if n == 0 {
-        &[][..]
-    } else {
-        std::slice::from_raw_parts(items, n)
-    };
-    raw.iter()
-        .enumerate()
-        .map(|(i, it)| {
-            let field =
-                |s: &FerlStr, what: &str| s.to_str().map_err(|e| format!("row {i}: {what}: {e}"));
-            Ok(RewardInput {
-                prompt: field(&it.prompt, "prompt")?,
-                response: field(&it.response, "response")?,
-                ground_truth: field(&it.ground_truth, "ground_truth")?,
-                extra_info: field(&it.extra_info, "extra_info")?,
+    unsafe {
+        let raw = if n == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(items, n)
+        };
+        raw.iter()
+            .enumerate()
+            .map(|(i, it)| {
+                let field = |s: &FerlStr, what: &str| {
+                    s.to_str().map_err(|e| format!("row {i}: {what}: {e}"))
+                };
+                Ok(RewardInput {
+                    prompt: field(&it.prompt, "prompt")?,
+                    response: field(&it.response, "response")?,
+                    ground_truth: field(&it.ground_truth, "ground_truth")?,
+                    extra_info: field(&it.extra_info, "extra_info")?,
+                })
             })
-        })
-        .collect()
+            .collect()
+    }
 }
 
 unsafe extern "C" fn score_shim<T: RewardPlugin>(
@@ -176,36 +183,40 @@ unsafe extern "C" fn score_shim<T: RewardPlugin>(
     extras: *mut f32,
     err: *mut ErrorBuf,
 ) -> i32 {
-    guard_status(err, || {
-        let inst = &mut *inst.cast::<Instance<T>>();
-        let rows = read_rows(items, n)?;
-        let got = inst.inner.score_batch(&rows)?;
-        if got.len() != n {
-            return Err(format!("{n} rows were scored into {} scores", got.len()));
-        }
-        let k = inst.names.len();
-        for (i, s) in got.iter().enumerate() {
-            if s.extras.len() != k {
-                return Err(format!(
-                    "row {i}: {} extras, but the plugin declares {k} ({})",
-                    s.extras.len(),
-                    inst.names.join(", ")
-                ));
+    unsafe {
+        guard_status(err, || {
+            let inst = &mut *inst.cast::<Instance<T>>();
+            let rows = read_rows(items, n)?;
+            let got = inst.inner.score_batch(&rows)?;
+            if got.len() != n {
+                return Err(format!("{n} rows were scored into {} scores", got.len()));
             }
-            *scores.add(i) = s.score;
-            for (j, v) in s.extras.iter().enumerate() {
-                *extras.add(i * k + j) = *v;
+            let k = inst.names.len();
+            for (i, s) in got.iter().enumerate() {
+                if s.extras.len() != k {
+                    return Err(format!(
+                        "row {i}: {} extras, but the plugin declares {k} ({})",
+                        s.extras.len(),
+                        inst.names.join(", ")
+                    ));
+                }
+                *scores.add(i) = s.score;
+                for (j, v) in s.extras.iter().enumerate() {
+                    *extras.add(i * k + j) = *v;
+                }
             }
-        }
-        Ok(())
-    })
+            Ok(())
+        })
+    }
 }
 
 unsafe extern "C" fn close_shim<T: RewardPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
-    guard_status(err, || {
-        drop(Box::from_raw(inst.cast::<Instance<T>>()));
-        Ok(())
-    })
+    unsafe {
+        guard_status(err, || {
+            drop(Box::from_raw(inst.cast::<Instance<T>>()));
+            Ok(())
+        })
+    }
 }
 
 /// The table for `T` (used by [`crate::export_reward!`] in a `static`).

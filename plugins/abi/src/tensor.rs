@@ -27,13 +27,15 @@ impl<'a> Host<'a> {
     /// # Safety
     /// `handles` points to `n` valid handles that outlive the returned tensors.
     pub unsafe fn borrow_all(&self, handles: *const TensorHandle, n: usize) -> Vec<Tensor<'a>> {
-        (0..n)
-            .map(|i| Tensor {
-                ops: self.ops,
-                handle: *handles.add(i),
-                owned: false,
-            })
-            .collect()
+        unsafe {
+            (0..n)
+                .map(|i| Tensor {
+                    ops: self.ops,
+                    handle: *handles.add(i),
+                    owned: false,
+                })
+                .collect()
+        }
     }
 
     /// Borrows one handle.

@@ -2,7 +2,7 @@
 //! breaks; `\n` or `\r\n` end a record.
 
 /// Parses `text` into records of fields; the error names the line of an unterminated quote.
-pub fn parse(text: &str) -> Result<Vec<Vec<String>>, String> {
+pub(crate) fn parse(text: &str) -> Result<Vec<Vec<String>>, String> {
     let mut rows = Vec::new();
     let mut row = Vec::new();
     let mut field = String::new();

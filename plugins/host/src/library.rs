@@ -315,19 +315,21 @@ unsafe fn load_table<T>(
     struct_size: fn(&T) -> usize,
     missing: &dyn Fn() -> anyhow::Error,
 ) -> Result<&'static T> {
-    let f = *library
-        .get::<unsafe extern "C" fn() -> *const T>(symbol.as_bytes())
-        .map_err(|_| missing())?;
-    let t = f()
-        .as_ref()
-        .ok_or_else(|| anyhow!("plugin {shown}: `{symbol}` returned null"))?;
-    check_size(
-        shown.to_string(),
-        symbol,
-        struct_size(t),
-        std::mem::size_of::<T>(),
-    )?;
-    Ok(&*(t as *const T))
+    unsafe {
+        let f = *library
+            .get::<unsafe extern "C" fn() -> *const T>(symbol.as_bytes())
+            .map_err(|_| missing())?;
+        let t = f()
+            .as_ref()
+            .ok_or_else(|| anyhow!("plugin {shown}: `{symbol}` returned null"))?;
+        check_size(
+            shown.to_string(),
+            symbol,
+            struct_size(t),
+            std::mem::size_of::<T>(),
+        )?;
+        Ok(&*(t as *const T))
+    }
 }
 
 fn check_size(file: String, symbol: &str, got: usize, want: usize) -> Result<()> {

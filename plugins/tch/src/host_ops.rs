@@ -17,7 +17,7 @@ pub fn into_handle(t: Tensor) -> TensorHandle {
 /// # Safety
 /// `h` came from [`into_handle`] and is not used afterwards.
 pub unsafe fn from_handle(h: TensorHandle) -> Tensor {
-    *Box::from_raw(h.0.cast::<Tensor>())
+    unsafe { *Box::from_raw(h.0.cast::<Tensor>()) }
 }
 
 /// Borrows the tensor behind a handle.
@@ -25,7 +25,7 @@ pub unsafe fn from_handle(h: TensorHandle) -> Tensor {
 /// # Safety
 /// `h` is a live handle from [`into_handle`].
 unsafe fn t<'a>(h: TensorHandle) -> &'a mut Tensor {
-    &mut *h.0.cast::<Tensor>()
+    unsafe { &mut *h.0.cast::<Tensor>() }
 }
 
 /// Runs `f` writing its tensor to `out`; failures and panics become [`STATUS_ERROR`] with a message.
@@ -34,23 +34,27 @@ unsafe fn produce(
     err: *mut ErrorBuf,
     f: impl FnOnce() -> Result<Tensor, tch::TchError>,
 ) -> i32 {
-    status(err, || {
-        let r = f()?;
-        *out = into_handle(r);
-        Ok(())
-    })
+    unsafe {
+        status(err, || {
+            let r = f()?;
+            *out = into_handle(r);
+            Ok(())
+        })
+    }
 }
 
 unsafe fn status(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), tch::TchError>) -> i32 {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => STATUS_OK,
-        Ok(Err(e)) => {
-            ErrorBuf::write(err, &e.to_string());
-            STATUS_ERROR
-        }
-        Err(_) => {
-            ErrorBuf::write(err, "host tensor op panicked");
-            STATUS_ERROR
+    unsafe {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(Ok(())) => STATUS_OK,
+            Ok(Err(e)) => {
+                ErrorBuf::write(err, &e.to_string());
+                STATUS_ERROR
+            }
+            Err(_) => {
+                ErrorBuf::write(err, "host tensor op panicked");
+                STATUS_ERROR
+            }
         }
     }
 }
@@ -68,8 +72,10 @@ fn transposed(x: &Tensor, yes: u32) -> Result<Tensor, tch::TchError> {
 }
 
 unsafe extern "C" fn release(_: *mut c_void, h: TensorHandle) {
-    if !h.is_null() {
-        drop(from_handle(h));
+    unsafe {
+        if !h.is_null() {
+            drop(from_handle(h));
+        }
     }
 }
 
@@ -81,14 +87,16 @@ unsafe extern "C" fn shape(
     ndim: *mut usize,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        let s = t(h).size();
-        *ndim = s.len();
-        for (i, d) in s.iter().take(cap).enumerate() {
-            *dims.add(i) = *d;
-        }
-        Ok(())
-    })
+    unsafe {
+        status(err, || {
+            let s = t(h).size();
+            *ndim = s.len();
+            for (i, d) in s.iter().take(cap).enumerate() {
+                *dims.add(i) = *d;
+            }
+            Ok(())
+        })
+    }
 }
 
 unsafe extern "C" fn matmul(
@@ -100,9 +108,11 @@ unsafe extern "C" fn matmul(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || {
-        transposed(t(a), ta)?.f_matmul(&transposed(t(b), tb)?)
-    })
+    unsafe {
+        produce(out, err, || {
+            transposed(t(a), ta)?.f_matmul(&transposed(t(b), tb)?)
+        })
+    }
 }
 
 unsafe extern "C" fn unary(
@@ -112,19 +122,21 @@ unsafe extern "C" fn unary(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || {
-        let a = t(a);
-        match op {
-            UNARY_EXP => a.f_exp(),
-            UNARY_NEG => a.f_neg(),
-            UNARY_SIGMOID => a.f_sigmoid(),
-            UNARY_RSQRT => a.f_rsqrt(),
-            UNARY_SQUARE => a.f_square(),
-            UNARY_SILU => a.f_silu(),
-            UNARY_LOG => a.f_log(),
-            _ => Err(unknown("unary", op)),
-        }
-    })
+    unsafe {
+        produce(out, err, || {
+            let a = t(a);
+            match op {
+                UNARY_EXP => a.f_exp(),
+                UNARY_NEG => a.f_neg(),
+                UNARY_SIGMOID => a.f_sigmoid(),
+                UNARY_RSQRT => a.f_rsqrt(),
+                UNARY_SQUARE => a.f_square(),
+                UNARY_SILU => a.f_silu(),
+                UNARY_LOG => a.f_log(),
+                _ => Err(unknown("unary", op)),
+            }
+        })
+    }
 }
 
 unsafe extern "C" fn binary(
@@ -135,16 +147,18 @@ unsafe extern "C" fn binary(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || {
-        let (a, b) = (t(a), t(b));
-        match op {
-            BINARY_ADD => a.f_add(b),
-            BINARY_SUB => a.f_sub(b),
-            BINARY_MUL => a.f_mul(b),
-            BINARY_DIV => a.f_div(b),
-            _ => Err(unknown("binary", op)),
-        }
-    })
+    unsafe {
+        produce(out, err, || {
+            let (a, b) = (t(a), t(b));
+            match op {
+                BINARY_ADD => a.f_add(b),
+                BINARY_SUB => a.f_sub(b),
+                BINARY_MUL => a.f_mul(b),
+                BINARY_DIV => a.f_div(b),
+                _ => Err(unknown("binary", op)),
+            }
+        })
+    }
 }
 
 unsafe extern "C" fn scalar(
@@ -155,16 +169,18 @@ unsafe extern "C" fn scalar(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || {
-        let a = t(a);
-        match op {
-            SCALAR_ADD => a.f_add_scalar(v),
-            SCALAR_MUL => a.f_mul_scalar(v),
-            SCALAR_EQ => a.f_eq(v)?.f_to_kind(a.kind()),
-            SCALAR_NE => a.f_ne(v)?.f_to_kind(a.kind()),
-            _ => Err(unknown("scalar", op)),
-        }
-    })
+    unsafe {
+        produce(out, err, || {
+            let a = t(a);
+            match op {
+                SCALAR_ADD => a.f_add_scalar(v),
+                SCALAR_MUL => a.f_mul_scalar(v),
+                SCALAR_EQ => a.f_eq(v)?.f_to_kind(a.kind()),
+                SCALAR_NE => a.f_ne(v)?.f_to_kind(a.kind()),
+                _ => Err(unknown("scalar", op)),
+            }
+        })
+    }
 }
 
 unsafe extern "C" fn reduce(
@@ -176,27 +192,29 @@ unsafe extern "C" fn reduce(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || {
-        let a = t(a);
-        let keep = keepdim != 0;
-        if dim == REDUCE_ALL {
-            let flat = a.f_reshape([-1])?;
-            return match op {
-                REDUCE_SUM => a.f_sum(None::<Kind>),
-                REDUCE_MEAN => a.f_mean(None::<Kind>),
-                REDUCE_LOGSUMEXP => flat.f_logsumexp([0], false),
-                REDUCE_MAX => a.f_max(),
+    unsafe {
+        produce(out, err, || {
+            let a = t(a);
+            let keep = keepdim != 0;
+            if dim == REDUCE_ALL {
+                let flat = a.f_reshape([-1])?;
+                return match op {
+                    REDUCE_SUM => a.f_sum(None::<Kind>),
+                    REDUCE_MEAN => a.f_mean(None::<Kind>),
+                    REDUCE_LOGSUMEXP => flat.f_logsumexp([0], false),
+                    REDUCE_MAX => a.f_max(),
+                    _ => Err(unknown("reduce", op)),
+                };
+            }
+            match op {
+                REDUCE_SUM => a.f_sum_dim_intlist([dim].as_slice(), keep, None::<Kind>),
+                REDUCE_MEAN => a.f_mean_dim([dim].as_slice(), keep, None::<Kind>),
+                REDUCE_LOGSUMEXP => a.f_logsumexp([dim], keep),
+                REDUCE_MAX => a.f_amax([dim], keep),
                 _ => Err(unknown("reduce", op)),
-            };
-        }
-        match op {
-            REDUCE_SUM => a.f_sum_dim_intlist([dim].as_slice(), keep, None::<Kind>),
-            REDUCE_MEAN => a.f_mean_dim([dim].as_slice(), keep, None::<Kind>),
-            REDUCE_LOGSUMEXP => a.f_logsumexp([dim], keep),
-            REDUCE_MAX => a.f_amax([dim], keep),
-            _ => Err(unknown("reduce", op)),
-        }
-    })
+            }
+        })
+    }
 }
 
 unsafe extern "C" fn softmax(
@@ -206,7 +224,7 @@ unsafe extern "C" fn softmax(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || t(a).f_softmax(dim, None::<Kind>))
+    unsafe { produce(out, err, || t(a).f_softmax(dim, None::<Kind>)) }
 }
 
 unsafe extern "C" fn narrow(
@@ -218,7 +236,7 @@ unsafe extern "C" fn narrow(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || t(a).f_narrow(dim, start, len))
+    unsafe { produce(out, err, || t(a).f_narrow(dim, start, len)) }
 }
 
 unsafe extern "C" fn reshape(
@@ -229,12 +247,14 @@ unsafe extern "C" fn reshape(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    let dims = if n == 0 {
-        &[][..]
-    } else {
-        std::slice::from_raw_parts(dims, n)
-    };
-    produce(out, err, || t(a).f_reshape(dims))
+    unsafe {
+        let dims = if n == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(dims, n)
+        };
+        produce(out, err, || t(a).f_reshape(dims))
+    }
 }
 
 unsafe extern "C" fn gather(
@@ -245,7 +265,7 @@ unsafe extern "C" fn gather(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || t(a).f_gather(dim, t(index), false))
+    unsafe { produce(out, err, || t(a).f_gather(dim, t(index), false)) }
 }
 
 unsafe extern "C" fn scatter_add_into(
@@ -256,9 +276,11 @@ unsafe extern "C" fn scatter_add_into(
     src: TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        t(dst).f_scatter_add_(dim, t(index), t(src)).map(drop)
-    })
+    unsafe {
+        status(err, || {
+            t(dst).f_scatter_add_(dim, t(index), t(src)).map(drop)
+        })
+    }
 }
 
 unsafe extern "C" fn cast_like(
@@ -268,7 +290,7 @@ unsafe extern "C" fn cast_like(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || t(a).f_to_kind(t(like).kind()))
+    unsafe { produce(out, err, || t(a).f_to_kind(t(like).kind())) }
 }
 
 unsafe extern "C" fn zeros_like(
@@ -277,7 +299,7 @@ unsafe extern "C" fn zeros_like(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    produce(out, err, || t(a).f_zeros_like())
+    unsafe { produce(out, err, || t(a).f_zeros_like()) }
 }
 
 unsafe extern "C" fn copy_into(
@@ -288,13 +310,15 @@ unsafe extern "C" fn copy_into(
     src: TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        let src = t(src);
-        let len = *src.size().get(dim as usize).ok_or_else(|| {
-            tch::TchError::Shape(format!("copy_into: source has no dimension {dim}"))
-        })?;
-        t(dst).f_narrow(dim, start, len)?.f_copy_(src)
-    })
+    unsafe {
+        status(err, || {
+            let src = t(src);
+            let len = *src.size().get(dim as usize).ok_or_else(|| {
+                tch::TchError::Shape(format!("copy_into: source has no dimension {dim}"))
+            })?;
+            t(dst).f_narrow(dim, start, len)?.f_copy_(src)
+        })
+    }
 }
 
 unsafe extern "C" fn binary_into(
@@ -304,17 +328,19 @@ unsafe extern "C" fn binary_into(
     src: TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        let (d, s) = (t(dst), t(src));
-        match op {
-            BINARY_ADD => d.f_add_(s),
-            BINARY_SUB => d.f_sub_(s),
-            BINARY_MUL => d.f_mul_(s),
-            BINARY_DIV => d.f_div_(s),
-            _ => Err(unknown("binary", op)),
-        }
-        .map(drop)
-    })
+    unsafe {
+        status(err, || {
+            let (d, s) = (t(dst), t(src));
+            match op {
+                BINARY_ADD => d.f_add_(s),
+                BINARY_SUB => d.f_sub_(s),
+                BINARY_MUL => d.f_mul_(s),
+                BINARY_DIV => d.f_div_(s),
+                _ => Err(unknown("binary", op)),
+            }
+            .map(drop)
+        })
+    }
 }
 
 unsafe extern "C" fn unary_into(
@@ -323,20 +349,22 @@ unsafe extern "C" fn unary_into(
     dst: TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        let d = t(dst);
-        match op {
-            UNARY_EXP => d.f_exp_(),
-            UNARY_NEG => d.f_neg_(),
-            UNARY_SIGMOID => d.f_sigmoid_(),
-            UNARY_RSQRT => d.f_rsqrt_(),
-            UNARY_SQUARE => d.f_square_(),
-            UNARY_SILU => d.f_silu_(),
-            UNARY_LOG => d.f_log_(),
-            _ => Err(unknown("unary", op)),
-        }
-        .map(drop)
-    })
+    unsafe {
+        status(err, || {
+            let d = t(dst);
+            match op {
+                UNARY_EXP => d.f_exp_(),
+                UNARY_NEG => d.f_neg_(),
+                UNARY_SIGMOID => d.f_sigmoid_(),
+                UNARY_RSQRT => d.f_rsqrt_(),
+                UNARY_SQUARE => d.f_square_(),
+                UNARY_SILU => d.f_silu_(),
+                UNARY_LOG => d.f_log_(),
+                _ => Err(unknown("unary", op)),
+            }
+            .map(drop)
+        })
+    }
 }
 
 unsafe extern "C" fn addmm_into(
@@ -348,11 +376,13 @@ unsafe extern "C" fn addmm_into(
     tb: u32,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        t(dst)
-            .f_addmm_(&transposed(t(a), ta)?, &transposed(t(b), tb)?)
-            .map(drop)
-    })
+    unsafe {
+        status(err, || {
+            t(dst)
+                .f_addmm_(&transposed(t(a), ta)?, &transposed(t(b), tb)?)
+                .map(drop)
+        })
+    }
 }
 
 unsafe extern "C" fn to_f64(
@@ -361,10 +391,12 @@ unsafe extern "C" fn to_f64(
     out: *mut f64,
     err: *mut ErrorBuf,
 ) -> i32 {
-    status(err, || {
-        *out = t(a).f_double_value(&[])?;
-        Ok(())
-    })
+    unsafe {
+        status(err, || {
+            *out = t(a).f_double_value(&[])?;
+            Ok(())
+        })
+    }
 }
 
 /// The table handed to kernel plugins. Stateless (`ctx` is null): handles carry their tensors.

@@ -35,7 +35,7 @@ fn wall_time(out: &mut Vec<u8>, secs: f64) {
 }
 
 /// The first event of a file: `file_version = "brain.Event:2"`.
-pub fn file_version_event(secs: f64) -> Vec<u8> {
+pub(crate) fn file_version_event(secs: f64) -> Vec<u8> {
     let mut out = Vec::new();
     wall_time(&mut out, secs);
     bytes_field(&mut out, 3, b"brain.Event:2");
@@ -43,7 +43,7 @@ pub fn file_version_event(secs: f64) -> Vec<u8> {
 }
 
 /// An event with one scalar value per metric at `step`.
-pub fn scalars_event(secs: f64, step: i64, metrics: &[(&str, f64)]) -> Vec<u8> {
+pub(crate) fn scalars_event(secs: f64, step: i64, metrics: &[(&str, f64)]) -> Vec<u8> {
     let mut summary = Vec::new();
     for (tag, value) in metrics {
         let mut v = Vec::new();

@@ -1,7 +1,7 @@
 //! TFRecord framing with TensorFlow's masked CRC-32C.
 
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of `data`.
-pub fn crc32c(data: &[u8]) -> u32 {
+pub(crate) fn crc32c(data: &[u8]) -> u32 {
     const TABLE: [u32; 256] = {
         let mut t = [0u32; 256];
         let mut i = 0;
@@ -29,13 +29,13 @@ pub fn crc32c(data: &[u8]) -> u32 {
 }
 
 /// TensorFlow's masking of a CRC stored next to the data it covers.
-pub fn masked_crc32c(data: &[u8]) -> u32 {
+pub(crate) fn masked_crc32c(data: &[u8]) -> u32 {
     let crc = crc32c(data);
     (crc.rotate_right(15)).wrapping_add(0xA282_EAD8)
 }
 
 /// One TFRecord: length, masked CRC of the length, data, masked CRC of the data (all little-endian).
-pub fn frame(data: &[u8]) -> Vec<u8> {
+pub(crate) fn frame(data: &[u8]) -> Vec<u8> {
     let len = (data.len() as u64).to_le_bytes();
     let mut out = Vec::with_capacity(data.len() + 16);
     out.extend_from_slice(&len);

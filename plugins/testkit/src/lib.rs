@@ -47,7 +47,7 @@ mod logger {
     use std::io::Write;
 
     /// Appends lines to a file.
-    pub struct TestLogger {
+    pub(crate) struct TestLogger {
         out: std::io::BufWriter<std::fs::File>,
         panic_at: Option<u64>,
     }

@@ -24,7 +24,7 @@ pub(crate) mod process;
 use crate::codec::Wire;
 use crate::protocol::{RemoteError, RemoteErrorKind};
 
-pub use crate::codec::{Message, StreamMessage};
+pub(crate) use crate::codec::{Message, StreamMessage};
 
 /// The name [`register_actor!`](crate::register_actor) and [`actor_dispatch!`](crate::actor_dispatch) derive for
 /// an actor type, as [`message!`](crate::message) does for messages: the registering module's path and the type

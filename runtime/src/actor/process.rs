@@ -23,13 +23,13 @@ use crate::transport::error::Error;
 use crate::transport::{self, Connections, Inbound, Lanes, ReplyHandle};
 
 /// Well-known actor id of the head service (in the head process).
-pub const HEAD_ACTOR: u64 = 1;
+pub(crate) const HEAD_ACTOR: u64 = 1;
 /// Well-known actor id of the node agent service (in each node agent process).
-pub const NODE_ACTOR: u64 = 2;
+pub(crate) const NODE_ACTOR: u64 = 2;
 /// Well-known actor id of the binary server (in each driver process).
-pub const BINARY_ACTOR: u64 = 3;
+pub(crate) const BINARY_ACTOR: u64 = 3;
 /// Well-known actor id of the object service (in owners of objects and in each node agent; `objects.rs`).
-pub const OBJECT_ACTOR: u64 = 4;
+pub(crate) const OBJECT_ACTOR: u64 = 4;
 /// Ids of actors hosted only in-process start here (head-assigned ids are small).
 const LOCAL_ID_BASE: u64 = 1 << 62;
 
@@ -45,7 +45,7 @@ pub(crate) type JoinHandler =
     Arc<dyn Fn(quinn::Connection) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A process of the cluster.
-pub struct Process {
+pub(crate) struct Process {
     pub(crate) addr: SocketAddr,
     pub(crate) endpoint: quinn::Endpoint,
     pub(crate) conns: Connections,

@@ -13,7 +13,7 @@ use crate::security::session;
 
 /// A variable of this process's environment, `None` when it is unset (or not UTF-8). The only place the runtime
 /// reads its environment (`tests/layers.rs` checks that no other file does).
-pub fn lookup(name: &str) -> Option<String> {
+pub(crate) fn lookup(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 

@@ -21,7 +21,7 @@ use crate::control::blobs::ShippedFile;
 use crate::protocol::{BinaryBlob, BinaryDigest, BinarySpec, FetchBinary};
 
 /// The largest chunk one [`FetchFileChunk`] returns (well under the wire's frame limit).
-pub const FILE_CHUNK_BYTES: u64 = 4 << 20;
+pub(crate) const FILE_CHUNK_BYTES: u64 = 4 << 20;
 
 /// Node agent → driver: bytes `offset..offset + len` of the offered file with this sha256.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
@@ -160,7 +160,7 @@ fn offered() -> &'static Mutex<Offered> {
 static CHUNKS_SERVED: AtomicU64 = AtomicU64::new(0);
 
 /// How many file chunks this process's file server has sent (each transfer of a file sends at least one).
-pub fn file_chunks_served() -> u64 {
+pub(crate) fn file_chunks_served() -> u64 {
     CHUNKS_SERVED.load(Ordering::Relaxed)
 }
 

@@ -24,7 +24,7 @@ pub const SHIPPED_FILES_ENV: &str = "FERL_SHIPPED_FILES";
 pub(crate) use crate::protocol::ShippedFile;
 
 /// Checks that `digest`, received from a peer, is a sha256 in hex (64 lowercase hex digits) before it names a file.
-pub fn check_sha256_hex(digest: &str) -> Result<()> {
+pub(crate) fn check_sha256_hex(digest: &str) -> Result<()> {
     let ok = digest.len() == 64
         && digest
             .bytes()
@@ -39,7 +39,7 @@ pub fn check_sha256_hex(digest: &str) -> Result<()> {
 }
 
 /// Where the file with hash `sha256` and driver-side name `file_name` lives in the cache folder `dir`.
-pub fn cache_path(dir: &Path, sha256: &str, file_name: &str) -> PathBuf {
+pub(crate) fn cache_path(dir: &Path, sha256: &str, file_name: &str) -> PathBuf {
     let ext = Path::new(file_name)
         .extension()
         .map(|e| format!(".{}", e.to_string_lossy()))

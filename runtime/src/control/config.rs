@@ -6,22 +6,22 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use crate::security::session::{ROOT_ENV, TOKEN_ENV};
+pub(crate) use crate::security::session::{ROOT_ENV, TOKEN_ENV};
 use crate::transport::config::TransportConfig;
 
 /// Environment variable: heartbeat bound in milliseconds (default 3000).
-pub const HEARTBEAT_BOUND_ENV: &str = "FERL_HEARTBEAT_BOUND_MS";
+pub(crate) const HEARTBEAT_BOUND_ENV: &str = "FERL_HEARTBEAT_BOUND_MS";
 /// Environment variable naming a running cluster's head (`HOST:PORT`) for `connect_or_init`.
-pub const ADDRESS_ENV: &str = "FERL_ADDRESS";
+pub(crate) const ADDRESS_ENV: &str = "FERL_ADDRESS";
 /// Environment variable: where a node caches fetched driver binaries (default `~/.cache/ferl/bin`).
-pub const BIN_CACHE_ENV: &str = "FERL_BIN_CACHE";
+pub(crate) const BIN_CACHE_ENV: &str = "FERL_BIN_CACHE";
 /// Environment variable: `1` makes a node always fetch the driver's binary (tests the fetch path).
-pub const FORCE_FETCH_ENV: &str = "FERL_NODE_FORCE_FETCH";
+pub(crate) const FORCE_FETCH_ENV: &str = "FERL_NODE_FORCE_FETCH";
 /// Environment variable: worker threads of a worker process's tokio runtime (default: one per core).
-pub const WORKER_THREADS_ENV: &str = "FERL_WORKER_THREADS";
+pub(crate) const WORKER_THREADS_ENV: &str = "FERL_WORKER_THREADS";
 
 /// Default heartbeat bound.
-pub const DEFAULT_HEARTBEAT_BOUND: Duration = Duration::from_millis(3000);
+pub(crate) const DEFAULT_HEARTBEAT_BOUND: Duration = Duration::from_millis(3000);
 
 /// Every setting of the runtime that the environment can give (the variables are listed in `runtime/README.md`).
 /// Build it with `RuntimeConfig::from_env()` (the process environment) or [`RuntimeConfig::from_lookup`] (any

@@ -6,25 +6,25 @@ use std::time::{Duration, Instant};
 
 /// Last heartbeat time of every live node.
 #[derive(Debug)]
-pub struct Membership {
+pub(crate) struct Membership {
     bound: Duration,
     last: HashMap<String, Instant>,
 }
 
 impl Membership {
     /// Nodes silent for longer than `bound` are declared dead.
-    pub fn new(bound: Duration) -> Self {
+    pub(crate) fn new(bound: Duration) -> Self {
         Self {
             bound,
             last: HashMap::new(),
         }
     }
     /// A node joined at `now`.
-    pub fn join(&mut self, node: &str, now: Instant) {
+    pub(crate) fn join(&mut self, node: &str, now: Instant) {
         self.last.insert(node.to_string(), now);
     }
     /// A heartbeat arrived; `false` if the node is unknown (already declared dead).
-    pub fn heartbeat(&mut self, node: &str, now: Instant) -> bool {
+    pub(crate) fn heartbeat(&mut self, node: &str, now: Instant) -> bool {
         match self.last.get_mut(node) {
             Some(t) => {
                 *t = (*t).max(now);
@@ -34,7 +34,7 @@ impl Membership {
         }
     }
     /// Removes and returns the nodes silent for longer than the bound at `now`.
-    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+    pub(crate) fn expire(&mut self, now: Instant) -> Vec<String> {
         let dead: Vec<String> = self
             .last
             .iter()

@@ -14,7 +14,7 @@ const EPS: f64 = 1e-9;
 
 /// A node's capacity as placement sees it.
 #[derive(Debug, Clone)]
-pub struct NodeCapacity {
+pub(crate) struct NodeCapacity {
     /// Declared resources.
     pub total: Resources,
     /// Resources not reserved.
@@ -25,7 +25,7 @@ pub struct NodeCapacity {
 
 /// One reserved bundle: where it is and what it holds.
 #[derive(Debug, Clone, PartialEq)]
-pub struct BundleSlot {
+pub(crate) struct BundleSlot {
     /// Node name.
     pub node: String,
     /// Reserved resources.
@@ -36,7 +36,7 @@ pub struct BundleSlot {
 
 /// Why a reservation failed.
 #[derive(Debug, Clone, PartialEq)]
-pub enum PlaceError {
+pub(crate) enum PlaceError {
     /// It can never fit this cluster; the message names what is missing.
     Infeasible(String),
     /// It fits the cluster's totals but not what is free now.
@@ -54,7 +54,7 @@ impl std::fmt::Display for PlaceError {
 
 /// The resources of every live node.
 #[derive(Debug, Default, Clone)]
-pub struct Placement {
+pub(crate) struct Placement {
     nodes: BTreeMap<String, NodeCapacity>,
 }
 
@@ -84,7 +84,7 @@ fn sum(bundles: &[Resources]) -> Resources {
 }
 
 /// Formats resources as `{CPU: 2, GPU: 1}`.
-pub fn show(r: &Resources) -> String {
+pub(crate) fn show(r: &Resources) -> String {
     let inner: Vec<String> = r
         .iter()
         .filter(|(_, v)| v.abs() > EPS)
@@ -158,7 +158,7 @@ fn assign(
 
 impl Placement {
     /// Adds a node with its declared resources (GPU indices `0..GPU`).
-    pub fn add_node(&mut self, name: &str, total: Resources) {
+    pub(crate) fn add_node(&mut self, name: &str, total: Resources) {
         let gpus = total.get("GPU").copied().unwrap_or(0.0).floor() as u32;
         self.nodes.insert(
             name.to_string(),
@@ -171,17 +171,17 @@ impl Placement {
     }
 
     /// Forgets a node (it died); its reservations vanish with it.
-    pub fn remove_node(&mut self, name: &str) {
+    pub(crate) fn remove_node(&mut self, name: &str) {
         self.nodes.remove(name);
     }
 
     /// A node's capacity.
-    pub fn node(&self, name: &str) -> Option<&NodeCapacity> {
+    pub(crate) fn node(&self, name: &str) -> Option<&NodeCapacity> {
         self.nodes.get(name)
     }
 
     /// Reserves every bundle or none.
-    pub fn reserve(
+    pub(crate) fn reserve(
         &mut self,
         bundles: &[Resources],
         strategy: Strategy,
@@ -225,7 +225,7 @@ impl Placement {
     }
 
     /// Returns reserved bundles to their nodes (ignores nodes that are gone).
-    pub fn release(&mut self, slots: &[BundleSlot]) {
+    pub(crate) fn release(&mut self, slots: &[BundleSlot]) {
         for slot in slots {
             if let Some(cap) = self.nodes.get_mut(&slot.node) {
                 add(&mut cap.free, &slot.resources);

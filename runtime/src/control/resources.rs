@@ -6,7 +6,7 @@ use anyhow::{bail, Context as _, Result};
 use crate::protocol::Resources;
 
 /// GPUs visible through `nvidia-smi`, or 0 when it is absent or fails.
-pub fn detect_gpus() -> u32 {
+pub(crate) fn detect_gpus() -> u32 {
     std::process::Command::new("nvidia-smi")
         .args(["--query-gpu=index", "--format=csv,noheader"])
         .output()
@@ -61,7 +61,7 @@ pub fn parse_pairs(pairs: &[String]) -> Result<Resources> {
 }
 
 /// The node's resources: detected values, overridden by what was declared.
-pub fn node_resources(
+pub(crate) fn node_resources(
     num_cpus: Option<f64>,
     num_gpus: Option<u32>,
     custom: Resources,

@@ -5,7 +5,7 @@
 
 /// Where an actor is in its life.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Life {
+pub(crate) enum Life {
     /// Its worker is being started.
     Starting,
     /// Running.
@@ -18,7 +18,7 @@ pub enum Life {
 
 /// What the head must do after a worker exit.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Re-run the constructor (attempt number, 1-based).
     Restart(u32),
     /// Declare it dead with this reason.
@@ -29,7 +29,7 @@ pub enum Verdict {
 
 /// Lifecycle plus restart budget of one actor.
 #[derive(Debug, Clone)]
-pub struct Supervisor {
+pub(crate) struct Supervisor {
     /// Current state.
     pub life: Life,
     max_restarts: u32,
@@ -38,7 +38,7 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// A starting actor that may be restarted `max_restarts` times.
-    pub fn new(max_restarts: u32) -> Self {
+    pub(crate) fn new(max_restarts: u32) -> Self {
         Self {
             life: Life::Starting,
             max_restarts,
@@ -46,13 +46,13 @@ impl Supervisor {
         }
     }
     /// Its worker is up.
-    pub fn started(&mut self) {
+    pub(crate) fn started(&mut self) {
         if !matches!(self.life, Life::Dead(_)) {
             self.life = Life::Alive;
         }
     }
     /// Its worker exited for `reason`.
-    pub fn worker_exited(&mut self, reason: &str) -> Verdict {
+    pub(crate) fn worker_exited(&mut self, reason: &str) -> Verdict {
         match self.life {
             Life::Dead(_) => Verdict::Ignore,
             _ if self.restarts < self.max_restarts => {
@@ -75,7 +75,7 @@ impl Supervisor {
         }
     }
     /// Killed on purpose, or its group or bundle is gone: dead without restart. `false` if it was already dead.
-    pub fn kill(&mut self, reason: &str) -> bool {
+    pub(crate) fn kill(&mut self, reason: &str) -> bool {
         if matches!(self.life, Life::Dead(_)) {
             return false;
         }

@@ -17,19 +17,19 @@ use crate::protocol::{WorkerHello, WorkerReady};
 use crate::security::tls::Credentials;
 
 /// Environment variables a node agent sets for its workers.
-pub mod env {
+pub(crate) mod env {
     /// The actor id the worker hosts; its presence means "worker mode".
-    pub const ACTOR_ID: &str = "FERL_WORKER_ACTOR_ID";
+    pub(crate) const ACTOR_ID: &str = "FERL_WORKER_ACTOR_ID";
     /// The node agent's address.
-    pub const NODE_ADDR: &str = "FERL_NODE_ADDR";
+    pub(crate) const NODE_ADDR: &str = "FERL_NODE_ADDR";
     /// The head's address.
-    pub const HEAD_ADDR: &str = "FERL_HEAD_ADDR";
+    pub(crate) const HEAD_ADDR: &str = "FERL_HEAD_ADDR";
     /// Path of the credentials file (0600).
-    pub const CREDS: &str = "FERL_WORKER_CREDS";
+    pub(crate) const CREDS: &str = "FERL_WORKER_CREDS";
     /// The node's name.
-    pub const NODE_NAME: &str = "FERL_NODE_NAME";
+    pub(crate) const NODE_NAME: &str = "FERL_NODE_NAME";
     /// The IP to bind.
-    pub const BIND_IP: &str = "FERL_BIND_IP";
+    pub(crate) const BIND_IP: &str = "FERL_BIND_IP";
 }
 
 /// A variable of the process environment by name (the bootstrap layer's one lookup function).

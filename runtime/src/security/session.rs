@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 
 /// Environment variable overriding the session root (named in messages; the bootstrap layer reads it).
-pub const ROOT_ENV: &str = "FERL_TMPDIR";
+pub(crate) const ROOT_ENV: &str = "FERL_TMPDIR";
 /// Environment variable holding the cluster token (named in messages; the bootstrap layer reads it).
-pub const TOKEN_ENV: &str = "FERL_TOKEN";
+pub(crate) const TOKEN_ENV: &str = "FERL_TOKEN";
 
 /// Creates the session root `root` private to this user (mode 0700), or checks that an existing one belongs to this
 /// user (and makes it private); a root owned by another user is refused, since its owner could read tokens or plant
 /// files there.
-pub fn ensure_private_root(root: &Path) -> Result<()> {
+pub(crate) fn ensure_private_root(root: &Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
@@ -46,7 +46,7 @@ pub fn ensure_private_root(root: &Path) -> Result<()> {
 }
 
 /// Writes `bytes` to `path` with mode 0600 (created or truncated).
-pub fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
@@ -121,21 +121,21 @@ impl Session {
 }
 
 /// The token of the head on this machine (`session_latest/token` under `root`), if any.
-pub fn local_token(root: &Path) -> Option<String> {
+pub(crate) fn local_token(root: &Path) -> Option<String> {
     std::fs::read_to_string(root.join("session_latest").join("token"))
         .ok()
         .map(|s| s.trim().to_string())
 }
 
 /// The address of the head on this machine (`session_latest/address` under `root`), if any.
-pub fn local_address(root: &Path) -> Option<String> {
+pub(crate) fn local_address(root: &Path) -> Option<String> {
     std::fs::read_to_string(root.join("session_latest").join("address"))
         .ok()
         .map(|s| s.trim().to_string())
 }
 
 /// The token to join with: the one given, else `from_env` (`FERL_TOKEN`), else the local head's under `root`.
-pub fn resolve_token(
+pub(crate) fn resolve_token(
     given: Option<String>,
     from_env: Option<String>,
     root: &Path,
@@ -165,7 +165,7 @@ pub fn detach(cmd: &mut std::process::Command) {
 /// Stops every head or node process that `ferl start` recorded under the session root `root`: SIGTERM, then
 /// SIGKILL for any still running after `grace`. A pid file whose process is gone, or is no longer a `start` command
 /// (the pid was reused), is only removed. Returns the pids that were stopped; none of them runs when this returns.
-pub fn stop_local(root: &Path, grace: Duration) -> Vec<i32> {
+pub(crate) fn stop_local(root: &Path, grace: Duration) -> Vec<i32> {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
     let mut stopped = Vec::new();

@@ -44,13 +44,13 @@ impl Credentials {
 }
 
 /// The cluster certificate authority, held by the head.
-pub struct ClusterCa {
+pub(crate) struct ClusterCa {
     issuer: CertifiedIssuer<'static, KeyPair>,
 }
 
 impl ClusterCa {
     /// Mints a fresh CA.
-    pub fn mint() -> Result<Self> {
+    pub(crate) fn mint() -> Result<Self> {
         let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params
@@ -61,7 +61,7 @@ impl ClusterCa {
     }
 
     /// Issues a certificate for one member (`who` goes in the subject).
-    pub fn issue(&self, who: &str) -> Result<Credentials> {
+    pub(crate) fn issue(&self, who: &str) -> Result<Credentials> {
         let key = KeyPair::generate()?;
         let mut params = CertificateParams::new(vec![CLUSTER_SERVER_NAME.to_string()])?;
         params.distinguished_name.push(DnType::CommonName, who);
@@ -92,7 +92,7 @@ fn key(creds: &Credentials) -> PrivateKeyDer<'static> {
 
 /// Server side: present our certificate; accept clients with a cluster certificate, and (for the join only) clients
 /// without one — the transport lets such a connection do nothing but the join handshake.
-pub fn server_config(creds: &Credentials) -> Result<rustls::ServerConfig> {
+pub(crate) fn server_config(creds: &Credentials) -> Result<rustls::ServerConfig> {
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
         Arc::new(roots(creds)?),
         provider(),
@@ -124,7 +124,7 @@ pub fn client_config(creds: &Credentials) -> Result<rustls::ClientConfig> {
 }
 
 /// Client side for the join: the head's certificate cannot be checked yet; the token proofs authenticate it.
-pub fn join_client_config() -> Result<rustls::ClientConfig> {
+pub(crate) fn join_client_config() -> Result<rustls::ClientConfig> {
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
@@ -193,12 +193,12 @@ pub fn join_proof(token: &str, label: &str, nonce: &[u8], head_cert_der: &[u8]) 
 }
 
 /// Compares two byte strings in time independent of where they differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A fresh random token (hex, 32 bytes of entropy).
-pub fn new_token() -> String {
+pub(crate) fn new_token() -> String {
     let bytes: [u8; 32] = rand::random();
     hex::encode(bytes)
 }

@@ -15,28 +15,28 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub mod inbox;
+pub(crate) mod inbox;
 mod ring;
 
-pub use inbox::unclaimed_bytes;
+pub(crate) use inbox::unclaimed_bytes;
 pub(crate) use inbox::{send_bulk, spawn_bulk_reader, BulkInbox};
 pub(crate) use ring::{RecvRing, SendRing};
 
 /// Payloads at least this large go through the shared-memory ring once the peer has mapped it.
-pub const SHM_MIN: usize = ferl_wire::codec::pool::LARGE;
+pub(crate) const SHM_MIN: usize = ferl_wire::codec::pool::LARGE;
 /// Default size of a ring's data area; `FERL_SHM_BYTES` overrides it (0 turns the same-host path off). Pages are
 /// only backed once written, and a ring drained of payloads starts again at its beginning, so what a ring holds in
 /// memory is the most bytes it ever had in flight at once.
-pub const DEFAULT_SHM_BYTES: u64 = 256 << 20;
+pub(crate) const DEFAULT_SHM_BYTES: u64 = 256 << 20;
 /// Largest ring a receiver maps (and a process offers: `transport::config` caps `FERL_SHM_BYTES` to it).
 pub(crate) const MAX_SHM_BYTES: u64 = 1 << 40;
 /// Largest bulk payload accepted on a QUIC bulk stream (4 GiB).
-pub const MAX_BULK: u64 = 4 << 30;
+pub(crate) const MAX_BULK: u64 = 4 << 30;
 
 static SHM_BYTES_RECEIVED: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes this process has received through shared-memory rings (the same-host path), for tests and benchmarks.
-pub fn shm_bytes_received() -> u64 {
+pub(crate) fn shm_bytes_received() -> u64 {
     SHM_BYTES_RECEIVED.load(Ordering::Relaxed)
 }
 

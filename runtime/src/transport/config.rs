@@ -11,15 +11,15 @@ use crate::transport::bulk::inbox::{
 use crate::transport::bulk::{DEFAULT_SHM_BYTES, MAX_SHM_BYTES};
 
 /// Environment variable: `0` keeps calls between processes of one host on QUIC (guarantee 13).
-pub const LANES_ENV: &str = "FERL_LANES";
+pub(crate) const LANES_ENV: &str = "FERL_LANES";
 /// Environment variable: size of each same-host payload ring in bytes (0 turns the ring off; guarantee 13).
-pub const SHM_BYTES_ENV: &str = "FERL_SHM_BYTES";
+pub(crate) const SHM_BYTES_ENV: &str = "FERL_SHM_BYTES";
 /// Environment variable: most unclaimed bulk bytes one peer may hold (guarantee 15).
-pub const BULK_UNCLAIMED_BYTES_ENV: &str = "FERL_BULK_UNCLAIMED_BYTES";
+pub(crate) const BULK_UNCLAIMED_BYTES_ENV: &str = "FERL_BULK_UNCLAIMED_BYTES";
 /// Environment variable: most unclaimed bulk payloads one peer may hold (guarantee 15).
-pub const BULK_UNCLAIMED_PAYLOADS_ENV: &str = "FERL_BULK_UNCLAIMED_PAYLOADS";
+pub(crate) const BULK_UNCLAIMED_PAYLOADS_ENV: &str = "FERL_BULK_UNCLAIMED_PAYLOADS";
 /// Environment variable: longest a payload stays unclaimed, or a stream waits for room, in seconds (guarantee 15).
-pub const BULK_UNCLAIMED_TIMEOUT_ENV: &str = "FERL_BULK_UNCLAIMED_TIMEOUT_S";
+pub(crate) const BULK_UNCLAIMED_TIMEOUT_ENV: &str = "FERL_BULK_UNCLAIMED_TIMEOUT_S";
 
 /// How a process moves bytes: same-host lanes and rings, bulk-stream limits, the largest frame.
 #[derive(Debug, Clone, Copy, PartialEq)]

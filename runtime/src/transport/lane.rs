@@ -32,7 +32,7 @@ const NONCE_LEN: usize = 32;
 static LANES_OPENED: AtomicU64 = AtomicU64::new(0);
 
 /// Same-host lanes this process has opened as a caller (for tests and benchmarks).
-pub fn lanes_opened() -> u64 {
+pub(crate) fn lanes_opened() -> u64 {
     LANES_OPENED.load(Ordering::Relaxed)
 }
 

@@ -29,7 +29,7 @@ mod streams;
 use self::bulk::BulkInbox;
 use self::config::TransportConfig;
 use self::delivery::{Envelope, Payload, Responder};
-pub use self::lane::lanes_opened;
+pub(crate) use self::lane::lanes_opened;
 pub(crate) use self::lane::Lanes;
 pub(crate) use self::peer::{Connections, ReplyHandle};
 use self::streams::{write_loop, BodyReader, Got, Outgoing, ShmLink};
@@ -38,7 +38,7 @@ use crate::protocol::{ArchivedCallKind, ArchivedFrame, Body, CallKind, Frame, Re
 use crate::security::tls::{self, Credentials};
 
 /// Payloads larger than this travel on their own QUIC stream (when the same-host ring is not in use).
-pub const BULK_THRESHOLD: usize = 4 << 20;
+pub(crate) const BULK_THRESHOLD: usize = 4 << 20;
 /// Largest datagram MTU discovery probes for. quinn sends up to 10 datagrams in one GSO call, and the kernel
 /// refuses (and quinn silently drops) a GSO call over 64 KiB, which then looks like loss and makes MTU discovery
 /// give up on every large size: so the bound keeps ten datagrams within 64 KiB.
@@ -186,7 +186,7 @@ pub(crate) async fn next_frame<'b, R: AsyncRead + Unpin>(
 
 /// The sending half of one call stream: frames, stream items and replies.
 #[derive(Clone)]
-pub struct Outbox {
+pub(crate) struct Outbox {
     tx: mpsc::Sender<Outgoing>,
     conn: quinn::Connection,
     link: Arc<ShmLink>,

@@ -10,12 +10,12 @@ use std::time::Duration;
 use ferl_runtime::{Cluster, HeadHandle, HeadOptions, NodeOptions};
 
 /// The worker binary of these tests.
-pub fn testbed() -> std::path::PathBuf {
+pub(crate) fn testbed() -> std::path::PathBuf {
     env!("CARGO_BIN_EXE_ferl-runtime-testbed").into()
 }
 
 /// Points session folders at a private temporary folder (leaked for the life of the test process).
-pub fn private_tmp() {
+pub(crate) fn private_tmp() {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     let dir = DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"));
     // Each test binary runs one test per process under nextest; with plain `cargo test` the value is the same.
@@ -23,7 +23,7 @@ pub fn private_tmp() {
 }
 
 /// An embedded head (with its own node of `cpus` CPUs) whose workers run the testbed binary.
-pub async fn head(cpus: f64, heartbeat: Duration) -> HeadHandle {
+pub(crate) async fn head(cpus: f64, heartbeat: Duration) -> HeadHandle {
     private_tmp();
     let opts = HeadOptions::new()
         .node(
@@ -39,12 +39,12 @@ pub async fn head(cpus: f64, heartbeat: Duration) -> HeadHandle {
 }
 
 /// An embedded cluster with 4 CPUs.
-pub async fn cluster() -> Cluster {
+pub(crate) async fn cluster() -> Cluster {
     head(4.0, Duration::from_secs(3)).await.cluster
 }
 
 /// A node agent process that kills itself when dropped.
-pub struct NodeProc {
+pub(crate) struct NodeProc {
     pub child: Child,
     pub name: String,
 }
@@ -57,7 +57,7 @@ impl Drop for NodeProc {
 }
 
 /// Starts a node agent process joined to `head` with extra flags (`--num-cpus 2 --resources x=1`).
-pub fn node(head: &HeadHandle, flags: &[&str], env: &[(&str, &str)]) -> NodeProc {
+pub(crate) fn node(head: &HeadHandle, flags: &[&str], env: &[(&str, &str)]) -> NodeProc {
     let address = head.cluster.head_address().unwrap().to_string();
     let mut cmd = Command::new(testbed());
     cmd.arg("node")
@@ -80,7 +80,7 @@ pub fn node(head: &HeadHandle, flags: &[&str], env: &[(&str, &str)]) -> NodeProc
 }
 
 /// Calls, a stream, ordered tells and a large payload to one fresh actor: what every call path must carry.
-pub async fn exercise_call_paths(cluster: &Cluster) {
+pub(crate) async fn exercise_call_paths(cluster: &Cluster) {
     use ferl_runtime::testbed::*;
     let actor = cluster
         .spawn::<Counter>(0, ferl_runtime::SpawnOptions::new())
@@ -106,7 +106,7 @@ pub async fn exercise_call_paths(cluster: &Cluster) {
 
 /// A connection to the head with member credentials obtained through the join handshake (an authenticated peer
 /// that can then send anything).
-pub async fn member_connection(head: &HeadHandle) -> quinn::Connection {
+pub(crate) async fn member_connection(head: &HeadHandle) -> quinn::Connection {
     let addr = head.cluster.head_address().unwrap();
     let creds = ferl_runtime::testing::join(addr, &head.token, Duration::from_secs(10))
         .await

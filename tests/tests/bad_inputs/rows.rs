@@ -15,7 +15,7 @@
 
 /// What a row runs.
 #[derive(Clone, Copy)]
-pub enum Cmd {
+pub(crate) enum Cmd {
     /// `ferl sft` with the fixture's short-run overrides (run folder `{run}`), then the row's arguments.
     Sft,
     /// `ferl` with the row's arguments only.
@@ -26,11 +26,11 @@ pub enum Cmd {
 }
 
 /// Environment variables, `(name, value)`.
-pub type Env = &'static [(&'static str, &'static str)];
+pub(crate) type Env = &'static [(&'static str, &'static str)];
 
 /// What a row's peer does while (or before) the command runs.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Peer {
+pub(crate) enum Peer {
     /// Nothing.
     None,
     /// Sends junk UDP datagrams (random, QUIC-looking long headers, runts) to the head's port first.
@@ -42,7 +42,7 @@ pub enum Peer {
 }
 
 /// The environment every launcher rank gets (a row's own values win).
-pub const LAUNCH_ENV: Env = &[
+pub(crate) const LAUNCH_ENV: Env = &[
     ("WORLD_SIZE", "2"),
     ("MASTER_ADDR", "127.0.0.1"),
     ("MASTER_PORT", "{port}"),
@@ -50,7 +50,7 @@ pub const LAUNCH_ENV: Env = &[
 ];
 
 /// One bad input.
-pub struct Row {
+pub(crate) struct Row {
     /// config, data, model, checkpoint, plugin, cli or network.
     pub cat: &'static str,
     /// What is wrong.
@@ -142,7 +142,7 @@ const START_LOG: &[&str] = &["{state}/ferl-start-*"];
 
 /// Every row (one per line or two: a table, left unformatted).
 #[rustfmt::skip]
-pub const ROWS: &[Row] = &[
+pub(crate) const ROWS: &[Row] = &[
     // ---- config
     sft("config", "unknown key", &["optim.lrr=1"], &["unknown config key `optim.lrr`; did you mean `optim.lr`?"]),
     sft("config", "verl-style alias", &["max_steps=3"], &["`max_steps`; did you mean `trainer.total_training_steps`?"]),

@@ -21,7 +21,7 @@ const JUNK: &[u8] = b"\xde\xad\xbe\xef";
 
 /// Writes the broken inputs the rows name under the fixture folder `d`, and the checkpoint `{d}/ckpt/global_step_1`
 /// with its broken copies.
-pub fn prepare(fx: &Fixture, env: impl Fn(&mut Command)) -> Result<()> {
+pub(crate) fn prepare(fx: &Fixture, env: impl Fn(&mut Command)) -> Result<()> {
     let d = fx.dir.path();
     write_files(d)?;
     write_models(d)?;
@@ -160,7 +160,7 @@ fn replace(file: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// A head started with `ferl start --head` in its own session root; stopped (and killed if need be) on drop.
-pub struct Head {
+pub(crate) struct Head {
     /// `HOST:PORT`.
     pub address: String,
     /// The cluster token.
@@ -171,7 +171,7 @@ pub struct Head {
 
 impl Head {
     /// Starts a head whose session root is `state`.
-    pub fn start(state: PathBuf) -> Result<Self> {
+    pub(crate) fn start(state: PathBuf) -> Result<Self> {
         let out = Self::command(&state)
             .args(["start", "--head", "--port", "0", "--num-cpus", "1"])
             .output()?;
@@ -205,7 +205,7 @@ impl Head {
     }
 
     /// Whether `ferl status` against the head succeeds.
-    pub fn answers(&self) -> Result<(), String> {
+    pub(crate) fn answers(&self) -> Result<(), String> {
         let out = Self::command(&self.state)
             .args(["status", "--address", &self.address, "--token", &self.token])
             .output()
@@ -233,7 +233,7 @@ impl Drop for Head {
 }
 
 /// A running peer, stopped on drop.
-pub struct PeerGuard {
+pub(crate) struct PeerGuard {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -248,7 +248,7 @@ impl Drop for PeerGuard {
 }
 
 /// Starts `peer` against `127.0.0.1:port` or the head at `head` (a fake store is listening when this returns).
-pub fn start_peer(peer: Peer, port: u16, head: &str) -> Result<PeerGuard> {
+pub(crate) fn start_peer(peer: Peer, port: u16, head: &str) -> Result<PeerGuard> {
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     let thread = match peer {

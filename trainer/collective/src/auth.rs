@@ -132,7 +132,7 @@ pub(crate) struct HandshakeLimit(AtomicUsize);
 
 impl HandshakeLimit {
     /// A ticket for one more handshake, or `None` when [`MAX_HANDSHAKING`] are running.
-    pub fn enter(self: &Arc<Self>) -> Option<HandshakeTicket> {
+    pub(crate) fn enter(self: &Arc<Self>) -> Option<HandshakeTicket> {
         if self.0.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKING {
             self.0.fetch_sub(1, Ordering::AcqRel);
             return None;
@@ -142,7 +142,7 @@ impl HandshakeLimit {
 
     /// Handshakes running now.
     #[cfg(test)]
-    pub fn running(&self) -> usize {
+    pub(crate) fn running(&self) -> usize {
         self.0.load(Ordering::Acquire)
     }
 }
@@ -169,7 +169,7 @@ pub(crate) struct Handshake<'a> {
 impl Handshake<'_> {
     /// The connecting side: sends `hello`, proves the secret, checks the listener's proof, and returns the
     /// listener's `reply` (`reply_len` bytes).
-    pub fn initiate(
+    pub(crate) fn initiate(
         &self,
         stream: &mut TcpStream,
         hello: &[u8],
@@ -214,7 +214,7 @@ impl Handshake<'_> {
 
     /// The listening side: reads the peer's `hello` (`hello_len` bytes), lets `answer` check it and choose the
     /// reply, then checks the peer's proof and proves back. Returns the hello of a peer that passed.
-    pub fn respond(
+    pub(crate) fn respond(
         &self,
         stream: &mut TcpStream,
         hello_len: usize,

@@ -174,40 +174,44 @@ pub(crate) unsafe fn reduce_raw(
     received: *const u8,
     count: usize,
 ) {
-    unsafe fn run<T: Reducible>(
-        op: ReduceOp,
-        dst: *mut u8,
-        other: *const u8,
-        received: *const u8,
-        count: usize,
-    ) {
-        let src = std::slice::from_raw_parts(received as *const T, count);
-        if std::ptr::eq(dst as *const u8, other) {
-            combine_in_place(
-                op,
-                std::slice::from_raw_parts_mut(dst as *mut T, count),
-                src,
-            );
-        } else {
-            let a = std::slice::from_raw_parts(other as *const T, count);
-            combine_into(
-                op,
-                std::slice::from_raw_parts_mut(dst as *mut T, count),
-                a,
-                src,
-            );
+    unsafe {
+        unsafe fn run<T: Reducible>(
+            op: ReduceOp,
+            dst: *mut u8,
+            other: *const u8,
+            received: *const u8,
+            count: usize,
+        ) {
+            unsafe {
+                let src = std::slice::from_raw_parts(received as *const T, count);
+                if std::ptr::eq(dst as *const u8, other) {
+                    combine_in_place(
+                        op,
+                        std::slice::from_raw_parts_mut(dst as *mut T, count),
+                        src,
+                    );
+                } else {
+                    let a = std::slice::from_raw_parts(other as *const T, count);
+                    combine_into(
+                        op,
+                        std::slice::from_raw_parts_mut(dst as *mut T, count),
+                        a,
+                        src,
+                    );
+                }
+            }
         }
-    }
-    match dtype {
-        DType::F32 => run::<f32>(op, dst, other, received, count),
-        DType::F64 => run::<f64>(op, dst, other, received, count),
-        DType::BF16 => run::<bf16>(op, dst, other, received, count),
-        DType::F16 => run::<f16>(op, dst, other, received, count),
-        DType::I8 => run::<i8>(op, dst, other, received, count),
-        DType::U8 => run::<u8>(op, dst, other, received, count),
-        DType::I16 => run::<i16>(op, dst, other, received, count),
-        DType::I32 => run::<i32>(op, dst, other, received, count),
-        DType::I64 => run::<i64>(op, dst, other, received, count),
+        match dtype {
+            DType::F32 => run::<f32>(op, dst, other, received, count),
+            DType::F64 => run::<f64>(op, dst, other, received, count),
+            DType::BF16 => run::<bf16>(op, dst, other, received, count),
+            DType::F16 => run::<f16>(op, dst, other, received, count),
+            DType::I8 => run::<i8>(op, dst, other, received, count),
+            DType::U8 => run::<u8>(op, dst, other, received, count),
+            DType::I16 => run::<i16>(op, dst, other, received, count),
+            DType::I32 => run::<i32>(op, dst, other, received, count),
+            DType::I64 => run::<i64>(op, dst, other, received, count),
+        }
     }
 }
 

@@ -14,7 +14,11 @@ pub(crate) struct RawTensor {
 
 impl RawTensor {
     /// The tensor's memory; `what` names the argument in errors ("input of all_gather").
-    pub fn of(tensor: &Tensor, device_is_ok: impl Fn(Device) -> bool, what: &str) -> Result<Self> {
+    pub(crate) fn of(
+        tensor: &Tensor,
+        device_is_ok: impl Fn(Device) -> bool,
+        what: &str,
+    ) -> Result<Self> {
         let device = tensor.device();
         if !device_is_ok(device) {
             bail!("{what}: tensor on {device:?} is not on this communicator's device");
@@ -36,7 +40,7 @@ impl RawTensor {
     }
 
     /// Size in bytes.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.numel * self.dtype.size()
     }
 }

@@ -18,14 +18,14 @@ use tch::Tensor;
 type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
 
 /// The result of a submitted collective, to be waited for.
-pub struct Pending {
+pub(crate) struct Pending {
     rx: Receiver<Result<Tensor>>,
     what: &'static str,
 }
 
 impl Pending {
     /// Blocks until the collective finished; returns its output tensor.
-    pub fn wait(self) -> Result<Tensor> {
+    pub(crate) fn wait(self) -> Result<Tensor> {
         self.rx
             .recv()
             .map_err(|_| anyhow!("{}: the communication thread exited", self.what))?
@@ -33,7 +33,7 @@ impl Pending {
 }
 
 /// The thread that owns the communicators' calls.
-pub struct CommWorker {
+pub(crate) struct CommWorker {
     replicate: Option<Arc<dyn Communicator>>,
     tx: Option<Sender<Job>>,
     handle: Option<JoinHandle<()>>,
@@ -41,7 +41,10 @@ pub struct CommWorker {
 
 impl CommWorker {
     /// Starts the thread for the shard group `comm` and, under HSDP, the replica group `replicate`.
-    pub fn new(comm: Arc<dyn Communicator>, replicate: Option<Arc<dyn Communicator>>) -> Self {
+    pub(crate) fn new(
+        comm: Arc<dyn Communicator>,
+        replicate: Option<Arc<dyn Communicator>>,
+    ) -> Self {
         let replicate = replicate.filter(|r| r.world_size() > 1);
         let (tx, rx) = channel::<Job>();
         let rank = comm.rank();
@@ -61,7 +64,7 @@ impl CommWorker {
     }
 
     /// Queues `f`; its tensor comes back through the returned [`Pending`].
-    pub fn submit<F>(&self, what: &'static str, f: F) -> Pending
+    pub(crate) fn submit<F>(&self, what: &'static str, f: F) -> Pending
     where
         F: FnOnce(&dyn Communicator) -> Result<Tensor> + Send + 'static,
     {
@@ -77,7 +80,7 @@ impl CommWorker {
     }
 
     /// All-gathers the 1-D `shard` into a new tensor of `world * shard.numel()` elements.
-    pub fn all_gather(&self, shard: Tensor) -> Pending {
+    pub(crate) fn all_gather(&self, shard: Tensor) -> Pending {
         self.submit("all_gather", move |c| {
             if c.world_size() == 1 {
                 return Ok(shard);
@@ -88,7 +91,7 @@ impl CommWorker {
 
     /// Sums the 1-D `full` across every rank and returns this rank's block of the shard group: a reduce-scatter
     /// within the shard group, then (HSDP) an all-reduce of the block across the replica group.
-    pub fn reduce_scatter(&self, full: Tensor) -> Pending {
+    pub(crate) fn reduce_scatter(&self, full: Tensor) -> Pending {
         let replicate = self.replicate.clone();
         self.submit("reduce_scatter", move |c| {
             let mut block = match c.world_size() {
@@ -103,12 +106,12 @@ impl CommWorker {
     }
 
     /// Sums `t` across every rank (shard group, then replica group) and returns it.
-    pub fn all_reduce(&self, t: Tensor) -> Pending {
+    pub(crate) fn all_reduce(&self, t: Tensor) -> Pending {
         self.all_reduce_in(t, true)
     }
 
     /// Sums `t` across the shard group only (the ranks that together hold one copy of the model).
-    pub fn all_reduce_shard_group(&self, t: Tensor) -> Pending {
+    pub(crate) fn all_reduce_shard_group(&self, t: Tensor) -> Pending {
         self.all_reduce_in(t, false)
     }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 /// The venv's python, or `None` (with the reason printed) when the venv is missing.
-pub fn venv_python() -> Option<PathBuf> {
+pub(crate) fn venv_python() -> Option<PathBuf> {
     let venv = std::env::var_os("FERL_VENV")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/ferl/venv")))?;
@@ -30,22 +30,22 @@ pub fn venv_python() -> Option<PathBuf> {
 }
 
 /// The reference script in `trainer/py/`.
-pub fn reference_script() -> PathBuf {
+pub(crate) fn reference_script() -> PathBuf {
     py_script("parity_reference.py")
 }
 
 /// The script `name` in `trainer/py/`.
-pub fn py_script(name: &str) -> PathBuf {
+pub(crate) fn py_script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("py").join(name)
 }
 
 /// Runs `python parity_reference.py args...`, panicking with its stderr on failure.
-pub fn run_reference(py: &Path, args: &[&str]) {
+pub(crate) fn run_reference(py: &Path, args: &[&str]) {
     run_script(py, "parity_reference.py", args);
 }
 
 /// Runs `python py/<script> args...`, panicking with its stderr on failure.
-pub fn run_script(py: &Path, script: &str, args: &[&str]) {
+pub(crate) fn run_script(py: &Path, script: &str, args: &[&str]) {
     let out = Command::new(py)
         .arg(py_script(script))
         .args(args)
@@ -59,7 +59,7 @@ pub fn run_script(py: &Path, script: &str, args: &[&str]) {
 }
 
 /// Tokenized samples of a `data.json` written by the reference script.
-pub struct Samples {
+pub(crate) struct Samples {
     /// Per sample: token ids.
     pub ids: Vec<Vec<i64>>,
     /// Per sample: loss mask.
@@ -67,7 +67,7 @@ pub struct Samples {
 }
 
 /// Reads `data.json`.
-pub fn read_samples(file: &Path) -> Samples {
+pub(crate) fn read_samples(file: &Path) -> Samples {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
     let mut ids = Vec::new();
@@ -95,7 +95,7 @@ pub fn read_samples(file: &Path) -> Samples {
 
 impl Samples {
     /// Borrowed view of sample `i`.
-    pub fn get(&self, i: usize) -> ferl_trainer::batch::SampleRef<'_> {
+    pub(crate) fn get(&self, i: usize) -> ferl_trainer::batch::SampleRef<'_> {
         ferl_trainer::batch::SampleRef {
             input_ids: &self.ids[i],
             loss_mask: &self.masks[i],
@@ -104,7 +104,7 @@ impl Samples {
 }
 
 /// A JSON array of numbers as f64.
-pub fn floats(v: &serde_json::Value) -> Vec<f64> {
+pub(crate) fn floats(v: &serde_json::Value) -> Vec<f64> {
     v.as_array()
         .unwrap()
         .iter()
@@ -113,7 +113,7 @@ pub fn floats(v: &serde_json::Value) -> Vec<f64> {
 }
 
 /// A file of raw little-endian float32 values (what the reference script's `logits` writes).
-pub fn read_f32s(file: &Path) -> Vec<f32> {
+pub(crate) fn read_f32s(file: &Path) -> Vec<f32> {
     std::fs::read(file)
         .unwrap()
         .chunks_exact(4)
@@ -124,7 +124,7 @@ pub fn read_f32s(file: &Path) -> Vec<f32> {
 /// A reference script kept running between requests, so that Python and its imports start once per test: it prints
 /// `ready` when its first results are written, then answers each line written to its stdin with `done` (e.g.
 /// `py/peft_reference.py train`). Its stderr goes to a file, shown when it fails. Dropping it closes stdin and waits.
-pub struct ReferenceSession {
+pub(crate) struct ReferenceSession {
     child: Child,
     stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
@@ -133,7 +133,7 @@ pub struct ReferenceSession {
 
 impl ReferenceSession {
     /// Runs `py script args...` (stderr to the file `stderr`) and waits for its `ready`.
-    pub fn start(py: &Path, script: &str, args: &[&str], stderr: &Path) -> Self {
+    pub(crate) fn start(py: &Path, script: &str, args: &[&str], stderr: &Path) -> Self {
         let mut child = Command::new(py)
             .arg(py_script(script))
             .args(args)
@@ -155,7 +155,7 @@ impl ReferenceSession {
     }
 
     /// Sends one request line and waits for its `done`.
-    pub fn request(&mut self, line: &str) {
+    pub(crate) fn request(&mut self, line: &str) {
         let stdin = self.stdin.as_mut().expect("session open");
         writeln!(stdin, "{line}").expect("write to the reference script");
         stdin.flush().expect("flush to the reference script");
@@ -189,7 +189,7 @@ impl Drop for ReferenceSession {
 }
 
 /// Largest absolute elementwise difference of two tensors of one shape (as f64).
-pub fn max_abs_diff(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
+pub(crate) fn max_abs_diff(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
     assert_eq!(a.size(), b.size(), "shapes differ");
     (a.to_kind(tch::Kind::Double) - b.to_kind(tch::Kind::Double))
         .abs()

@@ -7,7 +7,7 @@ use ferl_trainer::data::{SftDataset, TokenizedSample};
 use std::path::{Path, PathBuf};
 
 /// Builds plugin `package` with the build environment `env` into its own cached target folder; returns the library.
-pub fn build(package: &str, env: &[(&str, &str)]) -> PathBuf {
+pub(crate) fn build(package: &str, env: &[(&str, &str)]) -> PathBuf {
     let ws = workspace_root(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
     let key: String = std::iter::once(package.to_string())
         .chain(env.iter().map(|(k, v)| format!("{k}={v}")))
@@ -26,7 +26,7 @@ pub fn build(package: &str, env: &[(&str, &str)]) -> PathBuf {
 }
 
 /// A 2-layer Qwen2 (vocab 97, hidden 32, GQA) with seeded random weights under `dir/model`.
-pub fn tiny_model(dir: &Path) -> PathBuf {
+pub(crate) fn tiny_model(dir: &Path) -> PathBuf {
     let cfg = serde_json::json!({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 97, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -41,7 +41,7 @@ pub fn tiny_model(dir: &Path) -> PathBuf {
 }
 
 /// Sample `i` of the synthetic data: 6 to 12 tokens, trained on all but the first two.
-pub fn sample(i: usize) -> TokenizedSample {
+pub(crate) fn sample(i: usize) -> TokenizedSample {
     let len = 6 + i % 7;
     TokenizedSample {
         input_ids: (0..len).map(|t| ((i * 31 + t * 7) % 97) as i64).collect(),
@@ -50,6 +50,6 @@ pub fn sample(i: usize) -> TokenizedSample {
 }
 
 /// `n` synthetic samples as a dataset.
-pub fn dataset(n: usize) -> SftDataset {
+pub(crate) fn dataset(n: usize) -> SftDataset {
     SftDataset::from_samples((0..n).map(sample).collect(), 0, 1)
 }

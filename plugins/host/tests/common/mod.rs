@@ -7,7 +7,7 @@ use ferl_plugin_host::cargo_build::{build_plugin, workspace_root, PluginBuild};
 use std::path::{Path, PathBuf};
 
 /// Builds `package` with `features` and `env`; returns the cdylib (cached between runs by cargo).
-pub fn build(package: &str, features: &[&str], env: &[(&str, &str)]) -> PathBuf {
+pub(crate) fn build(package: &str, features: &[&str], env: &[(&str, &str)]) -> PathBuf {
     let ws = workspace_root(Path::new(env!("CARGO_MANIFEST_DIR"))).expect("workspace root");
     let mut key = package.to_string();
     for f in features {
@@ -31,7 +31,7 @@ pub fn build(package: &str, features: &[&str], env: &[(&str, &str)]) -> PathBuf 
 }
 
 /// Builds `package` and copies the library to `dir/name` (a file name ending in the platform's library suffix).
-pub fn build_into(
+pub(crate) fn build_into(
     package: &str,
     features: &[&str],
     env: &[(&str, &str)],
@@ -45,6 +45,6 @@ pub fn build_into(
 }
 
 /// The testkit logger of version `v`.
-pub fn testkit_logger(v: &str) -> PathBuf {
+pub(crate) fn testkit_logger(v: &str) -> PathBuf {
     build("ferl-plugin-testkit", &[], &[("FERL_TESTKIT_VERSION", v)])
 }

@@ -20,16 +20,16 @@ use tokio::sync::{oneshot, Notify};
 use super::{buffer, MAX_BULK};
 
 /// Default of `FERL_BULK_UNCLAIMED_BYTES` (read by `transport::config`): one payload of the largest size fits.
-pub const DEFAULT_UNCLAIMED_BYTES: u64 = MAX_BULK;
+pub(crate) const DEFAULT_UNCLAIMED_BYTES: u64 = MAX_BULK;
 /// Default of `FERL_BULK_UNCLAIMED_PAYLOADS`.
-pub const DEFAULT_UNCLAIMED_PAYLOADS: usize = 1024;
+pub(crate) const DEFAULT_UNCLAIMED_PAYLOADS: usize = 1024;
 /// Default of `FERL_BULK_UNCLAIMED_TIMEOUT_S`, in seconds.
-pub const DEFAULT_UNCLAIMED_TIMEOUT_S: u64 = 300;
+pub(crate) const DEFAULT_UNCLAIMED_TIMEOUT_S: u64 = 300;
 
 static UNCLAIMED_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes of bulk payloads this process holds (or is receiving) unclaimed, over all connections; for tests.
-pub fn unclaimed_bytes() -> u64 {
+pub(crate) fn unclaimed_bytes() -> u64 {
     UNCLAIMED_BYTES.load(Ordering::Relaxed)
 }
 

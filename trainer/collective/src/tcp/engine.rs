@@ -188,7 +188,7 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// An engine over `mesh` with the given I/O timeout and pipelining chunk size.
-    pub fn new(mesh: Mesh, timeout: Duration, chunk_bytes: usize) -> Self {
+    pub(super) fn new(mesh: Mesh, timeout: Duration, chunk_bytes: usize) -> Self {
         Self {
             mesh,
             timeout,
@@ -198,7 +198,7 @@ impl Engine {
     }
 
     /// Runs `plan`; on any failure closes every connection (so all ranks fail promptly) and returns the first cause.
-    pub fn run(&mut self, plan: &Plan) -> Result<()> {
+    pub(super) fn run(&mut self, plan: &Plan) -> Result<()> {
         let largest = plan
             .steps
             .iter()

@@ -86,7 +86,7 @@ impl Admission {
 
 impl<'a> Joining<'a> {
     /// Starts joining as `cfg` says, proving `secret`; the join deadline starts now.
-    pub fn new(cfg: &'a MeshConfig<'a>, secret: &JobSecret) -> Self {
+    pub(super) fn new(cfg: &'a MeshConfig<'a>, secret: &JobSecret) -> Self {
         let admission = Admission {
             rank: cfg.rank,
             world: cfg.world,
@@ -108,7 +108,11 @@ impl<'a> Joining<'a> {
 
     /// Connects to rank `other` at the address it published and authenticates both ways. The lower rank may still be
     /// joining its own lower ranks, so its answer may take until the join deadline.
-    pub fn connect_lower(&self, other: usize, rendezvous: &dyn Rendezvous) -> Result<TcpStream> {
+    pub(super) fn connect_lower(
+        &self,
+        other: usize,
+        rendezvous: &dyn Rendezvous,
+    ) -> Result<TcpStream> {
         let (rank, world) = (self.cfg.rank, self.cfg.world);
         let raw = rendezvous.get(&addr_key(self.cfg.prefix, other), self.remaining())?;
         let addr: SocketAddr = String::from_utf8(raw)?
@@ -131,7 +135,7 @@ impl<'a> Joining<'a> {
     }
 
     /// Accepts every higher rank on `listener` into `peers`, until the join deadline.
-    pub fn accept_higher(
+    pub(super) fn accept_higher(
         &self,
         listener: &TcpListener,
         peers: &mut [Option<TcpStream>],

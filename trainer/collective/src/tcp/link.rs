@@ -26,7 +26,7 @@ pub(crate) struct Peer {
 
 impl Peer {
     /// A peer reached over `stream`, through `shm` when the pair negotiated it.
-    pub fn new(stream: TcpStream, shm: Option<ShmLink>) -> std::io::Result<Self> {
+    pub(super) fn new(stream: TcpStream, shm: Option<ShmLink>) -> std::io::Result<Self> {
         Ok(Self {
             write: stream.try_clone()?,
             read: stream,
@@ -35,7 +35,7 @@ impl Peer {
     }
 
     /// The transport in use.
-    pub fn transport(&self) -> Transport {
+    pub(super) fn transport(&self) -> Transport {
         if self.shm.is_some() {
             Transport::SharedMemory
         } else {
@@ -44,7 +44,7 @@ impl Peer {
     }
 
     /// Sends `bytes` (part of the current frame).
-    pub fn send(&self, bytes: &[u8]) -> std::io::Result<()> {
+    pub(super) fn send(&self, bytes: &[u8]) -> std::io::Result<()> {
         match &self.shm {
             Some(shm) => shm.send(bytes),
             None => (&self.write).write_all(bytes),
@@ -52,7 +52,7 @@ impl Peer {
     }
 
     /// Ends the frame being sent.
-    pub fn end_send_frame(&self) -> std::io::Result<()> {
+    pub(super) fn end_send_frame(&self) -> std::io::Result<()> {
         match &self.shm {
             Some(shm) => shm.end_send_frame(),
             None => Ok(()),
@@ -60,7 +60,7 @@ impl Peer {
     }
 
     /// Receives exactly `buf.len()` bytes of the current frame.
-    pub fn recv_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
+    pub(super) fn recv_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
         match &self.shm {
             Some(shm) => shm.recv_exact(buf),
             None => (&self.read).read_exact(buf),
@@ -70,7 +70,7 @@ impl Peer {
     /// Receives `len` bytes of the current frame, handing them to `consume(offset, bytes)` piece by piece, each piece
     /// a multiple of `unit` bytes: in place from shared memory, or through `scratch` (which must hold at least `unit`
     /// bytes) from TCP.
-    pub fn recv_pieces(
+    pub(super) fn recv_pieces(
         &self,
         len: usize,
         unit: usize,
@@ -94,7 +94,7 @@ impl Peer {
     }
 
     /// Ends the frame being received.
-    pub fn end_recv_frame(&self) -> std::io::Result<()> {
+    pub(super) fn end_recv_frame(&self) -> std::io::Result<()> {
         match &self.shm {
             Some(shm) => shm.end_recv_frame(),
             None => Ok(()),
@@ -102,7 +102,7 @@ impl Peer {
     }
 
     /// Closes the connection both ways, so blocked transfers on this rank and on the peer return at once.
-    pub fn shutdown(&self) {
+    pub(super) fn shutdown(&self) {
         if let Some(shm) = &self.shm {
             shm.close();
         }

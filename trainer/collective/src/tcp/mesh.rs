@@ -31,12 +31,12 @@ pub(crate) struct Mesh {
 
 impl Mesh {
     /// The connection to `rank`.
-    pub fn peer(&self, rank: usize) -> &Peer {
+    pub(super) fn peer(&self, rank: usize) -> &Peer {
         self.peers[rank].as_ref().expect("no connection to self")
     }
 
     /// Closes every connection, so blocked reads and writes on this rank and on its peers return at once.
-    pub fn shutdown_all(&self) {
+    pub(super) fn shutdown_all(&self) {
         for p in self.peers.iter().flatten() {
             p.shutdown();
         }

@@ -53,7 +53,7 @@ pub(crate) fn out_of_space(e: &anyhow::Error) -> bool {
 
 impl Pending {
     /// Creates and maps a segment with two rings of `ring_bytes` (a power of two) each.
-    pub fn create(ring_bytes: usize) -> Result<Self> {
+    pub(super) fn create(ring_bytes: usize) -> Result<Self> {
         if !ring_bytes.is_power_of_two() || ring_bytes < MIN_RING_BYTES {
             bail!("shared-memory ring of {ring_bytes} bytes: must be a power of two of at least {MIN_RING_BYTES}");
         }
@@ -65,7 +65,7 @@ impl Pending {
 
     /// Creates a segment with rings of `ring_bytes` (rounded up to a power of two of at least [`MIN_RING_BYTES`]),
     /// halving the rings while there is no room for them.
-    pub fn create_fitting(ring_bytes: usize) -> Result<Self> {
+    pub(super) fn create_fitting(ring_bytes: usize) -> Result<Self> {
         let mut size = ring_bytes.next_power_of_two().max(MIN_RING_BYTES);
         loop {
             match Self::create(size) {
@@ -76,14 +76,14 @@ impl Pending {
     }
 
     /// What to send to the peer.
-    pub fn offer(&self) -> Offer {
+    pub(super) fn offer(&self) -> Offer {
         self.segment
             .offer()
             .expect("a pending segment keeps its descriptor")
     }
 
     /// The link of the creating (lower) rank, once the peer has mapped the segment too (the descriptor is closed).
-    pub fn into_link(mut self, liveness_fd: RawFd, timeout: Duration) -> ShmLink {
+    pub(super) fn into_link(mut self, liveness_fd: RawFd, timeout: Duration) -> ShmLink {
         self.segment.close_fd();
         ShmLink::new(self.segment, true, liveness_fd, timeout)
     }
@@ -140,28 +140,28 @@ impl ShmLink {
     }
 
     /// Marks the link closed and wakes every waiter on both sides.
-    pub fn close(&self) {
+    pub(super) fn close(&self) {
         self.segment.close();
     }
 
     /// Copies `bytes` into the outgoing ring, waiting for room as needed.
-    pub fn send(&self, bytes: &[u8]) -> std::io::Result<()> {
+    pub(super) fn send(&self, bytes: &[u8]) -> std::io::Result<()> {
         self.watched(|w| lock(&self.tx).send(bytes, w))
     }
 
     /// Ends an outgoing frame: pads it so the next one starts aligned (waiting for room for the padding).
-    pub fn end_send_frame(&self) -> std::io::Result<()> {
+    pub(super) fn end_send_frame(&self) -> std::io::Result<()> {
         self.watched(|w| lock(&self.tx).pad_to(FRAME_ALIGN, w))
     }
 
     /// Ends an incoming frame: skips the sender's padding once it is published.
-    pub fn end_recv_frame(&self) -> std::io::Result<()> {
+    pub(super) fn end_recv_frame(&self) -> std::io::Result<()> {
         self.watched(|w| lock(&self.rx).skip_to(FRAME_ALIGN, w))
     }
 
     /// Receives `len` bytes, handing them to `consume(offset, bytes)` in place, in pieces whose lengths are multiples
     /// of `unit` (the element size; frames are aligned so elements never straddle the ring's end).
-    pub fn recv_pieces(
+    pub(super) fn recv_pieces(
         &self,
         len: usize,
         unit: usize,
@@ -171,7 +171,7 @@ impl ShmLink {
     }
 
     /// Receives exactly `buf.len()` bytes into `buf`.
-    pub fn recv_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
+    pub(super) fn recv_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
         self.watched(|w| lock(&self.rx).recv_exact(buf, w))
     }
 }

@@ -9,15 +9,15 @@ use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 /// The variable telling a re-executed test binary that it is a rank.
-pub const ROLE_VAR: &str = "FERL_COLLECTIVE_TEST_ROLE";
+pub(crate) const ROLE_VAR: &str = "FERL_COLLECTIVE_TEST_ROLE";
 
 /// Whether this process is a rank started by [`spawn_ranks`].
-pub fn is_rank() -> bool {
+pub(crate) fn is_rank() -> bool {
     std::env::var(ROLE_VAR).is_ok()
 }
 
 /// This rank's number (children only).
-pub fn my_rank() -> usize {
+pub(crate) fn my_rank() -> usize {
     std::env::var("RANK")
         .or_else(|_| std::env::var("SLURM_PROCID"))
         .unwrap()
@@ -26,7 +26,7 @@ pub fn my_rank() -> usize {
 }
 
 /// A started rank and the lines it prints.
-pub struct RankProcess {
+pub(crate) struct RankProcess {
     pub child: Child,
     pub lines: Receiver<String>,
 }
@@ -34,7 +34,7 @@ pub struct RankProcess {
 impl RankProcess {
     /// Waits for a line containing `prefix` (libtest may print before it on the same line) and returns the line from
     /// `prefix` on; panics after `timeout`.
-    pub fn wait_line(&self, prefix: &str, timeout: Duration) -> String {
+    pub(crate) fn wait_line(&self, prefix: &str, timeout: Duration) -> String {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -49,7 +49,7 @@ impl RankProcess {
     }
 
     /// Waits for the process to exit; kills it and panics after `timeout`.
-    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+    pub(crate) fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -77,7 +77,7 @@ impl Drop for RankProcess {
 }
 
 /// Starts `world` copies of this test binary running `test`, each with `env(rank)` plus the role marker.
-pub fn spawn_ranks(
+pub(crate) fn spawn_ranks(
     test: &str,
     world: usize,
     env: impl Fn(usize) -> Vec<(String, String)>,
@@ -109,7 +109,7 @@ pub fn spawn_ranks(
 }
 
 /// This test process's job secret (hex), the same for every group it starts.
-pub fn job_secret_hex() -> String {
+pub(crate) fn job_secret_hex() -> String {
     static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SECRET
         .get_or_init(|| ferl_collective::JobSecret::generate().unwrap().to_hex())
@@ -117,7 +117,7 @@ pub fn job_secret_hex() -> String {
 }
 
 /// torchrun-style variables for `rank` of `world` with the store at 127.0.0.1:`port`, and the job secret.
-pub fn torchrun_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
+pub(crate) fn torchrun_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
     vec![
         ("FERL_JOB_SECRET".into(), job_secret_hex()),
         ("RANK".into(), rank.to_string()),
@@ -129,7 +129,7 @@ pub fn torchrun_env(rank: usize, world: usize, port: u16) -> Vec<(String, String
 }
 
 /// A port that was free a moment ago on 127.0.0.1.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

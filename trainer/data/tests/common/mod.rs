@@ -5,22 +5,22 @@
 use std::path::PathBuf;
 
 /// `assets/` at the repository root.
-pub fn assets() -> PathBuf {
+pub(crate) fn assets() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets")
 }
 
 /// The real Qwen tokenizer folder.
-pub fn qwen_tokenizer() -> PathBuf {
+pub(crate) fn qwen_tokenizer() -> PathBuf {
     assets().join("tokenizers/qwen3")
 }
 
 /// The GSM8K jsonl folder.
-pub fn gsm8k_raw() -> PathBuf {
+pub(crate) fn gsm8k_raw() -> PathBuf {
     assets().join("data/gsm8k")
 }
 
 /// `$FERL_VENV/bin/python` when it exists and imports `module`; otherwise `None` with the reason printed.
-pub fn venv_python(module: &str) -> Option<PathBuf> {
+pub(crate) fn venv_python(module: &str) -> Option<PathBuf> {
     let Some(venv) = std::env::var_os("FERL_VENV") else {
         println!("skipping the Python check: FERL_VENV is not set (source scripts/env.sh)");
         return None;

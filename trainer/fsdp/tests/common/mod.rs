@@ -17,12 +17,12 @@ use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
 /// Samples per global batch.
-pub const GLOBAL_BATCH: usize = 8;
+pub(crate) const GLOBAL_BATCH: usize = 8;
 /// Total optimizer steps of a run (the schedule length).
-pub const TOTAL_STEPS: i64 = 6;
+pub(crate) const TOTAL_STEPS: i64 = 6;
 
 /// A tiny Qwen2: 3 layers, GQA, small vocabulary.
-pub fn tiny_config(tie: bool) -> ModelConfig {
+pub(crate) fn tiny_config(tie: bool) -> ModelConfig {
     let raw = serde_json::json!({
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
@@ -33,7 +33,7 @@ pub fn tiny_config(tie: bool) -> ModelConfig {
 }
 
 /// Tokenized samples: prompt tokens are not targets, response tokens are.
-pub struct Samples {
+pub(crate) struct Samples {
     /// Token ids per sample.
     pub ids: Vec<Vec<i64>>,
     /// Loss mask per sample.
@@ -42,7 +42,7 @@ pub struct Samples {
 
 impl Samples {
     /// `n` deterministic pseudo-random samples of varying lengths.
-    pub fn new(n: usize, vocab: i64) -> Self {
+    pub(crate) fn new(n: usize, vocab: i64) -> Self {
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let mut next = move || {
             state ^= state << 13;
@@ -61,7 +61,7 @@ impl Samples {
     }
 
     /// Sample refs of `range`.
-    pub fn refs(&self, range: std::ops::Range<usize>) -> Vec<SampleRef<'_>> {
+    pub(crate) fn refs(&self, range: std::ops::Range<usize>) -> Vec<SampleRef<'_>> {
         range
             .map(|i| SampleRef {
                 input_ids: &self.ids[i],
@@ -72,7 +72,7 @@ impl Samples {
 }
 
 /// AdamW settings of every run.
-pub fn adam() -> AdamWConfig {
+pub(crate) fn adam() -> AdamWConfig {
     AdamWConfig {
         betas: (0.9, 0.95),
         eps: 1e-8,
@@ -81,12 +81,12 @@ pub fn adam() -> AdamWConfig {
 }
 
 /// The learning-rate schedule of every run.
-pub fn schedule() -> LrSchedule {
+pub(crate) fn schedule() -> LrSchedule {
     LrSchedule::from_verl("cosine", 2e-3, 0.2, TOTAL_STEPS, 0.1).unwrap()
 }
 
 /// A stepper over `store`, computing in fp32 on the CPU.
-pub fn stepper<P: ParamStore>(
+pub(crate) fn stepper<P: ParamStore>(
     cfg: &ModelConfig,
     store: P,
     optimizer: AdamW,
@@ -108,7 +108,7 @@ pub fn stepper<P: ParamStore>(
 
 /// A stepper over `store` computing in `kind` on `device`.
 #[allow(clippy::too_many_arguments)]
-pub fn stepper_on<P: ParamStore>(
+pub(crate) fn stepper_on<P: ParamStore>(
     cfg: &ModelConfig,
     store: P,
     optimizer: AdamW,
@@ -136,14 +136,14 @@ pub fn stepper_on<P: ParamStore>(
 }
 
 /// Initial parameters (seeded) of the tiny model.
-pub fn init(cfg: &ModelConfig) -> (ModelLayout, Vec<Tensor>) {
+pub(crate) fn init(cfg: &ModelConfig) -> (ModelLayout, Vec<Tensor>) {
     let layout = ModelLayout::new(cfg);
     let params = init_params(cfg, &layout, 7);
     (layout, params)
 }
 
 /// Per-step (loss, grad norm) of the single-process trainer, micro-batch 2.
-pub fn reference_run(
+pub(crate) fn reference_run(
     cfg: &ModelConfig,
     samples: &Samples,
     steps: usize,
@@ -153,7 +153,7 @@ pub fn reference_run(
 }
 
 /// Per-step (loss, grad norm) of the single-process trainer computing in `kind` on `device`, micro-batch 2.
-pub fn reference_run_on(
+pub(crate) fn reference_run_on(
     cfg: &ModelConfig,
     samples: &Samples,
     steps: usize,
@@ -178,7 +178,7 @@ pub fn reference_run_on(
 }
 
 /// This rank's contiguous slice of global batch `step`.
-pub fn rank_slice(step: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
+pub(crate) fn rank_slice(step: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
     let per = GLOBAL_BATCH / world;
     let start = step * GLOBAL_BATCH + rank * per;
     start..start + per
@@ -188,7 +188,7 @@ static GROUP: AtomicUsize = AtomicUsize::new(0);
 
 /// Connects `world` loopback TCP communicators (one per rank) and runs `body(rank, comm)` on one thread per rank;
 /// returns the results in rank order.
-pub fn run_ranks<T: Send + 'static>(
+pub(crate) fn run_ranks<T: Send + 'static>(
     world: usize,
     body: impl Fn(usize, Arc<dyn Communicator>) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
@@ -218,13 +218,13 @@ pub fn run_ranks<T: Send + 'static>(
 }
 
 /// Deep copies of `params` (tensors are not shared between rank threads).
-pub fn copies(params: &[Tensor]) -> Vec<Tensor> {
+pub(crate) fn copies(params: &[Tensor]) -> Vec<Tensor> {
     params.iter().map(Tensor::copy).collect()
 }
 
 /// Per-step global (loss, grad norm) of a `world`-rank run with `opts`, micro-batch 1 (gradient accumulation on every
 /// rank), as seen by every rank.
-pub fn sharded_run(
+pub(crate) fn sharded_run(
     cfg: &ModelConfig,
     samples: Arc<Samples>,
     steps: usize,
@@ -261,7 +261,7 @@ pub fn sharded_run(
 }
 
 /// Asserts two curves agree within `rel` relative, naming the step and quantity that differs.
-pub fn assert_close(what: &str, got: &[(f64, f64)], want: &[(f64, f64)], rel: f64) {
+pub(crate) fn assert_close(what: &str, got: &[(f64, f64)], want: &[(f64, f64)], rel: f64) {
     assert_eq!(got.len(), want.len(), "{what}: number of steps");
     let mut worst = 0.0f64;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
