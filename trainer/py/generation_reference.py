@@ -1,4 +1,4 @@
-"""transformers reference for ferl's generation and scoring tests (trainer/tests/generation.rs).
+"""transformers reference for ferl's generation and scoring tests (trainer/core/tests/generation.rs).
 
   session --out DIR [make options of parity_reference.py] --prompts N --new-tokens M
       1. makes a tiny random model with parity_reference.make (DIR/model) and N random prompts of 3 to 24 tokens

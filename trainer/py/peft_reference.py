@@ -1,4 +1,4 @@
-"""peft reference for ferl's LoRA parity tests (trainer/tests/lora_peft.rs).
+"""peft reference for ferl's LoRA parity tests (trainer/core/tests/lora_peft.rs).
 
 A tiny fp32 Qwen2 and its SFT samples are made by parity_reference.py's `make` (hidden 64, 2 layers, GQA 4/2, vocab
 256, --samples samples of 8..--max-len tokens), then wrapped with

@@ -1,4 +1,4 @@
-"""GPU check of trainer/csrc/storage.cpp (FULL_SHARD's free-after-forward, design note 14) on CUDA.
+"""GPU check of trainer/core/csrc/storage.cpp (FULL_SHARD's free-after-forward, design note 14) on CUDA.
 
 Compiles the C++ file with torch's extension builder (ninja, g++; no CUDA code in it) and, on a CUDA device:
 1. builds a two-layer graph whose weights are views of one flat "gathered" buffer, keeps it, frees the buffer's

@@ -9,7 +9,7 @@
 
 mod common;
 /// The sharding tests' helpers: two ranks on threads over loopback TCP, the AdamW settings and the schedule.
-#[path = "../fsdp/tests/common/mod.rs"]
+#[path = "../../fsdp/tests/common/mod.rs"]
 mod sharding;
 
 use common::{

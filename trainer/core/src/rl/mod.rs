@@ -4,7 +4,7 @@
 //!
 //! Shapes follow verl: per-token tensors are `[batch, response_length]` and `response_mask` marks the response
 //! tokens (any dtype; non-zero = counted). Each function is checked against a PyTorch implementation of verl's
-//! formulas on fixed inputs (`trainer/tests/rl_core_algos.rs`, `trainer/py/rl_reference.py`).
+//! formulas on fixed inputs (`trainer/core/tests/rl_core_algos.rs`, `trainer/py/rl_reference.py`).
 //!
 //! Invariants:
 //! 1. No function mutates its inputs or holds state; gradients flow where verl's do (the policy loss, KL and

@@ -1,6 +1,6 @@
 //! The runtime's layers (design decision 15), bottom up: codec → protocol (the `ferl-wire` crate) → security →
 //! transport → actor → control → cluster. Each layer uses only those below it. This test reads every source file
-//! of `runtime/src` and `runtime/wire/src`, finds each path into the crate (`crate::x`, `super::` chains that leave
+//! of `runtime/core/src` and `runtime/wire/src`, finds each path into the crate (`crate::x`, `super::` chains that leave
 //! a layer, `crate::name!` macros) and fails naming the file, the line and the import when a file uses a layer above
 //! its own, or a file is in no layer.
 
@@ -175,7 +175,7 @@ fn every_module_uses_only_the_layers_below_it() {
     let mut violations = Vec::new();
     let mut allowed_seen = Vec::new();
     let mut checked = 0;
-    for src in [root.join("src"), root.join("wire/src")] {
+    for src in [root.join("src"), root.join("../wire/src")] {
         let mut all = Vec::new();
         files(&src, &mut all);
         all.sort();
@@ -240,7 +240,7 @@ fn no_module_below_the_bootstrap_layer_reads_the_environment() {
     // Settings are read once, through `cluster::config::lookup`, into a `RuntimeConfig` that is passed down.
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut found = Vec::new();
-    for src in [root.join("src"), root.join("wire/src")] {
+    for src in [root.join("src"), root.join("../wire/src")] {
         let mut all = Vec::new();
         files(&src, &mut all);
         for file in all {
@@ -307,7 +307,7 @@ fn the_wire_crate_is_the_bottom_two_layers() {
     // `ferl-wire` holds codec and protocol, and codec does not use protocol: checked above. Here: its manifest
     // depends on no QUIC or TLS crate, so message-only crates stay light.
     let manifest =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("wire/Cargo.toml"))
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../wire/Cargo.toml"))
             .unwrap();
     for heavy in ["quinn", "rustls", "rcgen", "ferl-runtime"] {
         assert!(

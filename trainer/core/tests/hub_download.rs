@@ -160,7 +160,7 @@ impl Hub {
 /// A tiny Qwen2 repo: the asset config with a small vocabulary, random weights split into two shards with an
 /// index, the Qwen3 tokenizer files, plus files a model load never needs (which must not be fetched).
 fn tiny_repo(tmp: &Path) -> BTreeMap<String, Vec<u8>> {
-    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../assets");
     let mut config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(assets.join("models/tiny-qwen2/config.json")).unwrap(),
     )

@@ -1,4 +1,4 @@
-//! The run loop's restarts (`trainer/src/run/restart.rs`) over a scripted executor: a deterministic "model" (a
+//! The run loop's restarts (`trainer/core/src/run/restart.rs`) over a scripted executor: a deterministic "model" (a
 //! running sum of the batches' indices) that fails on chosen steps, saves and loads real checkpoint folders, and
 //! rebuilds when asked — so each invariant is checked exactly, without ranks or libtorch work.
 
