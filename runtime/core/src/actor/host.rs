@@ -57,6 +57,19 @@ pub(crate) enum Offered {
 }
 
 impl Mailbox {
+    /// A mailbox for `actor` holding `capacity` messages (at least 1), and the receiving end its task drains.
+    pub(crate) fn new(actor: u64, capacity: usize) -> (Arc<Self>, mpsc::Receiver<Envelope>) {
+        let capacity = capacity.max(1);
+        let (tx, rx) = mpsc::channel::<Envelope>(capacity);
+        let mailbox = Arc::new(Mailbox {
+            actor,
+            tx,
+            capacity,
+            line: Mutex::new(Line::default()),
+        });
+        (mailbox, rx)
+    }
+
     /// How many messages the mailbox holds.
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
@@ -174,9 +187,7 @@ pub(crate) fn run_mailbox(
     max_concurrency: usize,
     capacity: usize,
 ) -> Arc<Mailbox> {
-    let capacity = capacity.max(1);
-    let actor_id = ctx.actor_id;
-    let (tx, mut rx) = mpsc::channel::<Envelope>(capacity);
+    let (mailbox, mut rx) = Mailbox::new(ctx.actor_id, capacity);
     tokio::spawn(async move {
         let limit = Arc::new(Semaphore::new(max_concurrency.max(1)));
         while let Some(env) = rx.recv().await {
@@ -196,12 +207,7 @@ pub(crate) fn run_mailbox(
             }
         }
     });
-    Arc::new(Mailbox {
-        actor: actor_id,
-        tx,
-        capacity,
-        line: Mutex::new(Line::default()),
-    })
+    mailbox
 }
 
 fn panicked(msg: &str, actor: u64) -> RemoteError {
@@ -261,3 +267,7 @@ async fn handle_one(actor: AnyActor, dispatch: &'static Dispatch, ctx: Context, 
         }
     }
 }
+
+#[cfg(test)]
+#[path = "host_tests.rs"]
+mod tests;

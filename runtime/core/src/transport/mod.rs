@@ -32,7 +32,8 @@ use self::delivery::{Envelope, Payload, Responder};
 pub(crate) use self::lane::lanes_opened;
 pub(crate) use self::lane::Lanes;
 pub(crate) use self::peer::{Connections, ReplyHandle};
-use self::streams::{write_loop, BodyReader, Got, Outgoing, ShmLink};
+pub(crate) use self::streams::Outgoing;
+use self::streams::{write_loop, BodyReader, Got, ShmLink};
 use crate::codec::{read_frame, FrameError};
 use crate::protocol::{ArchivedCallKind, ArchivedFrame, Body, CallKind, Frame, RemoteError};
 use crate::security::tls::{self, Credentials};
@@ -188,7 +189,8 @@ pub(crate) async fn next_frame<'b, R: AsyncRead + Unpin>(
 #[derive(Clone)]
 pub(crate) struct Outbox {
     tx: mpsc::Sender<Outgoing>,
-    conn: quinn::Connection,
+    /// The peer's address, to name it when its stream is gone.
+    peer: SocketAddr,
     link: Arc<ShmLink>,
 }
 
@@ -205,9 +207,18 @@ impl Outbox {
         tokio::spawn(write_loop(send, rx, conn.clone(), link.clone(), shm_bytes));
         Self {
             tx,
-            conn: conn.clone(),
+            peer: conn.remote_address(),
             link,
         }
+    }
+
+    /// An outbox without a connection or writer task, for tests: what is written to it comes out of the receiver
+    /// (the buffer holds 1024 frames, like a real stream's).
+    #[cfg(test)]
+    pub(crate) fn in_memory(peer: SocketAddr) -> (Self, mpsc::Receiver<Outgoing>) {
+        let (tx, rx) = mpsc::channel(1024);
+        let link = Arc::new(ShmLink::default());
+        (Self { tx, peer, link }, rx)
     }
 
     /// Whether `other` writes to the same stream.
@@ -219,7 +230,7 @@ impl Outbox {
         self.tx
             .send(Outgoing { frame, body })
             .await
-            .map_err(|_| anyhow::anyhow!("connection to {} closed", self.conn.remote_address()))
+            .map_err(|_| anyhow::anyhow!("connection to {} closed", self.peer))
     }
 
     pub(crate) async fn reply(&self, req: u64, result: Result<AlignedVec, RemoteError>) {
@@ -254,6 +265,14 @@ impl Outbox {
 
     pub(crate) async fn end(&self, req: u64, error: Option<RemoteError>) {
         let _ = self.frame(Frame::End { req, error }, None).await;
+    }
+}
+
+#[cfg(test)]
+impl Outgoing {
+    /// The frame written (tests read what an in-memory [`Outbox`] was given).
+    pub(crate) fn frame(&self) -> &Frame {
+        &self.frame
     }
 }
 
@@ -307,72 +326,114 @@ async fn serve_call_stream<R: AsyncRead + Unpin>(
             Err(StreamEnd::Ended(why)) => return tracing::debug!("call stream ended: {why}"),
             Err(StreamEnd::Bad(reason)) => return close(&conn, &reason),
         };
-        let (req, actor, msg, kind, body) = match frame {
-            ArchivedFrame::Call {
-                req,
-                actor,
-                msg,
-                kind,
-                body,
-            } => (
-                req.to_native(),
-                actor.to_native(),
-                msg.as_str().to_string(),
-                match kind {
-                    ArchivedCallKind::Tell => CallKind::Tell,
-                    ArchivedCallKind::Call => CallKind::Call,
-                    ArchivedCallKind::Stream => CallKind::Stream,
-                },
-                body.to_native(),
-            ),
-            ArchivedFrame::ShmOffer { .. } => {
-                bodies.offer(frame, &out).await;
-                continue;
-            }
-            ArchivedFrame::ShmAnswer { accepted, .. } => {
-                out.link.answered(*accepted);
-                continue;
-            }
-            ArchivedFrame::LaneAsk => {
-                let answer = match &lanes {
-                    Some(lanes) => lanes.offer(&conn, &bodies.inbox),
-                    None => Frame::LaneOffer {
-                        pid: 0,
-                        name: String::new(),
-                        nonce: Vec::new(),
-                    },
-                };
-                let _ = out.frame(answer, None).await;
-                continue;
-            }
-            _ => {
+        let Some(call) = IncomingCall::from_frame(frame) else {
+            if !answer_stream_frame(frame, &out, &mut bodies, lanes.as_deref(), &conn).await {
                 return close(
                     &conn,
                     "unexpected frame on a call stream (only calls flow this way)",
-                )
+                );
             }
+            continue;
         };
-        let payload = match bodies.read(&mut reader, body).await {
-            Ok(Got::Here(bytes)) => Payload::Ready(bytes),
-            Ok(Got::Bulk(id)) => Payload::Bulk(bodies.inbox.wait(id)),
-            Err(FrameError::Io(e)) if matches!(body, Body::Inline(_)) => {
-                return tracing::debug!("call stream ended: {e}")
-            }
-            Err(e) => return close(&conn, &e.to_string()),
+        let payload = match read_payload(&mut bodies, &mut reader, call.body).await {
+            Ok(p) => p,
+            Err(StreamEnd::Ended(why)) => return tracing::debug!("call stream ended: {why}"),
+            Err(StreamEnd::Bad(reason)) => return close(&conn, &reason),
         };
-        let reply = match kind {
+        let reply = match call.kind {
             CallKind::Tell => Responder::Told(out.clone()),
             _ => Responder::Remote {
-                req,
+                req: call.req,
                 out: out.clone(),
             },
         };
         let env = Envelope {
-            msg,
-            kind,
+            msg: call.msg,
+            kind: call.kind,
             payload,
             reply,
         };
-        inbound.deliver(actor, env).await;
+        inbound.deliver(call.actor, env).await;
+    }
+}
+
+/// The fields of a [`Frame::Call`] read off a call stream, before its payload.
+struct IncomingCall {
+    req: u64,
+    actor: u64,
+    msg: String,
+    kind: CallKind,
+    body: Body,
+}
+
+impl IncomingCall {
+    /// The call `frame` carries; `None` when it is another kind of frame.
+    fn from_frame(frame: &ArchivedFrame) -> Option<Self> {
+        let ArchivedFrame::Call {
+            req,
+            actor,
+            msg,
+            kind,
+            body,
+        } = frame
+        else {
+            return None;
+        };
+        Some(Self {
+            req: req.to_native(),
+            actor: actor.to_native(),
+            msg: msg.as_str().to_string(),
+            kind: match kind {
+                ArchivedCallKind::Tell => CallKind::Tell,
+                ArchivedCallKind::Call => CallKind::Call,
+                ArchivedCallKind::Stream => CallKind::Stream,
+            },
+            body: body.to_native(),
+        })
+    }
+}
+
+/// Handles a frame about the call stream itself rather than a call: the peer's ring offer, its answer to ours, a
+/// lane request. Returns false when `frame` is none of these (the connection is then to be closed).
+async fn answer_stream_frame(
+    frame: &ArchivedFrame,
+    out: &Outbox,
+    bodies: &mut BodyReader,
+    lanes: Option<&Lanes>,
+    conn: &quinn::Connection,
+) -> bool {
+    match frame {
+        ArchivedFrame::ShmOffer { .. } => bodies.offer(frame, out).await,
+        ArchivedFrame::ShmAnswer { accepted, .. } => out.link.answered(*accepted),
+        ArchivedFrame::LaneAsk => {
+            let answer = match lanes {
+                Some(lanes) => lanes.offer(conn, &bodies.inbox),
+                None => Frame::LaneOffer {
+                    pid: 0,
+                    name: String::new(),
+                    nonce: Vec::new(),
+                },
+            };
+            let _ = out.frame(answer, None).await;
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// Reads the payload of a call whose frame said `body`: its bytes, or the bulk stream that brings them. An I/O error
+/// on an inline payload ends the stream; any other error closes the connection.
+async fn read_payload<R: AsyncRead + Unpin>(
+    bodies: &mut BodyReader,
+    reader: &mut R,
+    body: Body,
+) -> Result<Payload, StreamEnd> {
+    match bodies.read(reader, body).await {
+        Ok(Got::Here(bytes)) => Ok(Payload::Ready(bytes)),
+        Ok(Got::Bulk(id)) => Ok(Payload::Bulk(bodies.inbox.wait(id))),
+        Err(FrameError::Io(e)) if matches!(body, Body::Inline(_)) => {
+            Err(StreamEnd::Ended(e.to_string()))
+        }
+        Err(e) => Err(StreamEnd::Bad(e.to_string())),
     }
 }
