@@ -96,10 +96,180 @@ pub const SYNONYMS: &[(&str, &str)] = &[
     ("packing", "use_remove_padding"),
 ];
 
+/// [`SYNONYMS`] for [`PpoConfig`](crate::PpoConfig): names users bring from other RL trainers (TRL, OpenRLHF) and
+/// from verl's SFT config, with the PPO key they mean. Whole-key entries come first where a section has its own key
+/// (`critic.lr`).
+pub const PPO_SYNONYMS: &[(&str, &str)] = &[
+    ("critic.lr", "critic.optim.lr"),
+    ("critic.learning_rate", "critic.optim.lr"),
+    ("critic.weight_decay", "critic.optim.weight_decay"),
+    (
+        "critic.ppo_micro_batch_size",
+        "critic.ppo_micro_batch_size_per_gpu",
+    ),
+    (
+        "reward_model.micro_batch_size",
+        "reward_model.micro_batch_size_per_gpu",
+    ),
+    ("algorithm.kl_coef", "algorithm.kl_ctrl.kl_coef"),
+    (
+        "actor_rollout_ref.ref.param_offload",
+        "actor_rollout_ref.ref.fsdp_config.param_offload",
+    ),
+    ("model.path", "actor_rollout_ref.model.path"),
+    ("model.partial_pretrain", "actor_rollout_ref.model.path"),
+    ("lr", "actor_rollout_ref.actor.optim.lr"),
+    ("learning_rate", "actor_rollout_ref.actor.optim.lr"),
+    ("actor_lr", "actor_rollout_ref.actor.optim.lr"),
+    ("weight_decay", "actor_rollout_ref.actor.optim.weight_decay"),
+    ("wd", "actor_rollout_ref.actor.optim.weight_decay"),
+    (
+        "warmup_steps",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps",
+    ),
+    (
+        "lr_warmup_steps",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps",
+    ),
+    (
+        "warmup_ratio",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+    ),
+    (
+        "lr_warmup_steps_ratio",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+    ),
+    (
+        "lr_scheduler",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type",
+    ),
+    (
+        "scheduler",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type",
+    ),
+    ("batch_size", "data.train_batch_size"),
+    ("global_batch_size", "data.train_batch_size"),
+    ("rollout_batch_size", "data.train_batch_size"),
+    ("prompts_per_step", "data.train_batch_size"),
+    (
+        "mini_batch_size",
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+    ),
+    (
+        "micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    ),
+    (
+        "micro_batch_size",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    ),
+    ("num_samples", "actor_rollout_ref.rollout.n"),
+    ("n_samples", "actor_rollout_ref.rollout.n"),
+    ("num_generations", "actor_rollout_ref.rollout.n"),
+    ("num_return_sequences", "actor_rollout_ref.rollout.n"),
+    ("group_size", "actor_rollout_ref.rollout.n"),
+    ("rollout_n", "actor_rollout_ref.rollout.n"),
+    ("temperature", "actor_rollout_ref.rollout.temperature"),
+    ("max_new_tokens", "data.max_response_length"),
+    ("max_tokens", "data.max_response_length"),
+    ("max_completion_length", "data.max_response_length"),
+    ("max_response_len", "data.max_response_length"),
+    ("max_prompt_len", "data.max_prompt_length"),
+    ("max_length", "data.max_prompt_length"),
+    ("train_data", "data.train_files"),
+    ("dataset", "data.train_files"),
+    ("eval_files", "data.val_files"),
+    ("test_files", "data.val_files"),
+    ("epochs", "trainer.total_epochs"),
+    ("num_epochs", "trainer.total_epochs"),
+    ("num_train_epochs", "trainer.total_epochs"),
+    ("max_steps", "trainer.total_training_steps"),
+    ("total_steps", "trainer.total_training_steps"),
+    ("beta", "actor_rollout_ref.actor.kl_loss_coef"),
+    ("kl_coef", "actor_rollout_ref.actor.kl_loss_coef"),
+    ("init_kl_coef", "actor_rollout_ref.actor.kl_loss_coef"),
+    ("kl_estimator", "actor_rollout_ref.actor.kl_loss_type"),
+    ("epsilon", "actor_rollout_ref.actor.clip_ratio"),
+    ("cliprange", "actor_rollout_ref.actor.clip_ratio"),
+    ("clip_range", "actor_rollout_ref.actor.clip_ratio"),
+    ("eps_clip", "actor_rollout_ref.actor.clip_ratio"),
+    ("epsilon_high", "actor_rollout_ref.actor.clip_ratio_high"),
+    ("max_grad_norm", "actor_rollout_ref.actor.grad_clip"),
+    ("clip_grad", "actor_rollout_ref.actor.grad_clip"),
+    ("advantage_estimator", "algorithm.adv_estimator"),
+    ("estimator", "algorithm.adv_estimator"),
+    ("scale_rewards", "algorithm.norm_adv_by_std_in_grpo"),
+    ("model_path", "actor_rollout_ref.model.path"),
+    ("model_name_or_path", "actor_rollout_ref.model.path"),
+    ("pretrained_model", "actor_rollout_ref.model.path"),
+    ("partial_pretrain", "actor_rollout_ref.model.path"),
+    (
+        "gradient_checkpointing",
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+    ),
+    (
+        "remove_padding",
+        "actor_rollout_ref.model.use_remove_padding",
+    ),
+    ("lora_r", "actor_rollout_ref.model.lora_rank"),
+    (
+        "param_offload",
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+    ),
+    (
+        "optimizer_offload",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    ),
+    (
+        "tp_size",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    ),
+    (
+        "tensor_parallel_size",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    ),
+    (
+        "sp_size",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
+    (
+        "sequence_parallel_size",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    ),
+    ("reward_fn", "custom_reward_function.path"),
+    ("reward_function", "custom_reward_function.path"),
+    ("reward_funcs", "custom_reward_function.path"),
+    ("output_dir", "trainer.default_local_dir"),
+    ("save_dir", "trainer.default_local_dir"),
+    ("checkpoint_dir", "trainer.default_local_dir"),
+    ("save_steps", "trainer.save_freq"),
+    ("save_interval", "trainer.save_freq"),
+    ("eval_steps", "trainer.test_freq"),
+    ("eval_freq", "trainer.test_freq"),
+    ("val_freq", "trainer.test_freq"),
+    ("report_to", "trainer.logger"),
+    ("loggers", "trainer.logger"),
+    ("random_seed", "trainer.seed"),
+    ("resume_from_checkpoint", "trainer.resume_from_path"),
+    ("max_ckpt_to_keep", "trainer.max_actor_ckpt_to_keep"),
+    ("num_nodes", "trainer.nnodes"),
+    ("nproc_per_node", "trainer.n_gpus_per_node"),
+];
+
 /// The key among `known` that unknown `key` most likely means: a [`SYNONYMS`] entry whose key is known, else the
 /// closest by edit distance (see [`distance`]); ties go to the earlier key in `known`. Empty when `known` is.
 pub fn nearest<'a>(known: &'a [String], key: &str) -> &'a str {
-    if let Some(k) = synonym(key).and_then(|s| known.iter().find(|k| k.as_str() == s)) {
+    nearest_with(SYNONYMS, known, key)
+}
+
+/// [`nearest`] with another config type's synonym table (e.g. [`PPO_SYNONYMS`]).
+pub fn nearest_with<'a>(
+    synonyms: &[(&str, &'static str)],
+    known: &'a [String],
+    key: &str,
+) -> &'a str {
+    if let Some(k) = synonym_in(synonyms, key).and_then(|s| known.iter().find(|k| k.as_str() == s))
+    {
         return k;
     }
     known
@@ -110,11 +280,16 @@ pub fn nearest<'a>(known: &'a [String], key: &str) -> &'a str {
 
 /// The canonical key [`SYNONYMS`] gives for `key`: a whole-key entry first, then one for its last segment.
 pub fn synonym(key: &str) -> Option<&'static str> {
+    synonym_in(SYNONYMS, key)
+}
+
+/// [`synonym`] in another synonym table.
+pub fn synonym_in(synonyms: &[(&str, &'static str)], key: &str) -> Option<&'static str> {
     let norm = key.to_ascii_lowercase().replace('-', "_");
     let (_, last) = split_last(&norm);
-    let whole = SYNONYMS.iter().find(|(s, _)| *s == norm);
+    let whole = synonyms.iter().find(|(s, _)| *s == norm);
     let tail = || {
-        SYNONYMS
+        synonyms
             .iter()
             .find(|(s, _)| !s.contains('.') && *s == last)
     };

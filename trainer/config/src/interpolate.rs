@@ -14,8 +14,15 @@ use crate::overrides::parse_value;
 use crate::tree;
 
 /// Resolves every interpolation in `root`, in place. Errors name the key whose value could not be resolved.
+/// References use [`tree::SFT_KEYS`]' spellings.
 pub fn resolve_all(root: &mut Value) -> Result<()> {
+    resolve_all_with(root, tree::SFT_KEYS)
+}
+
+/// [`resolve_all`] for another config type: references may use `keys`' aliases.
+pub fn resolve_all_with(root: &mut Value, keys: tree::KeyTables) -> Result<()> {
     let mut r = Resolver {
+        keys,
         source: root.clone(),
         done: HashMap::new(),
         stack: Vec::new(),
@@ -26,6 +33,7 @@ pub fn resolve_all(root: &mut Value) -> Result<()> {
 }
 
 struct Resolver {
+    keys: tree::KeyTables,
     source: Value,
     done: HashMap<String, Value>,
     stack: Vec<String>,
@@ -159,7 +167,9 @@ impl Resolver {
                 display(path)
             );
         }
-        let target = tree::canonical_key(inner.strip_prefix('.').unwrap_or(inner));
+        let target = self
+            .keys
+            .canonical_key(inner.strip_prefix('.').unwrap_or(inner));
         let Some(value) = tree::get(&self.source, &target).cloned() else {
             bail!(
                 "`{}`: `${{{inner}}}` refers to `{target}`, which is not a config key",

@@ -1,5 +1,6 @@
 //! ferl's SFT configuration: verl's legacy `sft_trainer.yaml` keys and defaults as typed serde structs, loaded from
-//! an optional YAML file plus Hydra-style command-line overrides.
+//! an optional YAML file plus Hydra-style command-line overrides. [`PpoConfig`] (module [`ppo`]) does the same for
+//! verl's `ppo_trainer.yaml` (`ferl grpo`), through the same loader and with the same invariants.
 //!
 //! # Data model
 //! [`SftConfig`] has verl's four sections — [`DataConfig`] (`data.*`), [`ModelConfig`] (`model.*`, with
@@ -28,7 +29,9 @@
 
 pub mod hints;
 pub mod interpolate;
+mod loader;
 pub mod overrides;
+pub mod ppo;
 mod sections;
 pub mod spellings;
 mod string_list;
@@ -38,11 +41,12 @@ pub mod tree;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
 pub use overrides::Override;
+pub use ppo::PpoConfig;
 pub use sections::*;
 pub use string_list::StringList;
 pub use supported::Supported;
@@ -82,43 +86,22 @@ impl SftConfig {
     /// Loads the config: defaults, then `file` (YAML) if given, then `overrides` (`key=value`...), then
     /// interpolation, then typing and range checks. Every error names the file or the dotted key at fault.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Self> {
-        let text = match file {
-            Some(f) => Some(
-                std::fs::read_to_string(f)
-                    .with_context(|| format!("reading config {}", f.display()))?,
-            ),
-            None => None,
-        };
-        let source = file.map(|f| f.display().to_string()).unwrap_or_default();
-        Self::build(text.as_deref().map(|t| (t, source.as_str())), overrides)
+        loader::load(file, overrides)
     }
 
     /// Like [`SftConfig::load`] with the file's contents given as text.
     pub fn from_yaml(yaml: &str, overrides: &[String]) -> Result<Self> {
-        Self::build(Some((yaml, "<yaml>")), overrides)
-    }
-
-    fn build(file: Option<(&str, &str)>, overrides: &[String]) -> Result<Self> {
-        let mut loader = Loader::new();
-        if let Some((text, name)) = file {
-            loader.file(text, name)?;
-        }
-        for arg in overrides {
-            loader.override_arg(arg)?;
-        }
-        loader.finish()
+        loader::build(Some((yaml, "<yaml>")), overrides)
     }
 
     /// The defaults with interpolations resolved (what `load(None, &[])` returns).
     pub fn resolved_default() -> Self {
-        Self::build(None, &[]).expect("the defaults load")
+        loader::build(None, &[]).expect("the defaults load")
     }
 
     /// The config as YAML (what `ferl sft --cfg job` prints); it loads back to the same config.
     pub fn to_yaml(&self) -> String {
-        let mut tree = serde_yaml::to_value(self).expect("a config always serialises");
-        interpolate::escape(&mut tree);
-        serde_yaml::to_string(&tree).expect("a config always serialises")
+        loader::to_yaml(self)
     }
 
     /// Range and consistency checks that types alone cannot express; errors name the key.
@@ -151,31 +134,7 @@ impl SftConfig {
             "data.train_files",
             "needs at least one file",
         );
-        need(
-            o.lr.is_finite() && o.lr >= 0.0,
-            "optim.lr",
-            "must be a finite number >= 0",
-        );
-        for (i, b) in o.betas.iter().enumerate() {
-            need(
-                (0.0..1.0).contains(b),
-                &format!("optim.betas[{i}]"),
-                "must be in [0, 1)",
-            );
-        }
-        need(o.weight_decay >= 0.0, "optim.weight_decay", "must be >= 0");
-        need(o.clip_grad > 0.0, "optim.clip_grad", "must be > 0");
-        need(
-            (0.0..=1.0).contains(&o.min_lr_ratio),
-            "optim.min_lr_ratio",
-            "must be in [0, 1]",
-        );
-        need(
-            (0.0..=1.0).contains(&o.lr_warmup_steps_ratio),
-            "optim.lr_warmup_steps_ratio",
-            "must be in [0, 1]",
-        );
-        need(o.num_cycles >= 0.0, "optim.num_cycles", "must be >= 0");
+        check_optim(o, &mut need);
         need(
             t.total_training_steps != Some(0),
             "trainer.total_training_steps",
@@ -209,14 +168,7 @@ impl SftConfig {
 
     /// Every leaf key whose value differs from [`SftConfig::resolved_default`], with its value, in key order.
     pub fn changed_keys(&self) -> Vec<(String, Value)> {
-        let defaults: std::collections::HashMap<String, Value> =
-            tree::leaves(&to_tree(&Self::resolved_default()))
-                .into_iter()
-                .collect();
-        tree::leaves(&to_tree(self))
-            .into_iter()
-            .filter(|(k, v)| defaults.get(k) != Some(v))
-            .collect()
+        loader::changed_keys(self, &Self::resolved_default())
     }
 
     /// Refuses, in one error listing them all, every changed key ([`SftConfig::changed_keys`]) that `supported`
@@ -224,6 +176,35 @@ impl SftConfig {
     pub fn validate_supported(&self, supported: &Supported) -> Result<()> {
         supported.check(&self.changed_keys())
     }
+}
+
+/// [`SftConfig::validate`]'s checks of `optim.*`, reported through `need(ok, key, what)`.
+fn check_optim(o: &OptimConfig, need: &mut dyn FnMut(bool, &str, &str)) {
+    need(
+        o.lr.is_finite() && o.lr >= 0.0,
+        "optim.lr",
+        "must be a finite number >= 0",
+    );
+    for (i, b) in o.betas.iter().enumerate() {
+        need(
+            (0.0..1.0).contains(b),
+            &format!("optim.betas[{i}]"),
+            "must be in [0, 1)",
+        );
+    }
+    need(o.weight_decay >= 0.0, "optim.weight_decay", "must be >= 0");
+    need(o.clip_grad > 0.0, "optim.clip_grad", "must be > 0");
+    need(
+        (0.0..=1.0).contains(&o.min_lr_ratio),
+        "optim.min_lr_ratio",
+        "must be in [0, 1]",
+    );
+    need(
+        (0.0..=1.0).contains(&o.lr_warmup_steps_ratio),
+        "optim.lr_warmup_steps_ratio",
+        "must be in [0, 1]",
+    );
+    need(o.num_cycles >= 0.0, "optim.num_cycles", "must be >= 0");
 }
 
 /// Expands a leading `~/` to `$HOME/` (verl's defaults and users' paths use it).
@@ -234,138 +215,39 @@ pub fn expand_path(path: &str) -> PathBuf {
     }
 }
 
-fn to_tree(cfg: &SftConfig) -> Value {
-    serde_yaml::to_value(cfg).expect("a config always serialises")
-}
+impl loader::Kind for SftConfig {
+    const KEYS: tree::KeyTables = tree::SFT_KEYS;
+    const SECTIONS: &'static str = "data, model, optim, trainer";
 
-fn defaults_tree() -> Value {
-    to_tree(&SftConfig::default())
-}
-
-fn schema(defaults: &Value) -> tree::Schema {
-    let mixed = serde_yaml::to_value(MixedPrecision::default()).expect("serialises");
-    tree::Schema::new(
-        defaults,
-        &[
+    fn optional_sections() -> Vec<(&'static str, Value)> {
+        let mixed = serde_yaml::to_value(MixedPrecision::default()).expect("serialises");
+        vec![
             (spellings::MIXED_PRECISION, mixed),
             (spellings::SHARDING_STRATEGY, Value::Null),
-        ],
-    )
-}
-
-/// The tree of defaults with the file's and the overrides' assignments applied, and the canonical keys the user
-/// set (which [`spellings::resolve`] needs to tell a conflicting key from a default).
-struct Loader {
-    defaults: Value,
-    schema: tree::Schema,
-    tree: Value,
-    explicit: BTreeSet<String>,
-}
-
-impl Loader {
-    fn new() -> Self {
-        let defaults = defaults_tree();
-        Self {
-            schema: schema(&defaults),
-            tree: defaults.clone(),
-            defaults,
-            explicit: BTreeSet::new(),
-        }
+        ]
     }
 
-    /// Applies a YAML file's keys (a Hydra `defaults:` list is ignored).
-    fn file(&mut self, text: &str, name: &str) -> Result<()> {
-        let parsed: Value =
-            serde_yaml::from_str(text).with_context(|| format!("parsing config {name}"))?;
-        let mut sets = Vec::new();
-        match parsed {
-            Value::Null => {}
-            Value::Mapping(mut map) => {
-                map.remove("defaults");
-                tree::assignments("", &Value::Mapping(map), &mut sets);
-            }
-            _ => {
-                bail!("config {name}: expected a mapping of sections (data, model, optim, trainer)")
-            }
-        }
-        for (key, value) in sets {
-            self.assign(&key, value)
-                .with_context(|| format!("in config {name}"))?;
-        }
-        Ok(())
+    fn on_assign(key: &str, value: Value) -> Value {
+        spellings::on_assign(key, value)
     }
 
-    /// Applies one command-line override.
-    fn override_arg(&mut self, arg: &str) -> Result<()> {
-        let result = match Override::parse(arg)? {
-            Override::Set { key, value } => {
-                let mut sets = Vec::new();
-                tree::assignments(&key, &value, &mut sets);
-                sets.into_iter().try_for_each(|(k, v)| self.assign(&k, v))
-            }
-            Override::Reset { key } => self.reset(&key),
-        };
-        result.with_context(|| format!("in override `{arg}`"))
+    fn resolve_spellings(tree: &mut Value, explicit: &BTreeSet<String>) -> Result<()> {
+        spellings::resolve(tree, explicit)
     }
 
-    /// Applies one assignment after checking its key.
-    fn assign(&mut self, key: &str, value: Value) -> Result<()> {
-        let key = tree::canonical_key(key);
-        self.schema.check_key(&key)?;
-        // `section:` with nothing under it in YAML is null: it leaves the section's defaults alone.
-        let is_section =
-            matches!(self.schema.default_at(&key), Some(Value::Mapping(m)) if !m.is_empty());
-        if value.is_null() && is_section && !tree::is_under_open_key(&key) {
-            let optional = matches!(tree::get(&self.defaults, &key), Some(Value::Null));
-            if !optional {
-                return Ok(());
-            }
-        }
-        tree::set(&mut self.tree, &key, spellings::on_assign(&key, value))?;
-        self.explicit.insert(key);
-        Ok(())
-    }
-
-    /// `~key`: back to the default (or absent), and no longer set by the user.
-    fn reset(&mut self, key: &str) -> Result<()> {
-        let key = tree::canonical_key(key);
-        self.schema.check_key(&key)?;
-        match tree::get(&self.defaults, &key) {
-            Some(v) => tree::set(&mut self.tree, &key, v.clone())?,
-            None => {
-                tree::remove(&mut self.tree, &key);
-            }
-        }
-        self.explicit.retain(|k| !tree::is_at_or_below(k, &key));
-        Ok(())
-    }
-
-    /// Interpolation, spellings, typing and range checks.
-    fn finish(mut self) -> Result<SftConfig> {
-        interpolate::resolve_all(&mut self.tree)?;
-        spellings::resolve(&mut self.tree, &self.explicit)?;
-        let cfg = from_tree(&self.tree)?;
-        cfg.validate()?;
-        Ok(cfg)
+    fn check(&self) -> Result<()> {
+        self.validate()
     }
 }
 
-/// Types a resolved tree. Going through YAML text lets a plain scalar fill a string key (`experiment_name=123`).
-fn from_tree(tree: &Value) -> Result<SftConfig> {
-    let text = serde_yaml::to_string(tree)?;
-    serde_yaml::from_str(&text).map_err(|e| {
-        let msg = e.to_string();
-        let msg = match msg.find(" at line ") {
-            Some(i) => &msg[..i],
-            None => &msg,
-        };
-        match msg.split_once(": ") {
-            Some((path, what)) if !path.contains(' ') => {
-                anyhow::anyhow!("bad value for `{path}`: {what}")
-            }
-            _ => anyhow::anyhow!("bad config value: {msg}"),
-        }
-    })
+#[cfg(test)]
+fn defaults_tree() -> Value {
+    loader::defaults_tree::<SftConfig>()
+}
+
+#[cfg(test)]
+fn schema(defaults: &Value) -> tree::Schema {
+    loader::schema::<SftConfig>(defaults)
 }
 
 #[cfg(test)]

@@ -28,17 +28,73 @@ pub const OPEN_KEYS: &[&str] = &[
     "optim.override_optimizer_config",
 ];
 
-/// The canonical spelling of `key`: an alias (or a key below an alias) is rewritten to verl's name.
-pub fn canonical_key(key: &str) -> String {
-    for (alias, canonical) in ALIASES {
-        if key == *alias {
-            return canonical.to_string();
+/// The key tables of one config type: its accepted old spellings, its open keys and its synonyms for hints.
+#[derive(Debug, Clone, Copy)]
+pub struct KeyTables {
+    /// `(alias, canonical)` spellings, as [`ALIASES`].
+    pub aliases: &'static [(&'static str, &'static str)],
+    /// Keys whose value is a free-form mapping, as [`OPEN_KEYS`].
+    pub open_keys: &'static [&'static str],
+    /// `(synonym, canonical key)` hints, as [`crate::hints::SYNONYMS`].
+    pub synonyms: &'static [(&'static str, &'static str)],
+}
+
+/// [`SftConfig`](crate::SftConfig)'s tables: [`ALIASES`], [`OPEN_KEYS`] and [`crate::hints::SYNONYMS`].
+pub const SFT_KEYS: KeyTables = KeyTables {
+    aliases: ALIASES,
+    open_keys: OPEN_KEYS,
+    synonyms: crate::hints::SYNONYMS,
+};
+
+impl KeyTables {
+    /// The canonical spelling of `key`: an alias (or a key below an alias) is rewritten to verl's name.
+    pub fn canonical_key(&self, key: &str) -> String {
+        for (alias, canonical) in self.aliases {
+            if key == *alias {
+                return canonical.to_string();
+            }
+            if let Some(rest) = key.strip_prefix(alias).and_then(|r| r.strip_prefix('.')) {
+                return format!("{canonical}.{rest}");
+            }
         }
-        if let Some(rest) = key.strip_prefix(alias).and_then(|r| r.strip_prefix('.')) {
-            return format!("{canonical}.{rest}");
+        key.to_string()
+    }
+
+    /// Whether `key` is an open key or lies below one.
+    pub fn is_under_open_key(&self, key: &str) -> bool {
+        self.open_keys.iter().any(|open| is_at_or_below(key, open))
+    }
+
+    /// The assignments a (partial) tree makes, as `(dotted key, value)` pairs: it descends into mappings (except
+    /// below open keys, whose mappings are values) and stops at scalars, lists, nulls and empty mappings.
+    pub fn assignments(&self, prefix: &str, value: &Value, out: &mut Vec<(String, Value)>) {
+        match value {
+            Value::Mapping(map) if !map.is_empty() && !self.is_under_open_key(prefix) => {
+                for (k, v) in map {
+                    let seg = match k {
+                        Value::String(s) => s.clone(),
+                        other => serde_yaml::to_string(other)
+                            .unwrap_or_default()
+                            .trim()
+                            .to_string(),
+                    };
+                    let key = if prefix.is_empty() {
+                        seg
+                    } else {
+                        format!("{prefix}.{seg}")
+                    };
+                    self.assignments(&key, v, out);
+                }
+            }
+            Value::Tagged(t) => self.assignments(prefix, &t.value, out),
+            other => out.push((prefix.to_string(), other.clone())),
         }
     }
-    key.to_string()
+}
+
+/// The canonical spelling of `key` in [`SFT_KEYS`]: an alias (or a key below an alias) is rewritten to verl's name.
+pub fn canonical_key(key: &str) -> String {
+    SFT_KEYS.canonical_key(key)
 }
 
 /// Whether dotted `key` is `ancestor` or lies below it (on whole segments).
@@ -49,9 +105,9 @@ pub fn is_at_or_below(key: &str, ancestor: &str) -> bool {
             .is_some_and(|r| r.starts_with('.'))
 }
 
-/// Whether `key` is an open key or lies below one.
+/// Whether `key` is an open key of [`SFT_KEYS`] or lies below one.
 pub fn is_under_open_key(key: &str) -> bool {
-    OPEN_KEYS.iter().any(|open| is_at_or_below(key, open))
+    SFT_KEYS.is_under_open_key(key)
 }
 
 /// The value at dotted `key`, if present.
@@ -102,30 +158,9 @@ pub fn remove(tree: &mut Value, key: &str) -> bool {
         .is_some()
 }
 
-/// The assignments a (partial) tree makes, as `(dotted key, value)` pairs: it descends into mappings (except below
-/// open keys, whose mappings are values) and stops at scalars, lists, nulls and empty mappings.
+/// The assignments a (partial) tree makes with [`SFT_KEYS`]' open keys (see [`KeyTables::assignments`]).
 pub fn assignments(prefix: &str, value: &Value, out: &mut Vec<(String, Value)>) {
-    match value {
-        Value::Mapping(map) if !map.is_empty() && !is_under_open_key(prefix) => {
-            for (k, v) in map {
-                let seg = match k {
-                    Value::String(s) => s.clone(),
-                    other => serde_yaml::to_string(other)
-                        .unwrap_or_default()
-                        .trim()
-                        .to_string(),
-                };
-                let key = if prefix.is_empty() {
-                    seg
-                } else {
-                    format!("{prefix}.{seg}")
-                };
-                assignments(&key, v, out);
-            }
-        }
-        Value::Tagged(t) => assignments(prefix, &t.value, out),
-        other => out.push((prefix.to_string(), other.clone())),
-    }
+    SFT_KEYS.assignments(prefix, value, out);
 }
 
 /// Every `(dotted key, value)` leaf of a tree: scalars, lists, nulls and empty mappings.
@@ -154,13 +189,24 @@ pub fn leaves(value: &Value) -> Vec<(String, Value)> {
 /// The valid keys: the tree of defaults, with optional sections (null by default) filled in so their sub-keys are
 /// known too.
 pub struct Schema {
+    keys: KeyTables,
     tree: Value,
     all_keys: Vec<String>,
 }
 
 impl Schema {
-    /// A schema from the defaults tree plus `(key, full section)` for sections that default to null.
+    /// A schema of [`SFT_KEYS`] from the defaults tree plus `(key, full section)` for sections that default to null.
     pub fn new(defaults: &Value, optional_sections: &[(&str, Value)]) -> Self {
+        Self::with_keys(SFT_KEYS, defaults, optional_sections)
+    }
+
+    /// A schema from the defaults tree plus `(key, full section)` for sections that default to null, with `keys`'
+    /// aliases, open keys and synonyms.
+    pub fn with_keys(
+        keys: KeyTables,
+        defaults: &Value,
+        optional_sections: &[(&str, Value)],
+    ) -> Self {
         let mut tree = defaults.clone();
         for (key, section) in optional_sections {
             set(&mut tree, key, section.clone()).expect("optional section lies in a mapping");
@@ -181,8 +227,12 @@ impl Schema {
             }
         }
         walk("", &tree, &mut all_keys);
-        all_keys.extend(ALIASES.iter().map(|(a, _)| a.to_string()));
-        Self { tree, all_keys }
+        all_keys.extend(keys.aliases.iter().map(|(a, _)| a.to_string()));
+        Self {
+            keys,
+            tree,
+            all_keys,
+        }
     }
 
     /// Ok when `key` (canonical spelling) names a config key or lies below an open key; otherwise an error naming
@@ -194,7 +244,7 @@ impl Schema {
         let mut node = &self.tree;
         let mut path = String::new();
         for seg in key.split('.') {
-            if !path.is_empty() && is_under_open_key(&path) {
+            if !path.is_empty() && self.keys.is_under_open_key(&path) {
                 return Ok(());
             }
             match node {
@@ -218,7 +268,7 @@ impl Schema {
     /// The valid key (or alias) `key` most likely means: a known synonym first, else the closest spelling,
     /// preferring the same section (see [`crate::hints`]).
     pub fn nearest(&self, key: &str) -> &str {
-        crate::hints::nearest(&self.all_keys, key)
+        crate::hints::nearest_with(self.keys.synonyms, &self.all_keys, key)
     }
 
     /// The schema's value at `key` (its default, or the filled-in optional section).
