@@ -33,6 +33,9 @@ enum Suite {
     /// A node agent of the chaos soak (started by `chaos` inside a host's namespace).
     #[command(hide = true)]
     ChaosNode(chaos::NodeArgs),
+    /// A head on loopback in a process of its own, for the runtime suite's remote-head row (internal).
+    #[command(hide = true)]
+    RuntimeHead(runtime::remote_head::HeadArgs),
     /// CPU collectives of the TCP backend (2 processes on loopback) beside torch.distributed's gloo.
     Collectives(collectives::CollectivesArgs),
     /// Loss step of the tiny Qwen2 with and without the fused linear + cross-entropy kernel (memory, tokens/s).
@@ -53,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         Suite::ChaosNode(args) => chaos::node(args)?,
         Suite::Collectives(args) => collectives::run(args, &mut out)?,
         Suite::Runtime(args) => runtime::run(args, &mut out)?,
+        Suite::RuntimeHead(args) => runtime::remote_head::serve(args)?,
         Suite::Kernels(args) => kernels::run(args, &mut out)?,
         Suite::Train(args) => train::run(*args, &mut out)?,
     }

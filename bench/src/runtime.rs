@@ -12,9 +12,11 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use clap::Args;
 use ferl::runtime::testbed::{Counter, Get, Sink, SinkShared};
-use ferl::runtime::{bundle, ActorRef, Cluster, SharedBytes, SpawnOptions, Strategy};
+use ferl::runtime::{ActorRef, Cluster, SharedBytes, SpawnOptions};
 
 use crate::report::Report;
+
+pub(crate) mod remote_head;
 
 /// Options of the runtime suite.
 #[derive(Args, Debug)]
@@ -59,94 +61,95 @@ impl Rows {
 }
 
 async fn suite(args: RuntimeArgs, mut out: Rows) -> Result<()> {
-    {
-        let window = Duration::from_secs_f64(args.seconds);
-        let t0 = Instant::now();
-        let cluster = ferl::runtime::init(Default::default()).await?;
-        let actor = cluster.spawn::<Counter>(0, SpawnOptions::new()).await?;
-        actor.call(Get).await?;
-        out.row(
-            "local_cluster_start_to_first_call_s",
-            t0.elapsed().as_secs_f64(),
-            "s",
-        );
+    let window = Duration::from_secs_f64(args.seconds);
+    let t0 = Instant::now();
+    let cluster = ferl::runtime::init(Default::default()).await?;
+    let actor = cluster.spawn::<Counter>(0, SpawnOptions::new()).await?;
+    actor.call(Get).await?;
+    out.row(
+        "local_cluster_start_to_first_call_s",
+        t0.elapsed().as_secs_f64(),
+        "s",
+    );
 
-        out.row(
-            "1_1_actor_calls_sync",
-            sync_calls(&actor, window).await?,
-            "calls/s",
-        );
-        out.row(
-            "1_1_actor_calls_async",
-            async_calls(std::slice::from_ref(&actor), args.in_flight, window).await?,
-            "calls/s",
-        );
-        // Ray's row passes one numpy array again and again and decodes it without a copy: `SharedBytes` does
-        // both. The `_vec` row sends a fresh `Vec<u8>` (the caller's clone) decoded into the actor's own `Vec`.
-        let mib = SharedBytes::from(vec![7u8; 1 << 20]);
-        out.row(
-            "1_1_actor_calls_1MiB_arg",
-            payload_calls(window, || actor.call(SinkShared(mib.clone()))).await?,
-            "calls/s",
-        );
-        let mib_vec = mib.to_vec();
-        out.row(
-            "1_1_actor_calls_1MiB_arg_vec",
-            payload_calls(window, || actor.call(Sink(mib_vec.clone()))).await?,
-            "calls/s",
-        );
+    out.row(
+        "1_1_actor_calls_sync",
+        sync_calls(&actor, window).await?,
+        "calls/s",
+    );
+    out.row(
+        "1_1_actor_calls_async",
+        async_calls(std::slice::from_ref(&actor), args.in_flight, window).await?,
+        "calls/s",
+    );
+    mib_arg_rows(&actor, window, &mut out).await?;
 
-        let mut many = Vec::new();
-        for _ in 0..4 {
-            many.push(cluster.spawn::<Counter>(0, SpawnOptions::new()).await?);
-        }
-        out.row(
-            "n_n_actor_calls_async",
-            async_calls(&many, args.in_flight, window).await?,
-            "calls/s",
-        );
-
-        let blob = SharedBytes::from(vec![1u8; 100 << 20]);
-        out.row(
-            "transfer_100MiB_GBps",
-            transfer(blob.len(), || actor.call(SinkShared(blob.clone()))).await?,
-            "GB/s",
-        );
-        let blob_vec = blob.to_vec();
-        drop(blob);
-        out.row(
-            "transfer_100MiB_vec_GBps",
-            transfer(blob_vec.len(), || actor.call(Sink(blob_vec.clone()))).await?,
-            "GB/s",
-        );
-
-        let t = Instant::now();
-        let mut n = 0u64;
-        while t.elapsed() < window {
-            let g = cluster
-                .create_group(
-                    vec![bundle(&[("CPU", 1.0)])],
-                    Strategy::Pack,
-                    Duration::from_secs(10),
-                )
-                .await?;
-            cluster.remove_group(&g).await?;
-            n += 1;
-        }
-        out.row(
-            "resource_group_create_remove_per_s",
-            n as f64 / t.elapsed().as_secs_f64(),
-            "groups/s",
-        );
-
-        out.row(
-            "actor_create_per_s",
-            actor_creation(&cluster, window).await?,
-            "actors/s",
-        );
-        cluster.shutdown().await;
-        Ok(())
+    let mut many = Vec::new();
+    for _ in 0..4 {
+        many.push(cluster.spawn::<Counter>(0, SpawnOptions::new()).await?);
     }
+    out.row(
+        "n_n_actor_calls_async",
+        async_calls(&many, args.in_flight, window).await?,
+        "calls/s",
+    );
+
+    transfer_rows(&actor, &mut out).await?;
+    out.row(
+        "resource_group_create_remove_per_s",
+        remote_head::group_churn(&cluster, window).await?,
+        "groups/s",
+    );
+    // Ray's figure is measured against a GCS in another process: the same loop through a head of its own.
+    out.row(
+        "resource_group_create_remove_remote_head_per_s",
+        remote_head::group_churn_remote(window).await?,
+        "groups/s",
+    );
+    out.row(
+        "actor_create_per_s",
+        actor_creation(&cluster, window).await?,
+        "actors/s",
+    );
+    cluster.shutdown().await;
+    Ok(())
+}
+
+/// The 1 MiB-argument rows. Ray's row passes one numpy array again and again and decodes it without a copy:
+/// `SharedBytes` does both. The `_vec` row sends a fresh `Vec<u8>` (the caller's clone) decoded into the actor's own
+/// `Vec`.
+async fn mib_arg_rows(actor: &ActorRef<Counter>, window: Duration, out: &mut Rows) -> Result<()> {
+    let mib = SharedBytes::from(vec![7u8; 1 << 20]);
+    out.row(
+        "1_1_actor_calls_1MiB_arg",
+        payload_calls(window, || actor.call(SinkShared(mib.clone()))).await?,
+        "calls/s",
+    );
+    let mib_vec = mib.to_vec();
+    out.row(
+        "1_1_actor_calls_1MiB_arg_vec",
+        payload_calls(window, || actor.call(Sink(mib_vec.clone()))).await?,
+        "calls/s",
+    );
+    Ok(())
+}
+
+/// The 100 MiB transfer rows, as `SharedBytes` and as a `Vec<u8>` (the first blob is dropped before the second row).
+async fn transfer_rows(actor: &ActorRef<Counter>, out: &mut Rows) -> Result<()> {
+    let blob = SharedBytes::from(vec![1u8; 100 << 20]);
+    out.row(
+        "transfer_100MiB_GBps",
+        transfer(blob.len(), || actor.call(SinkShared(blob.clone()))).await?,
+        "GB/s",
+    );
+    let blob_vec = blob.to_vec();
+    drop(blob);
+    out.row(
+        "transfer_100MiB_vec_GBps",
+        transfer(blob_vec.len(), || actor.call(Sink(blob_vec.clone()))).await?,
+        "GB/s",
+    );
+    Ok(())
 }
 
 /// Calls issued one after another until the window closes, per second.

@@ -132,9 +132,9 @@ fn wait_gone(pids: &[u32], within: Duration) {
     }
 }
 
-#[test]
-fn daemonized_head_and_nodes_join_report_status_and_stop() {
-    let mut here = Machine::new();
+/// `ferl start --head` (daemonized, 2 CPUs, 1 GPU, `special=3`) on `here`: the daemon runs after the command returns,
+/// and the token it prints once is kept with mode 0600 where local commands find it. Returns the address and token.
+fn start_daemon_head(here: &mut Machine) -> (String, String) {
     let started = here.ok(
         &[
             "start",
@@ -158,7 +158,6 @@ fn daemonized_head_and_nodes_join_report_status_and_stop() {
         running(head_pid),
         "the daemon runs after `ferl start` returned"
     );
-    // The token is printed once and kept with mode 0600 where local commands find it.
     let token = field(&started, "cluster token: ").to_string();
     let token_file = here.state().join("session_latest/token");
     assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
@@ -166,6 +165,117 @@ fn daemonized_head_and_nodes_join_report_status_and_stop() {
         &std::fs::metadata(&token_file).unwrap().permissions(),
     );
     assert_eq!(mode & 0o777, 0o600);
+    (address, token)
+}
+
+/// Another machine (no head, so no token on disk) is refused without a token or with a wrong one, and joins with
+/// `FERL_TOKEN` or `--token`. Returns the names of the two nodes it started.
+fn join_from_another_machine(there: &mut Machine, address: &str, token: &str) -> (String, String) {
+    let err = there.fails(&["start", "--address", address], &[]);
+    assert!(err.contains("no cluster token"), "{err}");
+    let err = there.fails(
+        &["start", "--address", address, "--token", "not-the-token"],
+        &[],
+    );
+    assert!(err.contains("wrong cluster token"), "{err}");
+    let by_env = there.ok(
+        &["start", "--address", address, "--num-cpus", "1"],
+        &[("FERL_TOKEN", token)],
+    );
+    let env_node = field(&by_env, "ferl node started: ").to_string();
+    there.pids.push(pid_of(&by_env));
+    let by_flag = there.ok(
+        &[
+            "start",
+            "--address",
+            address,
+            "--num-cpus",
+            "1",
+            "--token",
+            token,
+        ],
+        &[],
+    );
+    let flag_node = field(&by_flag, "ferl node started: ").to_string();
+    there.pids.push(pid_of(&by_flag));
+    (env_node, flag_node)
+}
+
+/// Reserves `special=2` and `gpuish=1` in a group, so `used` is not all zeros; the group lives as long as the
+/// returned connection.
+fn reserve_some(
+    rt: &tokio::runtime::Runtime,
+    address: &str,
+    token: &str,
+) -> (ferl::Cluster, ferl::ResourceGroup) {
+    rt.block_on(async {
+        let cluster = ferl::connect(address, Some(token.to_string()))
+            .await
+            .unwrap();
+        let group = cluster
+            .create_group(
+                vec![
+                    ferl::bundle(&[("special", 2.0)]),
+                    ferl::bundle(&[("gpuish", 1.0)]),
+                ],
+                ferl::Strategy::Spread,
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        (cluster, group)
+    })
+}
+
+/// `ferl status --json` of the daemonized cluster: the head's node and the three joined nodes with their resources
+/// (totals and what the group uses), every node's log folder (the other machine's in its session root), one group.
+fn assert_daemon_status(
+    status: &serde_json::Value,
+    address: &str,
+    local_node: &str,
+    other_nodes: [&str; 2],
+    there: &Machine,
+) {
+    assert_eq!(status["head"], address);
+    assert_eq!(status["nodes"].as_array().unwrap().len(), 4, "{status:#}");
+    let head_node = status["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["address"] == address)
+        .expect("the head's own node");
+    assert_eq!(head_node["resources_total"]["CPU"], 2.0);
+    assert_eq!(head_node["resources_total"]["GPU"], 1.0);
+    assert_eq!(head_node["resources_total"]["special"], 3.0);
+    assert_eq!(head_node["resources_used"]["special"], 2.0);
+    assert_eq!(node(status, local_node)["resources_total"]["gpuish"], 2.0);
+    assert_eq!(node(status, local_node)["resources_used"]["gpuish"], 1.0);
+    for name in [local_node, other_nodes[0], other_nodes[1]] {
+        let n = node(status, name);
+        assert_eq!(n["alive"], true);
+        assert_eq!(n["resources_total"]["CPU"], 1.0);
+        assert_eq!(n["resources_used"]["CPU"], 0.0);
+    }
+    for n in status["nodes"].as_array().unwrap() {
+        let logs = PathBuf::from(n["log_dir"].as_str().expect("log_dir"));
+        assert!(
+            logs.is_dir(),
+            "log folder {} of {}",
+            logs.display(),
+            n["name"]
+        );
+    }
+    assert!(node(status, other_nodes[0])["log_dir"]
+        .as_str()
+        .unwrap()
+        .starts_with(there.state().to_str().unwrap()));
+    assert_eq!(status["groups"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn daemonized_head_and_nodes_join_report_status_and_stop() {
+    let mut here = Machine::new();
+    let (address, token) = start_daemon_head(&mut here);
 
     // A node on this machine finds the token by itself.
     let joined = here.ok(
@@ -183,92 +293,19 @@ fn daemonized_head_and_nodes_join_report_status_and_stop() {
     let local_node = field(&joined, "ferl node started: ").to_string();
     here.pids.push(pid_of(&joined));
 
-    // Another machine (no head, so no token on disk): refused without a token or with a wrong one; joins with
-    // FERL_TOKEN or --token.
     let mut there = Machine::new();
-    let err = there.fails(&["start", "--address", &address], &[]);
-    assert!(err.contains("no cluster token"), "{err}");
-    let err = there.fails(
-        &["start", "--address", &address, "--token", "not-the-token"],
-        &[],
-    );
-    assert!(err.contains("wrong cluster token"), "{err}");
-    let by_env = there.ok(
-        &["start", "--address", &address, "--num-cpus", "1"],
-        &[("FERL_TOKEN", &token)],
-    );
-    let env_node = field(&by_env, "ferl node started: ").to_string();
-    there.pids.push(pid_of(&by_env));
-    let by_flag = there.ok(
-        &[
-            "start",
-            "--address",
-            &address,
-            "--num-cpus",
-            "1",
-            "--token",
-            &token,
-        ],
-        &[],
-    );
-    let flag_node = field(&by_flag, "ferl node started: ").to_string();
-    there.pids.push(pid_of(&by_flag));
+    let (env_node, flag_node) = join_from_another_machine(&mut there, &address, &token);
 
-    // Reserve some resources so `used` is not all zeros.
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let _group = rt.block_on(async {
-        let cluster = ferl::connect(&address, Some(token.clone())).await.unwrap();
-        let group = cluster
-            .create_group(
-                vec![
-                    ferl::bundle(&[("special", 2.0)]),
-                    ferl::bundle(&[("gpuish", 1.0)]),
-                ],
-                ferl::Strategy::Spread,
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap();
-        (cluster, group)
-    });
-
+    let _group = reserve_some(&rt, &address, &token);
     let status = here.status(&address);
-    assert_eq!(status["head"], address.as_str());
-    assert_eq!(status["nodes"].as_array().unwrap().len(), 4, "{status:#}");
-    let head_node = status["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["address"] == address.as_str())
-        .expect("the head's own node");
-    assert_eq!(head_node["resources_total"]["CPU"], 2.0);
-    assert_eq!(head_node["resources_total"]["GPU"], 1.0);
-    assert_eq!(head_node["resources_total"]["special"], 3.0);
-    assert_eq!(head_node["resources_used"]["special"], 2.0);
-    assert_eq!(node(&status, &local_node)["resources_total"]["gpuish"], 2.0);
-    assert_eq!(node(&status, &local_node)["resources_used"]["gpuish"], 1.0);
-    for name in [&local_node, &env_node, &flag_node] {
-        let n = node(&status, name);
-        assert_eq!(n["alive"], true);
-        assert_eq!(n["resources_total"]["CPU"], 1.0);
-        assert_eq!(n["resources_used"]["CPU"], 0.0);
-    }
-    // Every node points at its log folder, and the folder exists (the nodes of the other machine keep theirs in
-    // its session root).
-    for n in status["nodes"].as_array().unwrap() {
-        let logs = PathBuf::from(n["log_dir"].as_str().expect("log_dir"));
-        assert!(
-            logs.is_dir(),
-            "log folder {} of {}",
-            logs.display(),
-            n["name"]
-        );
-    }
-    assert!(node(&status, &env_node)["log_dir"]
-        .as_str()
-        .unwrap()
-        .starts_with(there.state().to_str().unwrap()));
-    assert_eq!(status["groups"].as_array().unwrap().len(), 1);
+    assert_daemon_status(
+        &status,
+        &address,
+        &local_node,
+        [&env_node, &flag_node],
+        &there,
+    );
 
     // Plain `ferl status` on the head's machine needs neither address nor token.
     let text = here.ok(&["status"], &[]);

@@ -52,19 +52,9 @@ fn max_diff(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-#[test]
-fn checkpoints_hold_the_peft_adapter_and_the_merged_model_and_resume_at_another_world_size() {
-    let fx = Fixture::new().unwrap();
-    let reference = reference_run(&lora_overrides(&fx, 4, "ref", &[])).unwrap();
-    let save = [
-        "trainer.save_freq=2",
-        "trainer.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-    ];
-    let o = lora_overrides(&fx, 4, "saved", &save);
-    let first = run_path(DRIVER, fx.dir.path(), LaunchPath::Actors(2), &o, "save").unwrap();
-    assert_curves_match("saving at world 2", &first.steps, &reference, 1e-5);
-    let step2 = fx.dir.path().join("saved/global_step_2");
-    let saved = step2.join(CHECKPOINT_ADAPTER_DIR);
+/// The saved adapter folder is PEFT's: its config (rank 8, alpha 16, `LORA`) and A and B of 7 projections in 2
+/// layers, trained away from zero. Returns its tensors.
+fn assert_saved_adapter(saved: &std::path::Path) -> std::collections::HashMap<String, tch::Tensor> {
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(saved.join(ADAPTER_CONFIG)).unwrap()).unwrap();
     assert_eq!(
@@ -72,7 +62,7 @@ fn checkpoints_hold_the_peft_adapter_and_the_merged_model_and_resume_at_another_
         (Some(8), Some(16.0))
     );
     assert_eq!(config["peft_type"], "LORA");
-    let tensors = adapter(&saved);
+    let tensors = adapter(saved);
     assert_eq!(
         tensors.len(),
         2 * 7 * 2,
@@ -83,13 +73,21 @@ fn checkpoints_hold_the_peft_adapter_and_the_merged_model_and_resume_at_another_
         b.abs().max().double_value(&[]) > 0.0,
         "B trained away from zero"
     );
+    tensors
+}
 
-    // `ferl export`: the adapter alone equals the saved one; the merged model equals `huggingface/`.
+/// `ferl export` of checkpoint `step2`: the adapter alone equals the saved one (`tensors`); the merged model has the
+/// base's tensors, equals `huggingface/`, and differs from the base where adapted.
+fn assert_export_matches(
+    fx: &Fixture,
+    step2: &std::path::Path,
+    tensors: &std::collections::HashMap<String, tch::Tensor>,
+) {
     let out = fx.dir.path().join("exported");
     let export = |extra: &[&str], to: &str| {
         let status = std::process::Command::new(ferl_binary())
             .args(["export", "--checkpoint"])
-            .arg(&step2)
+            .arg(step2)
             .arg("--out")
             .arg(out.join(to))
             .args(extra)
@@ -118,6 +116,24 @@ fn checkpoints_hold_the_peft_adapter_and_the_merged_model_and_resume_at_another_
         changed = changed.max(max_diff(m, b));
     }
     assert!(changed > 0.0, "merging changed the adapted weights");
+}
+
+#[test]
+fn checkpoints_hold_the_peft_adapter_and_the_merged_model_and_resume_at_another_world_size() {
+    let fx = Fixture::new().unwrap();
+    let reference = reference_run(&lora_overrides(&fx, 4, "ref", &[])).unwrap();
+    let save = [
+        "trainer.save_freq=2",
+        "trainer.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    ];
+    let o = lora_overrides(&fx, 4, "saved", &save);
+    let first = run_path(DRIVER, fx.dir.path(), LaunchPath::Actors(2), &o, "save").unwrap();
+    assert_curves_match("saving at world 2", &first.steps, &reference, 1e-5);
+    let step2 = fx.dir.path().join("saved/global_step_2");
+    let saved = step2.join(CHECKPOINT_ADAPTER_DIR);
+    let tensors = assert_saved_adapter(&saved);
+
+    assert_export_matches(&fx, &step2, &tensors);
 
     // Resume the world-2 LoRA checkpoint in one process.
     let resume = lora_overrides(

@@ -209,6 +209,81 @@ fn reload(
     });
 }
 
+/// Starts `ferl ARGS` as a job with `plugins` as its plugin folder (output in `job.out`, log in `job.log` of the
+/// fixture's folder) and waits until it logged two steps in `run_dir`.
+fn start_job(ferl: &Path, fx: &Fixture, plugins: &Path, args: &[String], run_dir: &Path) -> Job {
+    let log = fx.dir.path().join("job.log");
+    let child = Command::new(ferl)
+        .env("OMP_NUM_THREADS", "1")
+        .env("RUST_LOG", "info")
+        .env("FERL_PLUGIN_PATH", plugins)
+        .args(args)
+        .stdout(File::create(fx.dir.path().join("job.out")).unwrap())
+        .stderr(File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut job = Job { child, log };
+    job.wait_for("two steps trained", 5 * MINUTE, || {
+        logged_steps(run_dir).len() >= 2
+    });
+    job
+}
+
+/// `ferl plugin list` of the job in `run_dir`: both plugins, their kinds and versions (before any reload).
+fn assert_list_shows_both_plugins(ferl: &Path, run_dir: &Path) {
+    let rows = list(ferl, run_dir);
+    let row = |name: &str| {
+        rows.iter()
+            .find(|r| r.0 == name)
+            .unwrap_or_else(|| panic!("no `{name}` row in {rows:?}"))
+            .clone()
+    };
+    assert_eq!(
+        row("testkit"),
+        (
+            "testkit".into(),
+            "logger".into(),
+            "1.0.0".into(),
+            "current".into()
+        )
+    );
+    assert_eq!(
+        row("liger"),
+        (
+            "liger".into(),
+            "kernel".into(),
+            "0.1.0".into(),
+            "current".into()
+        )
+    );
+}
+
+/// The `(step, loss, grad norm)` of the job in `run_dir` are exactly those of a run that never reloaded (built-in
+/// liger kernels, no plugin folder, overrides `extra`).
+fn assert_steps_match_a_run_without_reloads(
+    ferl: &Path,
+    fx: &Fixture,
+    extra: &[&str],
+    run_dir: &Path,
+) {
+    let steps = logged_steps(run_dir);
+    let mut reference = fx.overrides(steps.len(), "reference", extra);
+    reference.push("trainer.logger=[console,jsonl]".into());
+    let out = Command::new(ferl)
+        .env("OMP_NUM_THREADS", "1")
+        .env_remove("FERL_PLUGIN_PATH")
+        .arg("sft")
+        .args(&reference)
+        .output()
+        .unwrap();
+    check(out, "the reference ferl sft");
+    let want = logged_steps(&fx.dir.path().join("reference"));
+    assert_eq!(want.len(), steps.len());
+    for (got, want) in steps.iter().zip(&want) {
+        assert_eq!(got, want, "(step, loss, grad norm) with reloads vs without");
+    }
+}
+
 #[test]
 fn plugin_list_and_reload_against_a_running_sft_job() {
     let ferl = ferl_binary();
@@ -240,48 +315,12 @@ fn plugin_list_and_reload_against_a_running_sft_job() {
     ];
     // Far more steps than the test waits for: the job is stopped once the checks are done.
     let run_dir = fx.dir.path().join("job");
-    let log = fx.dir.path().join("job.log");
-    let child = Command::new(&ferl)
-        .env("OMP_NUM_THREADS", "1")
-        .env("RUST_LOG", "info")
-        .env("FERL_PLUGIN_PATH", &folder)
-        .arg("sft")
-        .args(fx.overrides(100_000, "job", &extra))
-        .stdout(File::create(fx.dir.path().join("job.out")).unwrap())
-        .stderr(File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut job = Job { child, log };
-    job.wait_for("two steps trained", 5 * MINUTE, || {
-        logged_steps(&run_dir).len() >= 2
-    });
+    let args: Vec<String> = std::iter::once("sft".to_string())
+        .chain(fx.overrides(100_000, "job", &extra))
+        .collect();
+    let mut job = start_job(&ferl, &fx, &folder, &args, &run_dir);
 
-    // `list`: both plugins, their kinds and versions.
-    let rows = list(&ferl, &run_dir);
-    let row = |name: &str| {
-        rows.iter()
-            .find(|r| r.0 == name)
-            .unwrap_or_else(|| panic!("no `{name}` row in {rows:?}"))
-            .clone()
-    };
-    assert_eq!(
-        row("testkit"),
-        (
-            "testkit".into(),
-            "logger".into(),
-            "1.0.0".into(),
-            "current".into()
-        )
-    );
-    assert_eq!(
-        row("liger"),
-        (
-            "liger".into(),
-            "kernel".into(),
-            "0.1.0".into(),
-            "current".into()
-        )
-    );
+    assert_list_shows_both_plugins(&ferl, &run_dir);
 
     // `reload`: each plugin's file rebuilt as a new version, then the job told to load it.
     reload(
@@ -313,22 +352,56 @@ fn plugin_list_and_reload_against_a_running_sft_job() {
         let line = format!("plugin `{name}`: version {from} -> {to} after step");
         assert!(text.contains(&line), "no `{line}` in the job log:\n{text}");
     }
-    // The losses are those of a run that never reloaded (built-in liger kernels, no plugin folder).
-    let steps = logged_steps(&run_dir);
-    let mut reference = fx.overrides(steps.len(), "reference", &extra);
-    reference.push("trainer.logger=[console,jsonl]".into());
-    let out = Command::new(&ferl)
-        .env("OMP_NUM_THREADS", "1")
-        .env_remove("FERL_PLUGIN_PATH")
-        .arg("sft")
-        .args(&reference)
-        .output()
-        .unwrap();
-    check(out, "the reference ferl sft");
-    let want = logged_steps(&fx.dir.path().join("reference"));
-    assert_eq!(want.len(), steps.len());
-    for (got, want) in steps.iter().zip(&want) {
-        assert_eq!(got, want, "(step, loss, grad norm) with reloads vs without");
+    assert_steps_match_a_run_without_reloads(&ferl, &fx, &extra, &run_dir);
+}
+
+/// Waits (up to 10 minutes) for `job` to end by itself, and requires success.
+fn wait_job_success(job: &mut Job) {
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = job.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < 10 * MINUTE,
+            "the job did not finish:
+{}",
+            job.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        status.success(),
+        "the job failed ({status}):
+{}",
+        job.log()
+    );
+}
+
+/// The `testkit` logger's own log in `run_dir` has every one of the `steps` steps once: version 1.0.0 up to the
+/// switch (which happened by step `switched_by`) and 2.0.0 from then on.
+fn assert_testkit_switched_once(run_dir: &Path, steps: usize, switched_by: u64) {
+    let text = std::fs::read_to_string(run_dir.join("testkit.log")).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let mut f = line.split(' ');
+        let (version, step) = (f.next().unwrap(), f.next().unwrap().parse::<u64>().unwrap());
+        seen.insert(step, version.to_string());
+    }
+    assert_eq!(
+        seen.len(),
+        steps,
+        "every step logged once by some version:\n{text}"
+    );
+    let first_v2 = seen.iter().find(|(_, v)| *v == "2.0.0").map(|(s, _)| *s);
+    let first_v2 = first_v2.unwrap_or_else(|| panic!("version 2.0.0 logged nothing:\n{text}"));
+    assert!(
+        first_v2 <= switched_by + 1,
+        "2.0.0 from step {first_v2}, switched by {switched_by}"
+    );
+    for (step, version) in &seen {
+        let want = if *step < first_v2 { "1.0.0" } else { "2.0.0" };
+        assert_eq!(version, want, "step {step}:\n{text}");
     }
 }
 
@@ -357,21 +430,12 @@ fn plugin_reload_against_a_running_distributed_sft_job() {
     // Enough steps for the reload to happen well inside the run, which then ends by itself.
     let steps = 30;
     let run_dir = fx.dir.path().join("job");
-    let log = fx.dir.path().join("job.log");
-    let child = Command::new(&ferl)
-        .env("OMP_NUM_THREADS", "1")
-        .env("RUST_LOG", "info")
-        .env("FERL_PLUGIN_PATH", &folder)
-        .args(["sft", "--nproc-per-node", "2"])
-        .args(fx.overrides(steps, "job", &extra))
-        .stdout(File::create(fx.dir.path().join("job.out")).unwrap())
-        .stderr(File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut job = Job { child, log };
-    job.wait_for("two steps trained", 5 * MINUTE, || {
-        logged_steps(&run_dir).len() >= 2
-    });
+    let args: Vec<String> = ["sft", "--nproc-per-node", "2"]
+        .into_iter()
+        .map(String::from)
+        .chain(fx.overrides(steps, "job", &extra))
+        .collect();
+    let mut job = start_job(&ferl, &fx, &folder, &args, &run_dir);
     let rows = list(&ferl, &run_dir);
     assert_eq!(
         current_version(&rows, "testkit").as_deref(),
@@ -391,48 +455,8 @@ fn plugin_reload_against_a_running_distributed_sft_job() {
         switched_by < steps as u64,
         "the reload happened while the job ran"
     );
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = job.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < 10 * MINUTE,
-            "the job did not finish:
-{}",
-            job.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    assert!(
-        status.success(),
-        "the job failed ({status}):
-{}",
-        job.log()
-    );
-
-    let text = std::fs::read_to_string(run_dir.join("testkit.log")).unwrap();
-    let mut seen = std::collections::BTreeMap::new();
-    for line in text.lines() {
-        let mut f = line.split(' ');
-        let (version, step) = (f.next().unwrap(), f.next().unwrap().parse::<u64>().unwrap());
-        seen.insert(step, version.to_string());
-    }
-    assert_eq!(
-        seen.len(),
-        steps,
-        "every step logged once by some version:\n{text}"
-    );
-    let first_v2 = seen.iter().find(|(_, v)| *v == "2.0.0").map(|(s, _)| *s);
-    let first_v2 = first_v2.unwrap_or_else(|| panic!("version 2.0.0 logged nothing:\n{text}"));
-    assert!(
-        first_v2 <= switched_by + 1,
-        "2.0.0 from step {first_v2}, switched by {switched_by}"
-    );
-    for (step, version) in &seen {
-        let want = if *step < first_v2 { "1.0.0" } else { "2.0.0" };
-        assert_eq!(version, want, "step {step}:\n{text}");
-    }
+    wait_job_success(&mut job);
+    assert_testkit_switched_once(&run_dir, steps, switched_by);
 
     let reference = reference_run(&fx.overrides(steps, "reference", &extra)).unwrap();
     let got = logged_steps(&run_dir);

@@ -245,53 +245,49 @@ fn sha256_of(path: &Path) -> String {
     ferl::plugins::PluginStore::hash_file(path).unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process() {
-    let fx = Fixture::new().unwrap();
-    let d = fx.dir.path().to_path_buf();
-    write_alpaca(&d.join("alpaca.json"));
-    let plugins = plugin_folder(&d);
-    let tmp = d.join("sessions");
-    std::fs::create_dir_all(&tmp).unwrap();
-    // This process is the driver and the head (its own node declares no CPUs, so the ranks go to the two nodes).
-    let head_cache = d.join("cache-head");
+/// Points this process (the driver and the head) at the test's session folder, head file cache and plugin folder.
+fn set_driver_env(tmp: &Path, head_cache: &Path, plugins: &Path) {
+    // SAFETY: `set_var` is unsound only while another thread reads or writes the environment. This runs before the
+    // test starts the head (the runtime is what reads these variables), its tokio worker threads are idle until
+    // the first `.await`, and nextest (`scripts/test.sh`) runs each test in its own process, so no other test's
+    // thread exists. Under plain `cargo test` this binary's tests share a process: run it with `--test-threads=1`.
     unsafe {
-        std::env::set_var("FERL_TMPDIR", &tmp);
-        std::env::set_var("FERL_BIN_CACHE", &head_cache);
-        std::env::set_var("FERL_PLUGIN_PATH", &plugins);
+        std::env::set_var("FERL_TMPDIR", tmp);
+        std::env::set_var("FERL_BIN_CACHE", head_cache);
+        std::env::set_var("FERL_PLUGIN_PATH", plugins);
     }
-    let head = ferl_runtime_head().await;
-    let address = head.cluster.head_address().unwrap().to_string();
-    let caches = [d.join("cache-node-a"), d.join("cache-node-b")];
-    let _nodes: Vec<Node> = caches
+}
+
+/// The shipped-file cache of each of `caches` (empty for a head cache that was never created).
+fn cache_snapshots(caches: &[PathBuf], head_cache: &Path) -> Vec<Vec<(String, u64, SystemTime)>> {
+    caches
         .iter()
-        .map(|c| start_node(&address, &head.token, c, &tmp))
-        .collect();
+        .map(|cache| {
+            if cache == head_cache && !cache.join("files").exists() {
+                Vec::new()
+            } else {
+                cached(cache)
+            }
+        })
+        .collect()
+}
 
-    let dist = overrides(&fx, "dist", &["data.plugin=alpaca".into()]);
-    let cfg = SftConfig::load(None, &dist).unwrap();
-    let served_before = ferl::runtime::stats().file_chunks_served;
-    let first = ferl::actors::sft::train_on_cluster(&head.cluster, &cfg, 2)
-        .await
-        .unwrap();
-    assert_eq!(first.world_size, 2);
-    let served_first = ferl::runtime::stats().file_chunks_served - served_before;
-
-    // Each node holds the liger plugin (its trainer rank used it) under the file's sha256, with nothing else but
-    // what its actors used; the dataset plugin went only where the data loader ran.
+/// After the first distributed run: each node holds the liger plugin (its trainer rank used it) under the file's
+/// sha256, with nothing else but what its actors used; the dataset plugin went only where the data loader ran, and
+/// the logger plugin (which runs in the driver) went nowhere. Returns the caches' contents (`caches` order).
+fn assert_first_run_shipping(
+    plugins: &Path,
+    caches: &[PathBuf],
+    head_cache: &Path,
+) -> Vec<Vec<(String, u64, SystemTime)>> {
     let liger = sha256_of(&plugins.join("libferl_plugin_liger.so"));
     let alpaca = sha256_of(&plugins.join("libferl_plugin_alpaca.so"));
     let tensorboard = sha256_of(&plugins.join("libferl_plugin_tensorboard.so"));
+    let snapshots = cache_snapshots(caches, head_cache);
     let mut with_alpaca = 0;
-    let mut snapshots = Vec::new();
-    for cache in caches.iter().chain([&head_cache]) {
-        let files = if cache == &head_cache && !cache.join("files").exists() {
-            Vec::new()
-        } else {
-            cached(cache)
-        };
+    for (cache, files) in caches.iter().zip(&snapshots) {
         let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
-        if cache != &head_cache {
+        if cache != head_cache {
             assert!(
                 names.contains(&format!("{liger}.so").as_str()),
                 "{}: {names:?}",
@@ -309,12 +305,72 @@ async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process()
                 "{n}"
             );
         }
-        snapshots.push(files);
     }
     assert_eq!(
         with_alpaca, 1,
         "the dataset plugin goes to the data loader's node only"
     );
+    snapshots
+}
+
+/// The same run in one process (`ferl sft` without --nproc-per-node) gives the same losses as the distributed runs
+/// `(name, summary)`, in their summaries, their `metrics.jsonl` and their TensorBoard files.
+fn assert_runs_match_one_process(
+    fx: &Fixture,
+    plugins: &Path,
+    runs: [(&str, &ferl::actors::sft::RunSummary); 2],
+) {
+    let d = fx.dir.path();
+    let local = overrides(fx, "local", &["data.plugin=alpaca".into()]);
+    ferl_sft(
+        plugins,
+        &d.join("cache-local"),
+        &local,
+        "single-process ferl sft",
+    );
+    let want = logged_losses(&d.join("local"));
+    assert_eq!(want.len(), 3);
+    for (run, summary) in runs {
+        let got: Vec<(u64, f64)> = summary.steps.iter().map(|s| (s.step, s.loss)).collect();
+        assert_losses_match(&format!("distributed run `{run}`"), &got, &want);
+        assert_losses_match(
+            &format!("{run}/metrics.jsonl"),
+            &logged_losses(&d.join(run)),
+            &want,
+        );
+        assert_tensorboard_matches(&d.join(run));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process() {
+    let fx = Fixture::new().unwrap();
+    let d = fx.dir.path().to_path_buf();
+    write_alpaca(&d.join("alpaca.json"));
+    let plugins = plugin_folder(&d);
+    let tmp = d.join("sessions");
+    std::fs::create_dir_all(&tmp).unwrap();
+    // This process is the driver and the head (its own node declares no CPUs, so the ranks go to the two nodes).
+    let head_cache = d.join("cache-head");
+    set_driver_env(&tmp, &head_cache, &plugins);
+    let head = ferl_runtime_head().await;
+    let address = head.cluster.head_address().unwrap().to_string();
+    let caches = [d.join("cache-node-a"), d.join("cache-node-b")];
+    let _nodes: Vec<Node> = caches
+        .iter()
+        .map(|c| start_node(&address, &head.token, c, &tmp))
+        .collect();
+    let all_caches = [caches[0].clone(), caches[1].clone(), head_cache.clone()];
+
+    let dist = overrides(&fx, "dist", &["data.plugin=alpaca".into()]);
+    let cfg = SftConfig::load(None, &dist).unwrap();
+    let served_before = ferl::runtime::stats().file_chunks_served;
+    let first = ferl::actors::sft::train_on_cluster(&head.cluster, &cfg, 2)
+        .await
+        .unwrap();
+    assert_eq!(first.world_size, 2);
+    let served_first = ferl::runtime::stats().file_chunks_served - served_before;
+    let snapshots = assert_first_run_shipping(&plugins, &all_caches, &head_cache);
     // Three transfers (liger to two nodes, alpaca to one), each file under one 4 MiB chunk.
     assert!(served_first >= 3, "chunks served: {served_first}");
 
@@ -330,40 +386,12 @@ async fn plugin_files_travel_once_to_each_node_and_the_run_matches_one_process()
         served_before,
         "a cached plugin was sent again"
     );
-    for (cache, before) in caches.iter().chain([&head_cache]).zip(&snapshots) {
-        let now = if before.is_empty() && !cache.join("files").exists() {
-            Vec::new()
-        } else {
-            cached(cache)
-        };
-        assert_eq!(
-            &now,
-            before,
-            "{} changed on the second run",
-            cache.display()
-        );
+    let now = cache_snapshots(&all_caches, &head_cache);
+    for ((cache, now), before) in all_caches.iter().zip(&now).zip(&snapshots) {
+        assert_eq!(now, before, "{} changed on the second run", cache.display());
     }
 
-    // The same run in one process (`ferl sft` without --nproc-per-node) gives the same losses.
-    let local = overrides(&fx, "local", &["data.plugin=alpaca".into()]);
-    ferl_sft(
-        &plugins,
-        &d.join("cache-local"),
-        &local,
-        "single-process ferl sft",
-    );
-    let want = logged_losses(&d.join("local"));
-    assert_eq!(want.len(), 3);
-    for (run, summary) in [("dist", &first), ("dist-again", &second)] {
-        let got: Vec<(u64, f64)> = summary.steps.iter().map(|s| (s.step, s.loss)).collect();
-        assert_losses_match(&format!("distributed run `{run}`"), &got, &want);
-        assert_losses_match(
-            &format!("{run}/metrics.jsonl"),
-            &logged_losses(&d.join(run)),
-            &want,
-        );
-        assert_tensorboard_matches(&d.join(run));
-    }
+    assert_runs_match_one_process(&fx, &plugins, [("dist", &first), ("dist-again", &second)]);
     head.cluster.shutdown().await;
 }
 

@@ -119,6 +119,8 @@ unsafe extern "C" fn open_shim<T: DatasetPlugin>(
     out: *mut *mut c_void,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: the host keeps `config` alive for this call (crate invariant 3); `out` is writable and `err` is null
+    // or valid (crate invariant 5). `out` is written only on success, with a freshly leaked `Box<Instance<T>>`.
     unsafe {
         let (status, inst) = guard(err, || T::open(config.to_str()?));
         if let Some(inner) = inst {
@@ -137,6 +139,8 @@ unsafe extern "C" fn len_shim<T: DatasetPlugin>(
     out: *mut u64,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `inst` is a live `Box<Instance<T>>` from `open_shim::<T>`, `out` is a writable `u64` and `err` is null
+    // or valid (crate invariant 5).
     unsafe {
         guard_status(err, || {
             *out = (*inst.cast::<Instance<T>>()).inner.len();
@@ -151,6 +155,9 @@ unsafe extern "C" fn get_shim<T: DatasetPlugin>(
     out: *mut Example,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `inst` is a live `Box<Instance<T>>` from `open_shim::<T>` that nothing else uses during the call, `out`
+    // is a writable `Example` and `err` is null or valid (crate invariant 5). The pointers written to `out` borrow
+    // `inst.current`, which stays put until the next `get` or `close`, as the module docs promise the host.
     unsafe {
         guard_status(err, || {
             let inst = &mut *inst.cast::<Instance<T>>();
@@ -203,6 +210,9 @@ unsafe extern "C" fn get_shim<T: DatasetPlugin>(
 }
 
 unsafe extern "C" fn close_shim<T: DatasetPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
+    // SAFETY: `inst` is the `Box<Instance<T>>` leaked by `open_shim::<T>` (crate invariant 5), and the host calls
+    // `close` exactly once and never uses `inst` again (module docs), so it is freed exactly once. `err` is null or
+    // valid.
     unsafe {
         guard_status(err, || {
             drop(Box::from_raw(inst.cast::<Instance<T>>()));
@@ -227,6 +237,7 @@ pub const fn vtable<T: DatasetPlugin>() -> DatasetVTable {
 macro_rules! export_dataset {
     ($ty:ty) => {
         $crate::__export_manifest!($ty, $crate::PluginKind::Dataset);
+        /// This plugin's dataset table (`ferl_plugin_abi::dataset::DatasetVTable`), looked up by this symbol's name.
         #[no_mangle]
         pub extern "C" fn ferl_plugin_dataset() -> *const $crate::dataset::DatasetVTable {
             static TABLE: $crate::dataset::DatasetVTable = $crate::dataset::vtable::<$ty>();

@@ -310,6 +310,8 @@ impl KernelVTable {
     /// # Safety
     /// `ops` points to `n_ops` ops that outlive `'a` (true while the library is loaded).
     pub unsafe fn ops<'a>(&self) -> &'a [KernelOp] {
+        // SAFETY: an empty table never reaches `from_raw_parts`; otherwise the caller guarantees `n_ops` ops at
+        // `ops` that outlive `'a`.
         unsafe {
             if self.n_ops == 0 {
                 &[]
@@ -349,7 +351,12 @@ pub trait KernelOpImpl {
     ) -> Result<Vec<Option<Tensor<'h>>>, String>;
 }
 
+/// The `n` attributes at `attrs` (empty for a null pointer or `n == 0`).
+///
+/// # Safety
+/// A non-null `attrs` with `n > 0` points to `n` readable `f64`s that outlive `'a`.
 unsafe fn attrs_slice<'a>(attrs: *const f64, n: usize) -> &'a [f64] {
+    // SAFETY: null and empty are handled without reading; otherwise this is the caller's guarantee.
     unsafe {
         if n == 0 || attrs.is_null() {
             &[]
@@ -367,6 +374,10 @@ unsafe extern "C" fn forward_shim<T: KernelOpImpl>(
     outputs: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: per `KernelForwardFn`'s contract the host passes its `HostOps` table (valid for the call), `N_INPUTS`
+    // handles at `inputs` that it keeps alive for the call, `n_attrs` attributes at `attrs`, room for
+    // `N_OUTPUTS + N_SAVED` handles at `outputs`, and a null-or-valid `err`. Outputs are written only after checking
+    // that exactly that many tensors came back, and `into_raw` hands each one's ownership to the host.
     unsafe {
         let host = Host::new(&*host);
         let (status, out) = guard(err, || {
@@ -402,6 +413,10 @@ unsafe extern "C" fn backward_shim<T: KernelOpImpl>(
     grad_inputs: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: per `KernelBackwardFn`'s contract the host passes its `HostOps` table (valid for the call),
+    // `N_OUTPUTS`/`N_INPUTS`/`N_SAVED` live handles at `grad_outputs`/`inputs`/`saved`, `n_attrs` attributes at
+    // `attrs`, room for `N_INPUTS` handles at `grad_inputs`, and a null-or-valid `err`. Gradients are written only
+    // after checking that exactly `N_INPUTS` came back, and `into_raw` hands each one's ownership to the host.
     unsafe {
         let host = Host::new(&*host);
         let (status, out) = guard(err, || {
@@ -455,6 +470,7 @@ pub const fn kernel_table(ops: &'static [KernelOp]) -> KernelVTable {
 macro_rules! export_kernel {
     ($ty:ty, table = $table:path) => {
         $crate::__export_manifest!($ty, $crate::PluginKind::Kernel);
+        /// This plugin's kernel table (`ferl_plugin_abi::kernel::KernelVTable`), looked up by this symbol's name.
         #[no_mangle]
         pub extern "C" fn ferl_plugin_kernel() -> *const $crate::kernel::KernelVTable {
             &$table
@@ -462,6 +478,7 @@ macro_rules! export_kernel {
     };
     ($ty:ty, [$($op:ty),+ $(,)?]) => {
         $crate::__export_manifest!($ty, $crate::PluginKind::Kernel);
+        /// This plugin's kernel table (`ferl_plugin_abi::kernel::KernelVTable`), looked up by this symbol's name.
         #[no_mangle]
         pub extern "C" fn ferl_plugin_kernel() -> *const $crate::kernel::KernelVTable {
             static OPS: &[$crate::kernel::KernelOp] = &[$($crate::kernel::kernel_op::<$op>()),+];

@@ -21,6 +21,12 @@
 //!    (a dataset example, a manifest) stays valid until the next call on the same instance (manifests: for as long as
 //!    the library is loaded). Tensor handles follow [`kernel`]'s rules.
 //! 4. **Tables grow only at the end** and start with `struct_size`, so a host can refuse a table that is too short.
+//! 5. **Instance pointers are exclusive.** The `inst` a table function receives is one its own `open` returned and
+//!    that has not been closed; calls on one instance never overlap (the host holds each instance behind `&mut`),
+//!    so a shim may use it as `&mut`. Out-pointers (`out`, `n`, output buffers) are writable for the sizes the
+//!    table's documentation gives, and every `err` is null or a valid [`ErrorBuf`].
+//!
+//! The `// SAFETY:` comments of the plugin-side shims rely on these invariants and on each table's field docs.
 
 pub mod dataset;
 pub mod kernel;
@@ -132,6 +138,8 @@ impl FerlStr {
     /// # Safety
     /// `ptr` must point to `len` readable bytes that outlive `'a`.
     pub unsafe fn as_bytes<'a>(&self) -> &'a [u8] {
+        // SAFETY: a null or empty string never reaches `from_raw_parts`; otherwise the caller guarantees `len`
+        // readable bytes at `ptr` that live for `'a`.
         unsafe {
             if self.ptr.is_null() || self.len == 0 {
                 &[]
@@ -146,6 +154,7 @@ impl FerlStr {
     /// # Safety
     /// As [`FerlStr::as_bytes`].
     pub unsafe fn to_str<'a>(&self) -> Result<&'a str, String> {
+        // SAFETY: forwards this function's own contract, which is `as_bytes`'s.
         unsafe {
             std::str::from_utf8(self.as_bytes())
                 .map_err(|e| format!("string passed across the plugin ABI is not UTF-8: {e}"))
@@ -171,6 +180,9 @@ impl ErrorBuf {
     /// # Safety
     /// `err` is null or points to a valid `ErrorBuf` whose `buf` has `cap` writable bytes.
     pub unsafe fn write(err: *mut ErrorBuf, msg: &str) {
+        // SAFETY: the caller guarantees `err` is null (handled by `as_mut`) or a valid, exclusive `ErrorBuf`; its
+        // `buf` is checked for null and has `cap` writable bytes, and `n <= cap` and `n <= msg.len()`, so the copy
+        // stays inside both buffers (a caller-owned buffer cannot overlap the borrowed `msg`).
         unsafe {
             let Some(e) = err.as_mut() else { return };
             if e.buf.is_null() {
@@ -273,6 +285,8 @@ pub const fn manifest_of<P: Plugin>(kind: PluginKind) -> Manifest {
 #[macro_export]
 macro_rules! __export_manifest {
     ($ty:ty, $kind:expr) => {
+        /// This plugin's manifest (`ferl_plugin_abi::Manifest`: name, kind, version, ABI version), which the host
+        /// looks up by this symbol's name before anything else.
         #[no_mangle]
         pub extern "C" fn ferl_plugin_manifest() -> *const $crate::Manifest {
             static MANIFEST: $crate::Manifest = $crate::manifest_of::<$ty>($kind);

@@ -56,6 +56,8 @@ unsafe extern "C" fn open_shim<T: LoggerPlugin>(
     out: *mut *mut c_void,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: the host keeps `config` alive for this call (crate invariant 3); `out` is writable and `err` is null
+    // or valid (crate invariant 5). `out` is written only on success, with a freshly leaked `Box<T>`.
     unsafe {
         let (status, inst) = guard(err, || T::open(config.to_str()?));
         if let Some(inst) = inst {
@@ -72,6 +74,9 @@ unsafe extern "C" fn log_shim<T: LoggerPlugin>(
     n: usize,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `inst` is a live `Box<T>` from `open_shim::<T>` that nothing else uses during the call and `err` is
+    // null or valid (crate invariant 5); `metrics` holds `n` entries (not read when `n == 0`) whose names the host
+    // keeps alive for this call (crate invariants 2 and 3).
     unsafe {
         guard_status(err, || {
             let raw = if n == 0 {
@@ -89,10 +94,15 @@ unsafe extern "C" fn log_shim<T: LoggerPlugin>(
 }
 
 unsafe extern "C" fn flush_shim<T: LoggerPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
+    // SAFETY: `inst` is a live `Box<T>` from `open_shim::<T>` that nothing else uses during the call and `err` is
+    // null or valid (crate invariant 5).
     unsafe { guard_status(err, || (*inst.cast::<T>()).flush()) }
 }
 
 unsafe extern "C" fn close_shim<T: LoggerPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
+    // SAFETY: `inst` is the `Box<T>` leaked by `open_shim::<T>` (crate invariant 5), and the host calls `close`
+    // exactly once and never uses `inst` again (module docs), so rebuilding the box frees it exactly once. `err` is
+    // null or valid.
     unsafe {
         guard_status(err, || {
             let mut boxed = Box::from_raw(inst.cast::<T>());
@@ -117,6 +127,7 @@ pub const fn vtable<T: LoggerPlugin>() -> LoggerVTable {
 macro_rules! export_logger {
     ($ty:ty) => {
         $crate::__export_manifest!($ty, $crate::PluginKind::Logger);
+        /// This plugin's logger table (`ferl_plugin_abi::logger::LoggerVTable`), looked up by this symbol's name.
         #[no_mangle]
         pub extern "C" fn ferl_plugin_logger() -> *const $crate::logger::LoggerVTable {
             static TABLE: $crate::logger::LoggerVTable = $crate::logger::vtable::<$ty>();

@@ -23,6 +23,8 @@ pub unsafe fn guard<T>(
     err: *mut ErrorBuf,
     f: impl FnOnce() -> Result<T, String>,
 ) -> (i32, Option<T>) {
+    // SAFETY: the only unsafe calls are the two `ErrorBuf::write`s, whose requirement (`err` null or valid) is this
+    // function's own precondition.
     unsafe {
         match catch_unwind(AssertUnwindSafe(f)) {
             Ok(Ok(v)) => (STATUS_OK, Some(v)),
@@ -46,5 +48,6 @@ pub unsafe fn guard<T>(
 /// # Safety
 /// As [`guard`].
 pub unsafe fn guard_status(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), String>) -> i32 {
+    // SAFETY: same precondition as `guard`, which the caller upholds.
     unsafe { guard(err, f).0 }
 }

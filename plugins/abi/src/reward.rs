@@ -110,6 +110,9 @@ unsafe extern "C" fn open_shim<T: RewardPlugin>(
     out: *mut *mut c_void,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: the host keeps `config` alive for this call (crate invariant 3); `out` is writable and `err` is null
+    // or valid (crate invariant 5). `out` is written only on success, with a freshly leaked `Box<Instance<T>>`
+    // whose `raw_names` borrow its own `names` (heap buffers that do not move with the box).
     unsafe {
         let (status, inst) = guard(err, || {
             let inner = T::open(config.to_str()?)?;
@@ -134,6 +137,8 @@ unsafe extern "C" fn extra_names_shim<T: RewardPlugin>(
     n: *mut usize,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `inst` is a live `Box<Instance<T>>` from `open_shim::<T>`, `names` and `n` are writable and `err` is
+    // null or valid (crate invariant 5). The names handed out live in the instance, unchanged until `close`.
     unsafe {
         guard_status(err, || {
             let inst = &*inst.cast::<Instance<T>>();
@@ -152,6 +157,8 @@ unsafe fn read_rows<'a>(
     items: *const RewardItem,
     n: usize,
 ) -> Result<Vec<RewardInput<'a>>, String> {
+    // SAFETY: the caller guarantees `n` valid items at `items` (not read when `n == 0`) whose strings live for `'a`,
+    // which is what `from_raw_parts` and `FerlStr::to_str` need.
     unsafe {
         let raw = if n == 0 {
             &[][..]
@@ -183,6 +190,10 @@ unsafe extern "C" fn score_shim<T: RewardPlugin>(
     extras: *mut f32,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `inst` is a live `Box<Instance<T>>` from `open_shim::<T>` that nothing else uses during the call and
+    // `err` is null or valid (crate invariant 5); `items` holds `n` rows whose strings live for the call (crate
+    // invariants 2 and 3); `scores` has room for `n` floats and `extras` for `n * k` (module docs). Writes happen
+    // only after checking `got.len() == n` and each row's `extras.len() == k`, so `i < n` and `i * k + j < n * k`.
     unsafe {
         guard_status(err, || {
             let inst = &mut *inst.cast::<Instance<T>>();
@@ -211,6 +222,9 @@ unsafe extern "C" fn score_shim<T: RewardPlugin>(
 }
 
 unsafe extern "C" fn close_shim<T: RewardPlugin>(inst: *mut c_void, err: *mut ErrorBuf) -> i32 {
+    // SAFETY: `inst` is the `Box<Instance<T>>` leaked by `open_shim::<T>` (crate invariant 5), and the host calls
+    // `close` exactly once and never uses `inst` again (module docs), so it is freed exactly once. `err` is null or
+    // valid.
     unsafe {
         guard_status(err, || {
             drop(Box::from_raw(inst.cast::<Instance<T>>()));
@@ -235,6 +249,7 @@ pub const fn vtable<T: RewardPlugin>() -> RewardVTable {
 macro_rules! export_reward {
     ($ty:ty) => {
         $crate::__export_manifest!($ty, $crate::PluginKind::Reward);
+        /// This plugin's reward table (`ferl_plugin_abi::reward::RewardVTable`), looked up by this symbol's name.
         #[no_mangle]
         pub extern "C" fn ferl_plugin_reward() -> *const $crate::reward::RewardVTable {
             static TABLE: $crate::reward::RewardVTable = $crate::reward::vtable::<$ty>();

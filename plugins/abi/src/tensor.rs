@@ -4,6 +4,23 @@
 use crate::kernel::*;
 use crate::{ErrorMessage, STATUS_OK};
 
+/// Calls the host function `$ops.$f` with the host's context as its first argument and then `$arg`s (local names,
+/// so no caller expression is evaluated inside the `unsafe` block).
+///
+/// Every call into [`HostOps`] in this file goes through here, so one safety argument covers them all.
+macro_rules! host_call {
+    ($ops:expr, $f:ident($($arg:ident),* $(,)?)) => {{
+        let ops: &HostOps = $ops;
+        // SAFETY: a `HostOps` is only ever built by the host and lent to a kernel call (`Host::new` is called by
+        // `forward_shim`/`backward_shim` with the table the host passed), so `ops.ctx` is the state its functions
+        // expect and the table outlives every `Tensor<'h>` made from it. Each handle argument is the handle of a
+        // live `Tensor<'h>` of that table (borrowed from the host or owned and not yet released), pointer arguments
+        // point to locals or to slices borrowed for the call with their lengths passed alongside, and the `out` and
+        // `err` arguments come from `Tensor::call`/`Tensor::call_status`, which point them at their own locals.
+        unsafe { (ops.$f)(ops.ctx, $($arg),*) }
+    }};
+}
+
 /// The host's tensor operations for one kernel call.
 pub struct Host<'a> {
     ops: &'a HostOps,
@@ -27,6 +44,8 @@ impl<'a> Host<'a> {
     /// # Safety
     /// `handles` points to `n` valid handles that outlive the returned tensors.
     pub unsafe fn borrow_all(&self, handles: *const TensorHandle, n: usize) -> Vec<Tensor<'a>> {
+        // SAFETY: the caller guarantees `n` readable handles at `handles`, and only indices `< n` are read (none when
+        // `n == 0`, so a null pointer is never offset).
         unsafe {
             (0..n)
                 .map(|i| Tensor {
@@ -101,9 +120,9 @@ impl<'h> Tensor<'h> {
         let mut dims = [0i64; 8];
         let mut n = 0usize;
         let (ops, h) = (self.ops, self.handle);
-        self.call_status("shape", |e| unsafe {
-            (ops.shape)(ops.ctx, h, dims.as_mut_ptr(), dims.len(), &mut n, e)
-        })?;
+        let (cap, ndim) = (dims.len(), &mut n);
+        let out = dims.as_mut_ptr();
+        self.call_status("shape", |e| host_call!(ops, shape(h, out, cap, ndim, e)))?;
         if n > dims.len() {
             return Err(format!(
                 "tensor of rank {n} is not supported (at most {})",
@@ -121,35 +140,28 @@ impl<'h> Tensor<'h> {
         trans_b: bool,
     ) -> Result<Tensor<'h>, String> {
         let (ops, a, b) = (self.ops, self.handle, other.handle);
-        self.call("matmul", |o, e| unsafe {
-            (ops.matmul)(ops.ctx, a, b, trans_a as u32, trans_b as u32, o, e)
-        })
+        let (ta, tb) = (u32::from(trans_a), u32::from(trans_b));
+        self.call("matmul", |o, e| host_call!(ops, matmul(a, b, ta, tb, o, e)))
     }
 
     fn unary(&self, op: u32, what: &str) -> Result<Tensor<'h>, String> {
         let (ops, a) = (self.ops, self.handle);
-        self.call(what, |o, e| unsafe { (ops.unary)(ops.ctx, op, a, o, e) })
+        self.call(what, |o, e| host_call!(ops, unary(op, a, o, e)))
     }
 
     fn binary(&self, op: u32, other: &Tensor<'h>, what: &str) -> Result<Tensor<'h>, String> {
         let (ops, a, b) = (self.ops, self.handle, other.handle);
-        self.call(what, |o, e| unsafe {
-            (ops.binary)(ops.ctx, op, a, b, o, e)
-        })
+        self.call(what, |o, e| host_call!(ops, binary(op, a, b, o, e)))
     }
 
     fn scalar(&self, op: u32, v: f64, what: &str) -> Result<Tensor<'h>, String> {
         let (ops, a) = (self.ops, self.handle);
-        self.call(what, |o, e| unsafe {
-            (ops.scalar)(ops.ctx, op, a, v, o, e)
-        })
+        self.call(what, |o, e| host_call!(ops, scalar(op, a, v, o, e)))
     }
 
     fn reduce(&self, op: u32, dim: i64, keepdim: bool, what: &str) -> Result<Tensor<'h>, String> {
-        let (ops, a) = (self.ops, self.handle);
-        self.call(what, |o, e| unsafe {
-            (ops.reduce)(ops.ctx, op, a, dim, keepdim as u32, o, e)
-        })
+        let (ops, a, keep) = (self.ops, self.handle, u32::from(keepdim));
+        self.call(what, |o, e| host_call!(ops, reduce(op, a, dim, keep, o, e)))
     }
 
     /// `exp(self)`.
@@ -231,30 +243,24 @@ impl<'h> Tensor<'h> {
     /// Softmax over `dim`.
     pub fn softmax(&self, dim: i64) -> Result<Tensor<'h>, String> {
         let (ops, a) = (self.ops, self.handle);
-        self.call("softmax", |o, e| unsafe {
-            (ops.softmax)(ops.ctx, a, dim, o, e)
-        })
+        self.call("softmax", |o, e| host_call!(ops, softmax(a, dim, o, e)))
     }
     /// Rows/columns `start..start+len` of `dim`.
     pub fn narrow(&self, dim: i64, start: i64, len: i64) -> Result<Tensor<'h>, String> {
         let (ops, a) = (self.ops, self.handle);
-        self.call("narrow", |o, e| unsafe {
-            (ops.narrow)(ops.ctx, a, dim, start, len, o, e)
+        self.call("narrow", |o, e| {
+            host_call!(ops, narrow(a, dim, start, len, o, e))
         })
     }
     /// The same data with shape `dims`.
     pub fn reshape(&self, dims: &[i64]) -> Result<Tensor<'h>, String> {
-        let (ops, a) = (self.ops, self.handle);
-        self.call("reshape", |o, e| unsafe {
-            (ops.reshape)(ops.ctx, a, dims.as_ptr(), dims.len(), o, e)
-        })
+        let (ops, a, ptr, n) = (self.ops, self.handle, dims.as_ptr(), dims.len());
+        self.call("reshape", |o, e| host_call!(ops, reshape(a, ptr, n, o, e)))
     }
     /// torch's `gather(dim, index)`.
     pub fn gather(&self, dim: i64, index: &Tensor<'h>) -> Result<Tensor<'h>, String> {
         let (ops, a, i) = (self.ops, self.handle, index.handle);
-        self.call("gather", |o, e| unsafe {
-            (ops.gather)(ops.ctx, a, dim, i, o, e)
-        })
+        self.call("gather", |o, e| host_call!(ops, gather(a, dim, i, o, e)))
     }
     /// In place: `self[index] += src` along `dim` (torch's `scatter_add_`).
     pub fn scatter_add_into(
@@ -264,29 +270,25 @@ impl<'h> Tensor<'h> {
         src: &Tensor<'h>,
     ) -> Result<(), String> {
         let (ops, d, i, s) = (self.ops, self.handle, index.handle, src.handle);
-        self.call_status("scatter_add_into", |e| unsafe {
-            (ops.scatter_add_into)(ops.ctx, d, dim, i, s, e)
+        self.call_status("scatter_add_into", |e| {
+            host_call!(ops, scatter_add_into(d, dim, i, s, e))
         })
     }
     /// This tensor converted to `like`'s dtype.
     pub fn cast_like(&self, like: &Tensor<'h>) -> Result<Tensor<'h>, String> {
         let (ops, a, l) = (self.ops, self.handle, like.handle);
-        self.call("cast_like", |o, e| unsafe {
-            (ops.cast_like)(ops.ctx, a, l, o, e)
-        })
+        self.call("cast_like", |o, e| host_call!(ops, cast_like(a, l, o, e)))
     }
     /// Zeros shaped like this tensor.
     pub fn zeros_like(&self) -> Result<Tensor<'h>, String> {
         let (ops, a) = (self.ops, self.handle);
-        self.call("zeros_like", |o, e| unsafe {
-            (ops.zeros_like)(ops.ctx, a, o, e)
-        })
+        self.call("zeros_like", |o, e| host_call!(ops, zeros_like(a, o, e)))
     }
     /// In place: `self.narrow(dim, start, src.size(dim)) = src`.
     pub fn copy_into(&self, dim: i64, start: i64, src: &Tensor<'h>) -> Result<(), String> {
         let (ops, d, s) = (self.ops, self.handle, src.handle);
-        self.call_status("copy_into", |e| unsafe {
-            (ops.copy_into)(ops.ctx, d, dim, start, s, e)
+        self.call_status("copy_into", |e| {
+            host_call!(ops, copy_into(d, dim, start, s, e))
         })
     }
     /// In place: `self += src`.
@@ -303,14 +305,12 @@ impl<'h> Tensor<'h> {
     }
     fn binary_into(&self, op: u32, src: &Tensor<'h>, what: &str) -> Result<(), String> {
         let (ops, d, s) = (self.ops, self.handle, src.handle);
-        self.call_status(what, |e| unsafe { (ops.binary_into)(ops.ctx, op, d, s, e) })
+        self.call_status(what, |e| host_call!(ops, binary_into(op, d, s, e)))
     }
     /// In place: `self = exp(self)`.
     pub fn exp_into(&self) -> Result<(), String> {
-        let (ops, d) = (self.ops, self.handle);
-        self.call_status("exp_into", |e| unsafe {
-            (ops.unary_into)(ops.ctx, UNARY_EXP, d, e)
-        })
+        let (ops, d, op) = (self.ops, self.handle, UNARY_EXP);
+        self.call_status("exp_into", |e| host_call!(ops, unary_into(op, d, e)))
     }
     /// In place: `self += op(a) @ op(b)`.
     pub fn addmm_into(
@@ -321,15 +321,17 @@ impl<'h> Tensor<'h> {
         trans_b: bool,
     ) -> Result<(), String> {
         let (ops, d, a, b) = (self.ops, self.handle, a.handle, b.handle);
-        self.call_status("addmm_into", |e| unsafe {
-            (ops.addmm_into)(ops.ctx, d, a, b, trans_a as u32, trans_b as u32, e)
+        let (ta, tb) = (u32::from(trans_a), u32::from(trans_b));
+        self.call_status("addmm_into", |e| {
+            host_call!(ops, addmm_into(d, a, b, ta, tb, e))
         })
     }
     /// The value of a one-element tensor.
     pub fn to_f64(&self) -> Result<f64, String> {
         let mut v = 0f64;
         let (ops, a) = (self.ops, self.handle);
-        self.call_status("to_f64", |e| unsafe { (ops.to_f64)(ops.ctx, a, &mut v, e) })?;
+        let out = &mut v;
+        self.call_status("to_f64", |e| host_call!(ops, to_f64(a, out, e)))?;
         Ok(v)
     }
 }

@@ -8,109 +8,95 @@ use rule::{compute_score, Method::*};
 
 const F: f32 = 0.1;
 
-/// `(what, response, ground truth, method, expected score)`.
+/// `(what, response, ground truth, method, expected score)` for fixed responses.
+const CASES: &[(&str, &str, &str, Method, f32)] = &[
+    ("correct", "3 + 4 = 7\n#### 7", "7", Strict, 1.0),
+    ("correct, flexible", "3 + 4 = 7\n#### 7", "7", Flexible, 1.0),
+    ("wrong", "#### 8", "7", Strict, F),
+    ("wrong, flexible", "I think 8", "7", Flexible, F),
+    ("missing ####", "The answer is 7", "7", Strict, 0.0),
+    (
+        "missing ####, flexible",
+        "The answer is 7",
+        "7",
+        Flexible,
+        1.0,
+    ),
+    ("no space after ####", "####7", "7", Strict, 0.0),
+    ("empty response", "", "7", Strict, 0.0),
+    ("empty response, flexible", "", "7", Flexible, 0.0),
+    ("commas removed", "#### 1,234", "1234", Strict, 1.0),
+    ("commas kept, flexible", "#### 1,234", "1234", Flexible, F),
+    ("negative", "#### -5", "-5", Strict, 1.0),
+    ("negative, wrong sign", "#### 5", "-5", Strict, F),
+    ("sign apart from digits", "#### - 5", "-5", Strict, 0.0),
+    ("sign apart, flexible", "#### - 5", "-5", Flexible, F),
+    ("plus sign", "#### +5", "5", Strict, 0.0),
+    ("minus in an equation", "9-4=5", "5", Flexible, 1.0),
+    ("dollar before", "#### $18", "18", Strict, 0.0),
+    (
+        "dollar before, flexible",
+        "It costs $18",
+        "18",
+        Flexible,
+        1.0,
+    ),
+    ("dollar after", "#### 18$", "18", Strict, 1.0),
+    ("decimal zeros", "#### 18.00", "18", Strict, F),
+    ("decimal", "#### 2.5", "2.5", Strict, 1.0),
+    ("trailing period", "#### 18.", "18", Strict, F),
+    (
+        "trailing period, flexible",
+        "so it is 18.",
+        "18",
+        Flexible,
+        F,
+    ),
+    ("only a period, flexible", "Done.", "18", Flexible, F),
+    ("no number, flexible", "Done", "18", Flexible, 0.0),
+    (
+        "last #### wins",
+        "#### 5\nno wait\n#### 7",
+        "7",
+        Strict,
+        1.0,
+    ),
+    (
+        "earlier #### ignored",
+        "#### 7\nno wait\n#### 5",
+        "7",
+        Strict,
+        F,
+    ),
+    (
+        "last number, flexible",
+        "#### 7 (checked 3 times)",
+        "7",
+        Flexible,
+        F,
+    ),
+];
+
+/// `(what, response, ground truth, method, expected score)`: [`CASES`], then the cases of the 300-character clip.
 fn table() -> Vec<(&'static str, String, &'static str, Method, f32)> {
-    let s = |x: &str| x.to_string();
-    vec![
-        ("correct", s("3 + 4 = 7\n#### 7"), "7", Strict, 1.0),
-        (
-            "correct, flexible",
-            s("3 + 4 = 7\n#### 7"),
-            "7",
-            Flexible,
-            1.0,
-        ),
-        ("wrong", s("#### 8"), "7", Strict, F),
-        ("wrong, flexible", s("I think 8"), "7", Flexible, F),
-        ("missing ####", s("The answer is 7"), "7", Strict, 0.0),
-        (
-            "missing ####, flexible",
-            s("The answer is 7"),
-            "7",
-            Flexible,
-            1.0,
-        ),
-        ("no space after ####", s("####7"), "7", Strict, 0.0),
-        ("empty response", s(""), "7", Strict, 0.0),
-        ("empty response, flexible", s(""), "7", Flexible, 0.0),
-        ("commas removed", s("#### 1,234"), "1234", Strict, 1.0),
-        (
-            "commas kept, flexible",
-            s("#### 1,234"),
-            "1234",
-            Flexible,
-            F,
-        ),
-        ("negative", s("#### -5"), "-5", Strict, 1.0),
-        ("negative, wrong sign", s("#### 5"), "-5", Strict, F),
-        ("sign apart from digits", s("#### - 5"), "-5", Strict, 0.0),
-        ("sign apart, flexible", s("#### - 5"), "-5", Flexible, F),
-        ("plus sign", s("#### +5"), "5", Strict, 0.0),
-        ("minus in an equation", s("9-4=5"), "5", Flexible, 1.0),
-        ("dollar before", s("#### $18"), "18", Strict, 0.0),
-        (
-            "dollar before, flexible",
-            s("It costs $18"),
-            "18",
-            Flexible,
-            1.0,
-        ),
-        ("dollar after", s("#### 18$"), "18", Strict, 1.0),
-        ("decimal zeros", s("#### 18.00"), "18", Strict, F),
-        ("decimal", s("#### 2.5"), "2.5", Strict, 1.0),
-        ("trailing period", s("#### 18."), "18", Strict, F),
-        (
-            "trailing period, flexible",
-            s("so it is 18."),
-            "18",
-            Flexible,
-            F,
-        ),
-        ("only a period, flexible", s("Done."), "18", Flexible, F),
-        ("no number, flexible", s("Done"), "18", Flexible, 0.0),
-        (
-            "last #### wins",
-            s("#### 5\nno wait\n#### 7"),
-            "7",
-            Strict,
-            1.0,
-        ),
-        (
-            "earlier #### ignored",
-            s("#### 7\nno wait\n#### 5"),
-            "7",
-            Strict,
-            F,
-        ),
-        (
-            "last number, flexible",
-            s("#### 7 (checked 3 times)"),
-            "7",
-            Flexible,
-            F,
-        ),
-        (
-            "300 chars kept",
-            format!("#### 7{}", "x".repeat(294)),
-            "7",
-            Strict,
-            1.0,
-        ),
+    let fixed = CASES
+        .iter()
+        .map(|&(what, response, gt, method, want)| (what, response.to_string(), gt, method, want));
+    let clipped = [
+        ("300 chars kept", format!("#### 7{}", "x".repeat(294)), 1.0),
         (
             "301 chars clipped",
             format!("#### 7{}", "x".repeat(295)),
-            "7",
-            Strict,
             0.0,
         ),
         (
             "clip counts characters",
             format!("#### 7{}", "é".repeat(294)),
-            "7",
-            Strict,
             1.0,
         ),
     ]
+    .map(|(what, response, want)| (what, response, "7", Strict, want));
+    fixed.chain(clipped).collect()
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use crate::library::{KindTable, LoadedPlugin};
 use crate::PluginCallError;
 use anyhow::{anyhow, Result};
-use ferl_plugin_abi::kernel::{HostOps, KernelOp, TensorHandle};
+use ferl_plugin_abi::kernel::{HostOps, KernelOp, KernelVTable, TensorHandle};
 use ferl_plugin_abi::ErrorMessage;
 use std::sync::Arc;
 
@@ -14,6 +14,19 @@ pub struct KernelOpRef {
     plugin: Arc<LoadedPlugin>,
     op: &'static KernelOp,
     name: String,
+}
+
+/// The ops of a loaded kernel table and their names (`?` for a name that is not UTF-8, which loading refuses).
+fn ops_and_names(table: &'static KernelVTable) -> (&'static [KernelOp], Vec<&'static str>) {
+    // SAFETY: both callers pass the table of a `KindTable::Kernel`, checked by `load_table`/`check_kernel_ops` when
+    // the plugin loaded (or a built-in `'static` table): its `n_ops` ops and their names are data of the plugin's
+    // library and stay valid while the `LoadedPlugin` holding it lives, which the callers hold meanwhile (`find`
+    // moves its `Arc` into the `KernelOpRef` that keeps the op).
+    unsafe {
+        let ops = table.ops();
+        let names = ops.iter().map(|o| o.name.to_str().unwrap_or("?")).collect();
+        (ops, names)
+    }
 }
 
 impl KernelOpRef {
@@ -26,12 +39,7 @@ impl KernelOpRef {
                 plugin.info().kind.as_str()
             ));
         };
-        // SAFETY: the op table and its names live as long as the library, which `plugin` keeps loaded.
-        let ops = unsafe { table.ops() };
-        let names: Vec<&str> = ops
-            .iter()
-            .map(|o| unsafe { o.name.to_str() }.unwrap_or("?"))
-            .collect();
+        let (ops, names) = ops_and_names(table);
         let idx = names.iter().position(|n| *n == name).ok_or_else(|| {
             anyhow!(
                 "kernel plugin {} has no op `{name}` (it has: {})",
@@ -49,11 +57,7 @@ impl KernelOpRef {
     /// The op names of kernel plugin `plugin`.
     pub fn op_names(plugin: &LoadedPlugin) -> Vec<String> {
         match plugin.table {
-            // SAFETY: as in `find`.
-            KindTable::Kernel(t) => unsafe { t.ops() }
-                .iter()
-                .map(|o| unsafe { o.name.to_str() }.unwrap_or("?").to_string())
-                .collect(),
+            KindTable::Kernel(t) => ops_and_names(t).1.into_iter().map(str::to_string).collect(),
             _ => Vec::new(),
         }
     }

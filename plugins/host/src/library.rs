@@ -109,93 +109,13 @@ impl LoadedPlugin {
                 dl_reason(&e, copy, file)
             )
         })?;
-        let manifest_fn: ManifestFn = unsafe {
-            *library.get::<ManifestFn>(MANIFEST_SYMBOL.as_bytes()).map_err(|_| {
-                anyhow!("plugin {shown}: missing symbol `{MANIFEST_SYMBOL}` (not a ferl plugin, or not exported with ferl_plugin_abi's export macros)")
-            })?
-        };
-        // SAFETY: the symbol has the manifest signature by the ABI contract; the result is checked for null and size.
-        let manifest: &Manifest = unsafe { manifest_fn().as_ref() }
-            .ok_or_else(|| anyhow!("plugin {shown}: `{MANIFEST_SYMBOL}` returned null"))?;
-        if manifest.abi_version != FERL_PLUGIN_ABI_VERSION {
-            bail!(
-                "plugin {shown}: built against plugin ABI version {}, but this host speaks version {FERL_PLUGIN_ABI_VERSION}; rebuild it against ferl-plugin-abi {FERL_PLUGIN_ABI_VERSION}",
-                manifest.abi_version
-            );
-        }
-        if manifest.struct_size < std::mem::size_of::<Manifest>() {
-            bail!(
-                "plugin {shown}: manifest is {} bytes, expected at least {}",
-                manifest.struct_size,
-                std::mem::size_of::<Manifest>()
-            );
-        }
-        let text = |s: &ferl_plugin_abi::FerlStr, what: &str| -> Result<String> {
-            // SAFETY: manifest strings point to 'static data of the loaded library.
-            unsafe { s.to_str() }
-                .map(str::to_string)
-                .map_err(|e| anyhow!("plugin {shown}: manifest {what}: {e}"))
-        };
-        let name = text(&manifest.name, "name")?;
-        if name.is_empty() {
-            bail!("plugin {shown}: manifest has an empty name");
-        }
-        let version = text(&manifest.version, "version")?;
-        let description = text(&manifest.description, "description")?;
-        let kind = PluginKind::from_raw(manifest.kind)
-            .ok_or_else(|| anyhow!("plugin {shown}: manifest names unknown kind {} (known: 1 dataset, 2 logger, 3 kernel, 4 reward)", manifest.kind))?;
-        if let Some(want) = expect {
-            if want != kind {
-                bail!("plugin {shown}: manifest of `{name}` says kind {}, but a {} plugin was expected", kind.as_str(), want.as_str());
-            }
-        }
-        let symbol = kind.table_symbol();
-        let missing = || {
-            anyhow!("plugin {shown}: manifest declares a {} plugin but the symbol `{symbol}` is missing", kind.as_str())
-        };
-        // SAFETY: each kind's table symbol has the signature `load_table` is asked for; the tables live as long as
-        // `library`, which `Self` keeps loaded.
-        let table = unsafe {
-            match kind {
-                PluginKind::Dataset => KindTable::Dataset(load_table::<DatasetVTable>(
-                    &library,
-                    symbol,
-                    &shown,
-                    |t| t.struct_size,
-                    &missing,
-                )?),
-                PluginKind::Logger => KindTable::Logger(load_table::<LoggerVTable>(
-                    &library,
-                    symbol,
-                    &shown,
-                    |t| t.struct_size,
-                    &missing,
-                )?),
-                PluginKind::Kernel => {
-                    let t = load_table::<KernelVTable>(
-                        &library,
-                        symbol,
-                        &shown,
-                        |t| t.struct_size,
-                        &missing,
-                    )?;
-                    check_kernel_ops(&shown.to_string(), t)?;
-                    KindTable::Kernel(t)
-                }
-                PluginKind::Reward => KindTable::Reward(load_table::<RewardVTable>(
-                    &library,
-                    symbol,
-                    &shown,
-                    |t| t.struct_size,
-                    &missing,
-                )?),
-            }
-        };
+        let declared = read_manifest(&library, &shown, expect)?;
+        let table = load_kind_table(&library, declared.kind, &shown)?;
         let info = PluginInfo {
-            name,
-            kind,
-            version,
-            description,
+            name: declared.name,
+            kind: declared.kind,
+            version: declared.version,
+            description: declared.description,
             file: file.to_path_buf(),
             sha256,
         };
@@ -295,6 +215,132 @@ impl LoadedPlugin {
     }
 }
 
+/// What a plugin's manifest declares, copied out of the library.
+struct DeclaredManifest {
+    name: String,
+    kind: PluginKind,
+    version: String,
+    description: String,
+}
+
+/// Calls `library`'s manifest function and checks the manifest: ABI version, size, UTF-8 strings, a non-empty name,
+/// a known kind and, when `expect` is given, that kind. Errors name the file (`shown`) and the problem.
+fn read_manifest(
+    library: &libloading::Library,
+    shown: &std::path::Display<'_>,
+    expect: Option<PluginKind>,
+) -> Result<DeclaredManifest> {
+    // SAFETY: `MANIFEST_SYMBOL` is declared by the ABI as a `ManifestFn`; copying the function pointer out of the
+    // `Symbol` is fine because it is only called below, while `library` (borrowed for this whole function) is loaded.
+    let manifest_fn: ManifestFn = unsafe {
+        *library.get::<ManifestFn>(MANIFEST_SYMBOL.as_bytes()).map_err(|_| {
+            anyhow!("plugin {shown}: missing symbol `{MANIFEST_SYMBOL}` (not a ferl plugin, or not exported with ferl_plugin_abi's export macros)")
+        })?
+    };
+    // SAFETY: the symbol has the manifest signature by the ABI contract; the result is checked for null and size.
+    let manifest: &Manifest = unsafe { manifest_fn().as_ref() }
+        .ok_or_else(|| anyhow!("plugin {shown}: `{MANIFEST_SYMBOL}` returned null"))?;
+    if manifest.abi_version != FERL_PLUGIN_ABI_VERSION {
+        bail!(
+            "plugin {shown}: built against plugin ABI version {}, but this host speaks version {FERL_PLUGIN_ABI_VERSION}; rebuild it against ferl-plugin-abi {FERL_PLUGIN_ABI_VERSION}",
+            manifest.abi_version
+        );
+    }
+    if manifest.struct_size < std::mem::size_of::<Manifest>() {
+        bail!(
+            "plugin {shown}: manifest is {} bytes, expected at least {}",
+            manifest.struct_size,
+            std::mem::size_of::<Manifest>()
+        );
+    }
+    let text = |s: &ferl_plugin_abi::FerlStr, what: &str| -> Result<String> {
+        // SAFETY: manifest strings point to 'static data of the loaded library.
+        unsafe { s.to_str() }
+            .map(str::to_string)
+            .map_err(|e| anyhow!("plugin {shown}: manifest {what}: {e}"))
+    };
+    let name = text(&manifest.name, "name")?;
+    if name.is_empty() {
+        bail!("plugin {shown}: manifest has an empty name");
+    }
+    let version = text(&manifest.version, "version")?;
+    let description = text(&manifest.description, "description")?;
+    let kind = PluginKind::from_raw(manifest.kind)
+        .ok_or_else(|| anyhow!("plugin {shown}: manifest names unknown kind {} (known: 1 dataset, 2 logger, 3 kernel, 4 reward)", manifest.kind))?;
+    if let Some(want) = expect {
+        if want != kind {
+            bail!(
+                "plugin {shown}: manifest of `{name}` says kind {}, but a {} plugin was expected",
+                kind.as_str(),
+                want.as_str()
+            );
+        }
+    }
+    Ok(DeclaredManifest {
+        name,
+        kind,
+        version,
+        description,
+    })
+}
+
+/// Looks up and checks the table of `kind` in `library` (a kernel table's op names too).
+///
+/// The returned table points into `library`: the caller must keep the library loaded while it is used (a
+/// [`LoadedPlugin`] stores both and unloads last).
+fn load_kind_table(
+    library: &libloading::Library,
+    kind: PluginKind,
+    shown: &std::path::Display<'_>,
+) -> Result<KindTable> {
+    let symbol = kind.table_symbol();
+    let missing = || {
+        anyhow!(
+            "plugin {shown}: manifest declares a {} plugin but the symbol `{symbol}` is missing",
+            kind.as_str()
+        )
+    };
+    // SAFETY: each kind's table symbol has the signature `load_table` is asked for; the tables live as long as
+    // `library`, which the caller keeps loaded while it uses them (see above).
+    let table = unsafe {
+        match kind {
+            PluginKind::Dataset => KindTable::Dataset(load_table::<DatasetVTable>(
+                library,
+                symbol,
+                shown,
+                |t| t.struct_size,
+                &missing,
+            )?),
+            PluginKind::Logger => KindTable::Logger(load_table::<LoggerVTable>(
+                library,
+                symbol,
+                shown,
+                |t| t.struct_size,
+                &missing,
+            )?),
+            PluginKind::Kernel => {
+                let t = load_table::<KernelVTable>(
+                    library,
+                    symbol,
+                    shown,
+                    |t| t.struct_size,
+                    &missing,
+                )?;
+                check_kernel_ops(&shown.to_string(), t)?;
+                KindTable::Kernel(t)
+            }
+            PluginKind::Reward => KindTable::Reward(load_table::<RewardVTable>(
+                library,
+                symbol,
+                shown,
+                |t| t.struct_size,
+                &missing,
+            )?),
+        }
+    };
+    Ok(table)
+}
+
 /// The `open` function of every instance kind's table (dataset, logger, reward).
 pub(crate) type OpenFn = unsafe extern "C" fn(
     config: FerlStr,
@@ -315,6 +361,9 @@ unsafe fn load_table<T>(
     struct_size: fn(&T) -> usize,
     missing: &dyn Fn() -> anyhow::Error,
 ) -> Result<&'static T> {
+    // SAFETY: the caller guarantees `symbol` is an `extern "C" fn() -> *const T`, so calling it is sound; the pointer
+    // it returns is checked for null before `as_ref`, and it points to a table in `library`'s static data, which the
+    // caller keeps loaded while the `'static` reference is used.
     unsafe {
         let f = *library
             .get::<unsafe extern "C" fn() -> *const T>(symbol.as_bytes())
@@ -340,9 +389,14 @@ fn check_size(file: String, symbol: &str, got: usize, want: usize) -> Result<()>
 }
 
 fn check_kernel_ops(file: &str, table: &KernelVTable) -> Result<()> {
-    // SAFETY: the table's ops array lives as long as the library.
-    for op in unsafe { table.ops() } {
-        unsafe { op.name.to_str() }.map_err(|e| anyhow!("plugin {file}: kernel op name: {e}"))?;
+    // SAFETY: `table` is a table `load_table` just returned (its library is loaded) or a built-in `'static` table;
+    // either way its `n_ops` ops and their names are readable here.
+    unsafe {
+        for op in table.ops() {
+            op.name
+                .to_str()
+                .map_err(|e| anyhow!("plugin {file}: kernel op name: {e}"))?;
+        }
     }
     Ok(())
 }

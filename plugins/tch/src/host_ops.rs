@@ -1,11 +1,19 @@
 //! [`HostOps`] over tch: a handle is a `Box<tch::Tensor>` turned into a raw pointer. Every function catches panics
 //! and libtorch errors (they become a status and a message), so nothing unwinds into the plugin.
+//!
+//! # Safety contract
+//! Every function of the table relies on what `ferl_plugin_abi::kernel` asks of a plugin: each handle argument is a
+//! live handle of this table (made by [`into_handle`]: an input the host lent or a result the plugin has not
+//! released), `out` and pointer arguments are writable or readable for the sizes documented on [`HostOps`], and
+//! `err` is null or a valid [`ErrorBuf`]. Handles are only ever borrowed shared (`&Tensor`), so one tensor passed
+//! twice (`x * x`) aliases nothing mutably; in-place ops update a [`Tensor::shallow_clone`] of the destination,
+//! which shares its storage.
 
 use ferl_plugin_abi::kernel::*;
 use ferl_plugin_abi::{ErrorBuf, STATUS_ERROR, STATUS_OK};
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use tch::{Kind, Tensor};
+use tch::{Kind, TchError, Tensor};
 
 /// Gives `t` to the other side as a handle (whoever receives it must release it).
 pub fn into_handle(t: Tensor) -> TensorHandle {
@@ -17,53 +25,97 @@ pub fn into_handle(t: Tensor) -> TensorHandle {
 /// # Safety
 /// `h` came from [`into_handle`] and is not used afterwards.
 pub unsafe fn from_handle(h: TensorHandle) -> Tensor {
+    // SAFETY: `h` is a pointer from `Box::into_raw` that the caller gives up, so the box is rebuilt exactly once.
     unsafe { *Box::from_raw(h.0.cast::<Tensor>()) }
 }
 
 /// Borrows the tensor behind a handle.
 ///
 /// # Safety
-/// `h` is a live handle from [`into_handle`].
-unsafe fn t<'a>(h: TensorHandle) -> &'a mut Tensor {
-    unsafe { &mut *h.0.cast::<Tensor>() }
+/// `h` is a live handle from [`into_handle`] that is not released during `'a`.
+unsafe fn tensor<'a>(h: TensorHandle) -> &'a Tensor {
+    // SAFETY: the caller guarantees `h` points to a live boxed `Tensor`; only shared borrows are ever made of it.
+    unsafe { &*h.0.cast::<Tensor>() }
 }
 
-/// Runs `f` writing its tensor to `out`; failures and panics become [`STATUS_ERROR`] with a message.
+/// Runs `f`, turning a libtorch error or a panic into [`STATUS_ERROR`] with a message written to `err`.
+///
+/// # Safety
+/// `err` is null or a valid [`ErrorBuf`].
+unsafe fn status(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), TchError>) -> i32 {
+    let message = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => return STATUS_OK,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "host tensor op panicked".to_string(),
+    };
+    // SAFETY: `err` is null or valid, as this function requires.
+    unsafe { ErrorBuf::write(err, &message) };
+    STATUS_ERROR
+}
+
+/// [`status`] for an op that makes a tensor: on success the tensor is written to `out` as a new handle.
+///
+/// # Safety
+/// `out` is writable and `err` is null or a valid [`ErrorBuf`].
 unsafe fn produce(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
-    f: impl FnOnce() -> Result<Tensor, tch::TchError>,
+    f: impl FnOnce() -> Result<Tensor, TchError>,
 ) -> i32 {
-    unsafe {
-        status(err, || {
-            let r = f()?;
-            *out = into_handle(r);
-            Ok(())
-        })
+    let mut made = None;
+    // SAFETY: `err` is null or valid, as this function requires.
+    let code = unsafe { status(err, || f().map(|t| made = Some(t))) };
+    if let Some(t) = made {
+        // SAFETY: `out` is writable, as this function requires.
+        unsafe { *out = into_handle(t) };
     }
+    code
 }
 
-unsafe fn status(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), tch::TchError>) -> i32 {
-    unsafe {
-        match catch_unwind(AssertUnwindSafe(f)) {
-            Ok(Ok(())) => STATUS_OK,
-            Ok(Err(e)) => {
-                ErrorBuf::write(err, &e.to_string());
-                STATUS_ERROR
-            }
-            Err(_) => {
-                ErrorBuf::write(err, "host tensor op panicked");
-                STATUS_ERROR
-            }
+/// Defines table functions whose arguments are handles and plain numbers: `$h: handle` arguments reach the safe
+/// `$body` as `&Tensor`s. `-> Tensor` functions end with `out: *mut TensorHandle, err` and write the body's tensor to
+/// `out`; `-> ()` functions end with `err` only (in-place ops).
+macro_rules! host_fns {
+    ($(fn $name:ident($($arg:ident: $kind:tt),* $(,)?) -> $ret:tt $body:block)*) => {
+        $(host_fns!(@one $name ($($arg: $kind),*) $ret $body);)*
+    };
+    (@one $name:ident ($($arg:ident: $kind:tt),*) Tensor $body:block) => {
+        unsafe extern "C" fn $name(
+            _: *mut c_void,
+            $($arg: host_fns!(@abi $kind),)*
+            out: *mut TensorHandle,
+            err: *mut ErrorBuf,
+        ) -> i32 {
+            $(let $arg = host_fns!(@safe $arg: $kind);)*
+            let body = move || -> Result<Tensor, TchError> { $body };
+            // SAFETY: `out` and `err` are valid by the table's contract (module docs).
+            unsafe { produce(out, err, body) }
         }
-    }
+    };
+    (@one $name:ident ($($arg:ident: $kind:tt),*) () $body:block) => {
+        unsafe extern "C" fn $name(
+            _: *mut c_void,
+            $($arg: host_fns!(@abi $kind),)*
+            err: *mut ErrorBuf,
+        ) -> i32 {
+            $(let $arg = host_fns!(@safe $arg: $kind);)*
+            let body = move || -> Result<(), TchError> { $body };
+            // SAFETY: `err` is null or valid by the table's contract (module docs).
+            unsafe { status(err, body) }
+        }
+    };
+    (@abi handle) => { TensorHandle };
+    (@abi $ty:ty) => { $ty };
+    // SAFETY: every handle argument is a live handle of this table, not released during the call (module docs).
+    (@safe $arg:ident: handle) => { unsafe { tensor($arg) } };
+    (@safe $arg:ident: $ty:ty) => { $arg };
 }
 
-fn unknown(what: &str, op: u32) -> tch::TchError {
-    tch::TchError::Kind(format!("unknown {what} op code {op}"))
+fn unknown(what: &str, op: u32) -> TchError {
+    TchError::Kind(format!("unknown {what} op code {op}"))
 }
 
-fn transposed(x: &Tensor, yes: u32) -> Result<Tensor, tch::TchError> {
+fn transposed(x: &Tensor, yes: u32) -> Result<Tensor, TchError> {
     if yes != 0 {
         x.f_transpose(0, 1)
     } else {
@@ -71,11 +123,135 @@ fn transposed(x: &Tensor, yes: u32) -> Result<Tensor, tch::TchError> {
     }
 }
 
-unsafe extern "C" fn release(_: *mut c_void, h: TensorHandle) {
-    unsafe {
-        if !h.is_null() {
-            drop(from_handle(h));
+host_fns! {
+    fn matmul(a: handle, b: handle, ta: u32, tb: u32) -> Tensor {
+        transposed(a, ta)?.f_matmul(&transposed(b, tb)?)
+    }
+
+    fn unary(op: u32, a: handle) -> Tensor {
+        match op {
+            UNARY_EXP => a.f_exp(),
+            UNARY_NEG => a.f_neg(),
+            UNARY_SIGMOID => a.f_sigmoid(),
+            UNARY_RSQRT => a.f_rsqrt(),
+            UNARY_SQUARE => a.f_square(),
+            UNARY_SILU => a.f_silu(),
+            UNARY_LOG => a.f_log(),
+            _ => Err(unknown("unary", op)),
         }
+    }
+
+    fn binary(op: u32, a: handle, b: handle) -> Tensor {
+        match op {
+            BINARY_ADD => a.f_add(b),
+            BINARY_SUB => a.f_sub(b),
+            BINARY_MUL => a.f_mul(b),
+            BINARY_DIV => a.f_div(b),
+            _ => Err(unknown("binary", op)),
+        }
+    }
+
+    fn scalar(op: u32, a: handle, v: f64) -> Tensor {
+        match op {
+            SCALAR_ADD => a.f_add_scalar(v),
+            SCALAR_MUL => a.f_mul_scalar(v),
+            SCALAR_EQ => a.f_eq(v)?.f_to_kind(a.kind()),
+            SCALAR_NE => a.f_ne(v)?.f_to_kind(a.kind()),
+            _ => Err(unknown("scalar", op)),
+        }
+    }
+
+    fn reduce(op: u32, a: handle, dim: i64, keepdim: u32) -> Tensor {
+        let keep = keepdim != 0;
+        if dim == REDUCE_ALL {
+            let flat = a.f_reshape([-1])?;
+            return match op {
+                REDUCE_SUM => a.f_sum(None::<Kind>),
+                REDUCE_MEAN => a.f_mean(None::<Kind>),
+                REDUCE_LOGSUMEXP => flat.f_logsumexp([0], false),
+                REDUCE_MAX => a.f_max(),
+                _ => Err(unknown("reduce", op)),
+            };
+        }
+        match op {
+            REDUCE_SUM => a.f_sum_dim_intlist([dim].as_slice(), keep, None::<Kind>),
+            REDUCE_MEAN => a.f_mean_dim([dim].as_slice(), keep, None::<Kind>),
+            REDUCE_LOGSUMEXP => a.f_logsumexp([dim], keep),
+            REDUCE_MAX => a.f_amax([dim], keep),
+            _ => Err(unknown("reduce", op)),
+        }
+    }
+
+    fn softmax(a: handle, dim: i64) -> Tensor {
+        a.f_softmax(dim, None::<Kind>)
+    }
+
+    fn narrow(a: handle, dim: i64, start: i64, len: i64) -> Tensor {
+        a.f_narrow(dim, start, len)
+    }
+
+    fn gather(a: handle, dim: i64, index: handle) -> Tensor {
+        a.f_gather(dim, index, false)
+    }
+
+    fn cast_like(a: handle, like: handle) -> Tensor {
+        a.f_to_kind(like.kind())
+    }
+
+    fn zeros_like(a: handle) -> Tensor {
+        a.f_zeros_like()
+    }
+
+    fn scatter_add_into(dst: handle, dim: i64, index: handle, src: handle) -> () {
+        dst.shallow_clone().f_scatter_add_(dim, index, src).map(drop)
+    }
+
+    fn copy_into(dst: handle, dim: i64, start: i64, src: handle) -> () {
+        let len = *src.size().get(dim as usize).ok_or_else(|| {
+            TchError::Shape(format!("copy_into: source has no dimension {dim}"))
+        })?;
+        dst.f_narrow(dim, start, len)?.f_copy_(src)
+    }
+
+    fn binary_into(op: u32, dst: handle, src: handle) -> () {
+        let mut d = dst.shallow_clone();
+        match op {
+            BINARY_ADD => d.f_add_(src),
+            BINARY_SUB => d.f_sub_(src),
+            BINARY_MUL => d.f_mul_(src),
+            BINARY_DIV => d.f_div_(src),
+            _ => Err(unknown("binary", op)),
+        }
+        .map(drop)
+    }
+
+    fn unary_into(op: u32, dst: handle) -> () {
+        let mut d = dst.shallow_clone();
+        match op {
+            UNARY_EXP => d.f_exp_(),
+            UNARY_NEG => d.f_neg_(),
+            UNARY_SIGMOID => d.f_sigmoid_(),
+            UNARY_RSQRT => d.f_rsqrt_(),
+            UNARY_SQUARE => d.f_square_(),
+            UNARY_SILU => d.f_silu_(),
+            UNARY_LOG => d.f_log_(),
+            _ => Err(unknown("unary", op)),
+        }
+        .map(drop)
+    }
+
+    fn addmm_into(dst: handle, a: handle, b: handle, ta: u32, tb: u32) -> () {
+        dst.shallow_clone()
+            .f_addmm_(&transposed(a, ta)?, &transposed(b, tb)?)
+            .map(drop)
+    }
+}
+
+unsafe extern "C" fn release(_: *mut c_void, h: TensorHandle) {
+    if !h.is_null() {
+        // SAFETY: the plugin releases only handles it owns, each exactly once (`ferl_plugin_abi::kernel`'s handle
+        // ownership rules), and every such handle was made by `into_handle`.
+        drop(unsafe { from_handle(h) });
     }
 }
 
@@ -87,9 +263,11 @@ unsafe extern "C" fn shape(
     ndim: *mut usize,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `h` is live, `dims` has room for `cap` sizes (only the first `cap` are written), `ndim` is writable and
+    // `err` is null or valid (module docs).
     unsafe {
         status(err, || {
-            let s = t(h).size();
+            let s = tensor(h).size();
             *ndim = s.len();
             for (i, d) in s.iter().take(cap).enumerate() {
                 *dims.add(i) = *d;
@@ -97,146 +275,6 @@ unsafe extern "C" fn shape(
             Ok(())
         })
     }
-}
-
-unsafe extern "C" fn matmul(
-    _: *mut c_void,
-    a: TensorHandle,
-    b: TensorHandle,
-    ta: u32,
-    tb: u32,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        produce(out, err, || {
-            transposed(t(a), ta)?.f_matmul(&transposed(t(b), tb)?)
-        })
-    }
-}
-
-unsafe extern "C" fn unary(
-    _: *mut c_void,
-    op: u32,
-    a: TensorHandle,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        produce(out, err, || {
-            let a = t(a);
-            match op {
-                UNARY_EXP => a.f_exp(),
-                UNARY_NEG => a.f_neg(),
-                UNARY_SIGMOID => a.f_sigmoid(),
-                UNARY_RSQRT => a.f_rsqrt(),
-                UNARY_SQUARE => a.f_square(),
-                UNARY_SILU => a.f_silu(),
-                UNARY_LOG => a.f_log(),
-                _ => Err(unknown("unary", op)),
-            }
-        })
-    }
-}
-
-unsafe extern "C" fn binary(
-    _: *mut c_void,
-    op: u32,
-    a: TensorHandle,
-    b: TensorHandle,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        produce(out, err, || {
-            let (a, b) = (t(a), t(b));
-            match op {
-                BINARY_ADD => a.f_add(b),
-                BINARY_SUB => a.f_sub(b),
-                BINARY_MUL => a.f_mul(b),
-                BINARY_DIV => a.f_div(b),
-                _ => Err(unknown("binary", op)),
-            }
-        })
-    }
-}
-
-unsafe extern "C" fn scalar(
-    _: *mut c_void,
-    op: u32,
-    a: TensorHandle,
-    v: f64,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        produce(out, err, || {
-            let a = t(a);
-            match op {
-                SCALAR_ADD => a.f_add_scalar(v),
-                SCALAR_MUL => a.f_mul_scalar(v),
-                SCALAR_EQ => a.f_eq(v)?.f_to_kind(a.kind()),
-                SCALAR_NE => a.f_ne(v)?.f_to_kind(a.kind()),
-                _ => Err(unknown("scalar", op)),
-            }
-        })
-    }
-}
-
-unsafe extern "C" fn reduce(
-    _: *mut c_void,
-    op: u32,
-    a: TensorHandle,
-    dim: i64,
-    keepdim: u32,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        produce(out, err, || {
-            let a = t(a);
-            let keep = keepdim != 0;
-            if dim == REDUCE_ALL {
-                let flat = a.f_reshape([-1])?;
-                return match op {
-                    REDUCE_SUM => a.f_sum(None::<Kind>),
-                    REDUCE_MEAN => a.f_mean(None::<Kind>),
-                    REDUCE_LOGSUMEXP => flat.f_logsumexp([0], false),
-                    REDUCE_MAX => a.f_max(),
-                    _ => Err(unknown("reduce", op)),
-                };
-            }
-            match op {
-                REDUCE_SUM => a.f_sum_dim_intlist([dim].as_slice(), keep, None::<Kind>),
-                REDUCE_MEAN => a.f_mean_dim([dim].as_slice(), keep, None::<Kind>),
-                REDUCE_LOGSUMEXP => a.f_logsumexp([dim], keep),
-                REDUCE_MAX => a.f_amax([dim], keep),
-                _ => Err(unknown("reduce", op)),
-            }
-        })
-    }
-}
-
-unsafe extern "C" fn softmax(
-    _: *mut c_void,
-    a: TensorHandle,
-    dim: i64,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe { produce(out, err, || t(a).f_softmax(dim, None::<Kind>)) }
-}
-
-unsafe extern "C" fn narrow(
-    _: *mut c_void,
-    a: TensorHandle,
-    dim: i64,
-    start: i64,
-    len: i64,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe { produce(out, err, || t(a).f_narrow(dim, start, len)) }
 }
 
 unsafe extern "C" fn reshape(
@@ -247,141 +285,16 @@ unsafe extern "C" fn reshape(
     out: *mut TensorHandle,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `a` is live, `dims` holds `n` sizes (not read when `n == 0`), `out` is writable and `err` is null or
+    // valid (module docs).
     unsafe {
         let dims = if n == 0 {
             &[][..]
         } else {
             std::slice::from_raw_parts(dims, n)
         };
-        produce(out, err, || t(a).f_reshape(dims))
-    }
-}
-
-unsafe extern "C" fn gather(
-    _: *mut c_void,
-    a: TensorHandle,
-    dim: i64,
-    index: TensorHandle,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe { produce(out, err, || t(a).f_gather(dim, t(index), false)) }
-}
-
-unsafe extern "C" fn scatter_add_into(
-    _: *mut c_void,
-    dst: TensorHandle,
-    dim: i64,
-    index: TensorHandle,
-    src: TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        status(err, || {
-            t(dst).f_scatter_add_(dim, t(index), t(src)).map(drop)
-        })
-    }
-}
-
-unsafe extern "C" fn cast_like(
-    _: *mut c_void,
-    a: TensorHandle,
-    like: TensorHandle,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe { produce(out, err, || t(a).f_to_kind(t(like).kind())) }
-}
-
-unsafe extern "C" fn zeros_like(
-    _: *mut c_void,
-    a: TensorHandle,
-    out: *mut TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe { produce(out, err, || t(a).f_zeros_like()) }
-}
-
-unsafe extern "C" fn copy_into(
-    _: *mut c_void,
-    dst: TensorHandle,
-    dim: i64,
-    start: i64,
-    src: TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        status(err, || {
-            let src = t(src);
-            let len = *src.size().get(dim as usize).ok_or_else(|| {
-                tch::TchError::Shape(format!("copy_into: source has no dimension {dim}"))
-            })?;
-            t(dst).f_narrow(dim, start, len)?.f_copy_(src)
-        })
-    }
-}
-
-unsafe extern "C" fn binary_into(
-    _: *mut c_void,
-    op: u32,
-    dst: TensorHandle,
-    src: TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        status(err, || {
-            let (d, s) = (t(dst), t(src));
-            match op {
-                BINARY_ADD => d.f_add_(s),
-                BINARY_SUB => d.f_sub_(s),
-                BINARY_MUL => d.f_mul_(s),
-                BINARY_DIV => d.f_div_(s),
-                _ => Err(unknown("binary", op)),
-            }
-            .map(drop)
-        })
-    }
-}
-
-unsafe extern "C" fn unary_into(
-    _: *mut c_void,
-    op: u32,
-    dst: TensorHandle,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        status(err, || {
-            let d = t(dst);
-            match op {
-                UNARY_EXP => d.f_exp_(),
-                UNARY_NEG => d.f_neg_(),
-                UNARY_SIGMOID => d.f_sigmoid_(),
-                UNARY_RSQRT => d.f_rsqrt_(),
-                UNARY_SQUARE => d.f_square_(),
-                UNARY_SILU => d.f_silu_(),
-                UNARY_LOG => d.f_log_(),
-                _ => Err(unknown("unary", op)),
-            }
-            .map(drop)
-        })
-    }
-}
-
-unsafe extern "C" fn addmm_into(
-    _: *mut c_void,
-    dst: TensorHandle,
-    a: TensorHandle,
-    b: TensorHandle,
-    ta: u32,
-    tb: u32,
-    err: *mut ErrorBuf,
-) -> i32 {
-    unsafe {
-        status(err, || {
-            t(dst)
-                .f_addmm_(&transposed(t(a), ta)?, &transposed(t(b), tb)?)
-                .map(drop)
-        })
+        let a = tensor(a);
+        produce(out, err, || a.f_reshape(dims))
     }
 }
 
@@ -391,9 +304,10 @@ unsafe extern "C" fn to_f64(
     out: *mut f64,
     err: *mut ErrorBuf,
 ) -> i32 {
+    // SAFETY: `a` is live, `out` is a writable `f64` and `err` is null or valid (module docs).
     unsafe {
         status(err, || {
-            *out = t(a).f_double_value(&[])?;
+            *out = tensor(a).f_double_value(&[])?;
             Ok(())
         })
     }

@@ -50,7 +50,7 @@ async fn guarantee_13_large_payloads_on_one_host_go_through_shared_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_13_a_full_ring_falls_back_to_quic_in_order() {
     // A 1 MiB ring cannot hold 24 pipelined 300 KiB calls: some wait for nothing and go inline instead.
-    unsafe { std::env::set_var("FERL_SHM_BYTES", (1 << 20).to_string()) };
+    common::set_env("FERL_SHM_BYTES", (1 << 20).to_string());
     let cluster = common::cluster().await;
     let actor = cluster
         .spawn::<Counter>(0, SpawnOptions::new())
@@ -85,7 +85,7 @@ async fn guarantee_13_a_full_ring_falls_back_to_quic_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_13_with_the_ring_off_large_payloads_stay_on_quic() {
-    unsafe { std::env::set_var("FERL_SHM_BYTES", "0") };
+    common::set_env("FERL_SHM_BYTES", "0");
     let cluster = common::cluster().await;
     let actor = cluster
         .spawn::<Counter>(0, SpawnOptions::new())
@@ -156,10 +156,8 @@ async fn eventually(what: &str, cond: impl Fn() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_15_payloads_announced_and_never_claimed_are_capped_and_reclaimed() {
     // Small limits for this process's connections (one test per process under nextest).
-    unsafe {
-        std::env::set_var("FERL_BULK_UNCLAIMED_BYTES", (1u64 << 20).to_string());
-        std::env::set_var("FERL_BULK_UNCLAIMED_TIMEOUT_S", "1.5");
-    }
+    common::set_env("FERL_BULK_UNCLAIMED_BYTES", (1u64 << 20).to_string());
+    common::set_env("FERL_BULK_UNCLAIMED_TIMEOUT_S", "1.5");
     let head = common::head(2.0, Duration::from_secs(3)).await;
     let base = unclaimed_bytes();
     let closed = |conn: quinn::Connection| async move {

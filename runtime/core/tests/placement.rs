@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use ferl_runtime::testbed::*;
-use ferl_runtime::{bundle, Error, SpawnOptions, Strategy};
+use ferl_runtime::{bundle, Cluster, Error, SpawnOptions, Strategy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_4_each_strategy_places_as_named_over_three_nodes() {
@@ -88,6 +88,37 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
     let head = common::head(2.0, Duration::from_secs(3)).await;
     let _n2 = common::node(&head, &["--num-cpus", "2"], &[]);
     let cluster = &head.cluster;
+    assert_infeasible_groups_fail_fast(cluster).await;
+
+    let all = cluster
+        .create_group(
+            vec![bundle(&[("CPU", 2.0)]); 2],
+            Strategy::StrictSpread,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_busy_group_times_out_and_own_reservations_do_not_wait(cluster).await;
+    // A waiting group is placed as soon as resources are freed.
+    let waiter = {
+        let c = cluster.clone();
+        tokio::spawn(async move {
+            c.create_group(
+                vec![bundle(&[("CPU", 2.0)])],
+                Strategy::Pack,
+                Duration::from_secs(30),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cluster.remove_group(&all).await.unwrap();
+    waiter.await.unwrap().expect("placed once freed");
+}
+
+/// Groups no node could ever hold fail at once, typed [`Error::Infeasible`], naming why (nodes: 2 CPUs each, no
+/// GPU).
+async fn assert_infeasible_groups_fail_fast(cluster: &Cluster) {
     let t0 = Instant::now();
     let err = cluster
         .create_group(
@@ -127,15 +158,11 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         t0.elapsed() < Duration::from_secs(10),
         "infeasible groups must fail fast"
     );
+}
 
-    let all = cluster
-        .create_group(
-            vec![bundle(&[("CPU", 2.0)]); 2],
-            Strategy::StrictSpread,
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+/// With every CPU held: a group waits, then times out typed [`Error::Busy`]; an actor's own reservation does not
+/// wait (busy at once, and infeasible when no node could ever hold it).
+async fn assert_busy_group_times_out_and_own_reservations_do_not_wait(cluster: &Cluster) {
     let t0 = Instant::now();
     let err = cluster
         .create_group(
@@ -150,7 +177,6 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         "{err}"
     );
     assert!(matches!(err, Error::Busy { .. }), "{err:?}");
-    // An actor's own reservation does not wait: busy at once, and infeasible when no node could ever hold it.
     let busy = cluster
         .spawn::<Counter>(0, SpawnOptions::new().resources(bundle(&[("CPU", 1.0)])))
         .await
@@ -161,21 +187,6 @@ async fn guarantee_4_infeasible_fails_fast_and_busy_waits_then_times_out() {
         .await
         .unwrap_err();
     assert!(matches!(never, Error::Infeasible { .. }), "{never:?}");
-    // A waiting group is placed as soon as resources are freed.
-    let waiter = {
-        let c = cluster.clone();
-        tokio::spawn(async move {
-            c.create_group(
-                vec![bundle(&[("CPU", 2.0)])],
-                Strategy::Pack,
-                Duration::from_secs(30),
-            )
-            .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    cluster.remove_group(&all).await.unwrap();
-    waiter.await.unwrap().expect("placed once freed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

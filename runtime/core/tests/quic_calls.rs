@@ -9,7 +9,7 @@ fn lanes_opened() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_13_with_lanes_off_calls_streams_and_order_hold_on_quic() {
-    unsafe { std::env::set_var("FERL_LANES", "0") };
+    common::set_env("FERL_LANES", "0");
     let cluster = common::cluster().await;
     common::exercise_call_paths(&cluster).await;
     assert_eq!(lanes_opened(), 0, "a lane opened although FERL_LANES=0");

@@ -49,111 +49,125 @@ pub struct RemoteError {
     pub message: String,
 }
 
-/// Where the payload of a [`Frame`] is.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Body {
-    /// Its `len` raw bytes follow the frame on the same stream.
-    Inline(u64),
-    /// It arrives on the bulk stream with this id (QUIC, for payloads over the transport's bulk threshold).
-    Bulk(u64),
-    /// It lies in the sender's shared-memory ring, which the receiver mapped after a [`Frame::ShmOffer`]
-    /// (same-host bulk path).
-    Shared {
-        /// Position of the first byte in the ring: bytes the ring carried before it (its offset in the data area is
-        /// this modulo the ring's size).
-        offset: u64,
-        /// Length in bytes.
-        len: u64,
-    },
-}
+// Enums with named-field variants live in private modules and are re-exported with their archived forms: rkyv's
+// derive also emits a public `*Resolver` enum whose variant fields it leaves undocumented (rkyv 0.8), and keeping
+// that enum unexported (nothing names it) satisfies `missing_docs` without an `allow`.
+mod body {
+    use super::*;
 
-/// A frame on a call stream. Inline payloads are not inside the frame: their raw bytes follow it on the stream
-/// (`Body::Inline`), or lie in the same-host ring or on a bulk stream; large arguments are neither re-serialised nor
-/// re-validated by the transport: the receiver copies them once
-/// into an aligned buffer and validates them when the handler decodes its message.
-#[derive(Archive, Serialize, Deserialize, Debug)]
-pub enum Frame {
-    /// A request to an actor hosted by the receiving process.
-    Call {
-        /// Request id, unique per connection.
-        req: u64,
-        /// Target actor id.
-        actor: u64,
-        /// Message type name.
-        msg: String,
-        /// Reply expectation.
-        kind: CallKind,
-        /// Where the encoded message is.
-        body: Body,
-    },
-    /// The single reply to a call.
-    Reply {
-        /// Request id.
-        req: u64,
-        /// Where the encoded reply is.
-        body: Body,
-    },
-    /// One item of a streaming reply.
-    Item {
-        /// Request id.
-        req: u64,
-        /// Where the encoded item is.
-        body: Body,
-    },
-    /// End of a streaming reply (or a failed call).
-    End {
-        /// Request id.
-        req: u64,
-        /// Set when the call failed.
-        error: Option<RemoteError>,
-    },
-    /// The sender offers its shared-memory ring for the payloads it sends on this stream: a sealed memfd that the
-    /// receiver opens as `/proc/<pid>/fd/<fd>` and recognises by `nonce` (same host, same user only).
-    ShmOffer {
-        /// Sender's process id.
-        pid: u32,
-        /// The memfd's descriptor number in the sender.
-        fd: i32,
-        /// Bytes in the ring's data area.
-        capacity: u64,
-        /// Random bytes written in the ring's header.
-        nonce: Vec<u8>,
-    },
-    /// Answer to the peer's [`Frame::ShmOffer`]: whether its ring was mapped (else payloads stay on QUIC).
-    ShmAnswer {
-        /// The ring is mapped and verified.
-        accepted: bool,
-        /// Why not, when refused.
-        reason: String,
-    },
-    /// The callee queued a tell beyond `actor`'s waiting line: the caller holds its further tells to that actor
-    /// until the matching [`Frame::Resume`] (guarantee 3).
-    Pause {
-        /// The actor whose line is full.
-        actor: u64,
-        /// Counts the actor's pauses, so a resume that overtakes its pause is recognised.
-        epoch: u64,
-    },
-    /// The actor's line has room again: tells held since pause `epoch` (or earlier) may go.
-    Resume {
-        /// The actor.
-        actor: u64,
-        /// The latest pause this resume ends.
-        epoch: u64,
-    },
-    /// A caller's first frame on a new connection: asks for a same-host lane (see `transport::lane`).
-    LaneAsk,
-    /// The answer to [`Frame::LaneAsk`]: the callee's abstract Unix socket and the bytes that open it for this
-    /// connection; an empty `name` offers nothing.
-    LaneOffer {
-        /// The callee's process id (checked against the socket's peer credentials).
-        pid: u32,
-        /// The abstract socket's name.
-        name: String,
-        /// Random bytes the caller sends first on the socket.
-        nonce: Vec<u8>,
-    },
+    /// Where the payload of a [`Frame`] is.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Body {
+        /// Its `len` raw bytes follow the frame on the same stream.
+        Inline(u64),
+        /// It arrives on the bulk stream with this id (QUIC, for payloads over the transport's bulk threshold).
+        Bulk(u64),
+        /// It lies in the sender's shared-memory ring, which the receiver mapped after a [`Frame::ShmOffer`]
+        /// (same-host bulk path).
+        Shared {
+            /// Position of the first byte in the ring: bytes the ring carried before it (its offset in the data area is
+            /// this modulo the ring's size).
+            offset: u64,
+            /// Length in bytes.
+            len: u64,
+        },
+    }
 }
+pub use body::{ArchivedBody, Body};
+
+// In a private module like `body`, so that rkyv's resolver enum stays unexported.
+mod frame {
+    use super::*;
+
+    /// A frame on a call stream. Inline payloads are not inside the frame: their raw bytes follow it on the stream
+    /// (`Body::Inline`), or lie in the same-host ring or on a bulk stream; large arguments are neither re-serialised nor
+    /// re-validated by the transport: the receiver copies them once
+    /// into an aligned buffer and validates them when the handler decodes its message.
+    #[derive(Archive, Serialize, Deserialize, Debug)]
+    pub enum Frame {
+        /// A request to an actor hosted by the receiving process.
+        Call {
+            /// Request id, unique per connection.
+            req: u64,
+            /// Target actor id.
+            actor: u64,
+            /// Message type name.
+            msg: String,
+            /// Reply expectation.
+            kind: CallKind,
+            /// Where the encoded message is.
+            body: Body,
+        },
+        /// The single reply to a call.
+        Reply {
+            /// Request id.
+            req: u64,
+            /// Where the encoded reply is.
+            body: Body,
+        },
+        /// One item of a streaming reply.
+        Item {
+            /// Request id.
+            req: u64,
+            /// Where the encoded item is.
+            body: Body,
+        },
+        /// End of a streaming reply (or a failed call).
+        End {
+            /// Request id.
+            req: u64,
+            /// Set when the call failed.
+            error: Option<RemoteError>,
+        },
+        /// The sender offers its shared-memory ring for the payloads it sends on this stream: a sealed memfd that the
+        /// receiver opens as `/proc/<pid>/fd/<fd>` and recognises by `nonce` (same host, same user only).
+        ShmOffer {
+            /// Sender's process id.
+            pid: u32,
+            /// The memfd's descriptor number in the sender.
+            fd: i32,
+            /// Bytes in the ring's data area.
+            capacity: u64,
+            /// Random bytes written in the ring's header.
+            nonce: Vec<u8>,
+        },
+        /// Answer to the peer's [`Frame::ShmOffer`]: whether its ring was mapped (else payloads stay on QUIC).
+        ShmAnswer {
+            /// The ring is mapped and verified.
+            accepted: bool,
+            /// Why not, when refused.
+            reason: String,
+        },
+        /// The callee queued a tell beyond `actor`'s waiting line: the caller holds its further tells to that actor
+        /// until the matching [`Frame::Resume`] (guarantee 3).
+        Pause {
+            /// The actor whose line is full.
+            actor: u64,
+            /// Counts the actor's pauses, so a resume that overtakes its pause is recognised.
+            epoch: u64,
+        },
+        /// The actor's line has room again: tells held since pause `epoch` (or earlier) may go.
+        Resume {
+            /// The actor.
+            actor: u64,
+            /// The latest pause this resume ends.
+            epoch: u64,
+        },
+        /// A caller's first frame on a new connection: asks for a same-host lane (see `transport::lane`).
+        LaneAsk,
+        /// The answer to [`Frame::LaneAsk`]: the callee's abstract Unix socket and the bytes that open it for this
+        /// connection; an empty `name` offers nothing.
+        LaneOffer {
+            /// The callee's process id (checked against the socket's peer credentials).
+            pid: u32,
+            /// The abstract socket's name.
+            name: String,
+            /// Random bytes the caller sends first on the socket.
+            nonce: Vec<u8>,
+        },
+    }
+}
+pub use frame::{ArchivedFrame, Frame};
 
 impl Frame {
     /// Validates a received frame body (bytecheck, in place, no copy) and returns its archived form: what the
@@ -189,44 +203,50 @@ impl ArchivedBody {
     }
 }
 
-/// Messages of the join handshake, on the first stream of a connection without a cluster certificate.
-///
-/// Both sides prove they know the cluster token without sending it: `proof = sha256(token, label, nonce,
-/// sha256(head certificate))`, so a man in the middle (with another certificate) can neither learn nor relay it.
-#[derive(Archive, Serialize, Deserialize, Debug)]
-pub enum JoinMsg {
-    /// Joiner → head: a fresh nonce.
-    Hello {
-        /// Joiner's nonce.
-        nonce: Vec<u8>,
-    },
-    /// Head → joiner: the head's nonce and its proof over the joiner's nonce.
-    Challenge {
-        /// Head's nonce.
-        nonce: Vec<u8>,
-        /// Head's proof.
-        proof: Vec<u8>,
-    },
-    /// Joiner → head: the joiner's proof over the head's nonce.
-    Proof {
-        /// Joiner's proof.
-        proof: Vec<u8>,
-    },
-    /// Head → joiner: cluster credentials.
-    Accepted {
-        /// The cluster CA certificate (DER).
-        ca_der: Vec<u8>,
-        /// A certificate minted for the joiner (DER).
-        cert_der: Vec<u8>,
-        /// Its private key (PKCS#8 DER).
-        key_der: Vec<u8>,
-    },
-    /// Head → joiner: refusal with the reason.
-    Refused {
-        /// Why.
-        reason: String,
-    },
+// In a private module like `body`, so that rkyv's resolver enum stays unexported.
+mod join_msg {
+    use super::*;
+
+    /// Messages of the join handshake, on the first stream of a connection without a cluster certificate.
+    ///
+    /// Both sides prove they know the cluster token without sending it: `proof = sha256(token, label, nonce,
+    /// sha256(head certificate))`, so a man in the middle (with another certificate) can neither learn nor relay it.
+    #[derive(Archive, Serialize, Deserialize, Debug)]
+    pub enum JoinMsg {
+        /// Joiner → head: a fresh nonce.
+        Hello {
+            /// Joiner's nonce.
+            nonce: Vec<u8>,
+        },
+        /// Head → joiner: the head's nonce and its proof over the joiner's nonce.
+        Challenge {
+            /// Head's nonce.
+            nonce: Vec<u8>,
+            /// Head's proof.
+            proof: Vec<u8>,
+        },
+        /// Joiner → head: the joiner's proof over the head's nonce.
+        Proof {
+            /// Joiner's proof.
+            proof: Vec<u8>,
+        },
+        /// Head → joiner: cluster credentials.
+        Accepted {
+            /// The cluster CA certificate (DER).
+            ca_der: Vec<u8>,
+            /// A certificate minted for the joiner (DER).
+            cert_der: Vec<u8>,
+            /// Its private key (PKCS#8 DER).
+            key_der: Vec<u8>,
+        },
+        /// Head → joiner: refusal with the reason.
+        Refused {
+            /// Why.
+            reason: String,
+        },
+    }
 }
+pub use join_msg::{ArchivedJoinMsg, JoinMsg};
 
 /// A resource amount per name (`CPU`, `GPU`, `memory`, custom names).
 pub type Resources = BTreeMap<String, f64>;
@@ -329,49 +349,55 @@ pub struct ActorAddress {
     pub node: String,
 }
 
-/// Something that happened in the cluster; drivers subscribe with `Cluster::events`.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub enum Event {
-    /// A node joined.
-    NodeJoined {
-        /// Node name.
-        node: String,
-    },
-    /// A node missed heartbeats beyond the bound (or left).
-    NodeDied {
-        /// Node name.
-        node: String,
-        /// Why.
-        reason: String,
-    },
-    /// An actor's worker died and the actor will be restarted.
-    ActorRestarting {
-        /// Actor id.
-        id: u64,
-        /// Node name.
-        node: String,
-        /// Why.
-        reason: String,
-        /// Restart attempt (1-based).
-        attempt: u32,
-    },
-    /// An actor is running again at a new address.
-    ActorRestarted {
-        /// New address.
-        actor: ActorAddress,
-    },
-    /// An actor is gone for good.
-    ActorDied {
-        /// Actor id.
-        id: u64,
-        /// Actor type name.
-        type_name: String,
-        /// Node name.
-        node: String,
-        /// Why.
-        reason: String,
-    },
+// In a private module like `body`, so that rkyv's resolver enum stays unexported.
+mod event {
+    use super::*;
+
+    /// Something that happened in the cluster; drivers subscribe with `Cluster::events`.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+    pub enum Event {
+        /// A node joined.
+        NodeJoined {
+            /// Node name.
+            node: String,
+        },
+        /// A node missed heartbeats beyond the bound (or left).
+        NodeDied {
+            /// Node name.
+            node: String,
+            /// Why.
+            reason: String,
+        },
+        /// An actor's worker died and the actor will be restarted.
+        ActorRestarting {
+            /// Actor id.
+            id: u64,
+            /// Node name.
+            node: String,
+            /// Why.
+            reason: String,
+            /// Restart attempt (1-based).
+            attempt: u32,
+        },
+        /// An actor is running again at a new address.
+        ActorRestarted {
+            /// New address.
+            actor: ActorAddress,
+        },
+        /// An actor is gone for good.
+        ActorDied {
+            /// Actor id.
+            id: u64,
+            /// Actor type name.
+            type_name: String,
+            /// Node name.
+            node: String,
+            /// Why.
+            reason: String,
+        },
+    }
 }
+pub use event::{ArchivedEvent, Event};
 
 macro_rules! control {
     ($($(#[$m:meta])* $name:ident => $reply:ty),* $(,)?) => {$(

@@ -174,33 +174,41 @@ pub(crate) unsafe fn reduce_raw(
     received: *const u8,
     count: usize,
 ) {
-    unsafe {
-        unsafe fn run<T: Reducible>(
-            op: ReduceOp,
-            dst: *mut u8,
-            other: *const u8,
-            received: *const u8,
-            count: usize,
-        ) {
-            unsafe {
-                let src = std::slice::from_raw_parts(received as *const T, count);
-                if std::ptr::eq(dst as *const u8, other) {
-                    combine_in_place(
-                        op,
-                        std::slice::from_raw_parts_mut(dst as *mut T, count),
-                        src,
-                    );
-                } else {
-                    let a = std::slice::from_raw_parts(other as *const T, count);
-                    combine_into(
-                        op,
-                        std::slice::from_raw_parts_mut(dst as *mut T, count),
-                        a,
-                        src,
-                    );
-                }
+    /// [`reduce_raw`] for element type `T`.
+    ///
+    /// # Safety
+    /// As [`reduce_raw`], with `T` the element type of its `dtype`.
+    unsafe fn run<T: Reducible>(
+        op: ReduceOp,
+        dst: *mut u8,
+        other: *const u8,
+        received: *const u8,
+        count: usize,
+    ) {
+        // SAFETY: the caller guarantees `count` valid, aligned `T`s at each pointer. The only mutable slice, over
+        // `dst`, is borrowed next to `received` (which never overlaps `dst`) and, when `other` is not `dst`
+        // itself, next to `other` (which then does not overlap `dst` either), so no slice aliases the mutable one.
+        unsafe {
+            let src = std::slice::from_raw_parts(received as *const T, count);
+            if std::ptr::eq(dst as *const u8, other) {
+                combine_in_place(
+                    op,
+                    std::slice::from_raw_parts_mut(dst as *mut T, count),
+                    src,
+                );
+            } else {
+                let a = std::slice::from_raw_parts(other as *const T, count);
+                combine_into(
+                    op,
+                    std::slice::from_raw_parts_mut(dst as *mut T, count),
+                    a,
+                    src,
+                );
             }
         }
+    }
+    // SAFETY: each arm calls `run` with the element type `dtype` names, so `run`'s contract is this function's.
+    unsafe {
         match dtype {
             DType::F32 => run::<f32>(op, dst, other, received, count),
             DType::F64 => run::<f64>(op, dst, other, received, count),
@@ -224,6 +232,7 @@ mod tests {
         let mut dst = vec![1.0f32, 2.0, 3.0];
         let recv = [10.0f32, 20.0, 30.0];
         let p = dst.as_mut_ptr() as *mut u8;
+        // SAFETY: in place: `p` is `dst`'s 3 f32s (also passed as `other`), `recv` is a separate array of 3 f32s.
         unsafe {
             reduce_raw(
                 DType::F32,
@@ -238,6 +247,7 @@ mod tests {
         let other = [1i64, 5, -3];
         let recv = [4i64, 2, -7];
         let mut out = [0i64; 3];
+        // SAFETY: `out`, `other` and `recv` are three separate arrays of 3 i64s.
         unsafe {
             reduce_raw(
                 DType::I64,
@@ -256,6 +266,7 @@ mod tests {
         let mut dst = [bf16::from_f32(1.5), bf16::from_f32(-2.0)];
         let recv = [bf16::from_f32(0.25), bf16::from_f32(8.0)];
         let p = dst.as_mut_ptr() as *mut u8;
+        // SAFETY: in place: `p` is `dst`'s 2 bf16s (also passed as `other`), `recv` is a separate array of 2 bf16s.
         unsafe {
             reduce_raw(
                 DType::BF16,

@@ -501,9 +501,11 @@ impl Communicator for NcclCommunicator {
         let dt = nccl_dtype(inp.dtype)?;
         let (count, block) = (inp.numel / w, inp.bytes() / w);
         self.run("all_to_all", |api, comm| {
+            // SAFETY: ncclGroupStart takes no arguments; it only defers this thread's next calls to ncclGroupEnd.
             api.check("ncclGroupStart", unsafe { (api.group_start)() })?;
             for peer in 0..w {
-                // SAFETY: block `peer` of each buffer holds `count` elements.
+                // SAFETY: block `peer` of the input (checked to hold `w * count` elements) holds `count` elements,
+                // and `comm` is the live communicator `run` holds exclusively.
                 let s = unsafe {
                     (api.send)(
                         inp.ptr.wrapping_add(peer * block) as _,
@@ -514,6 +516,8 @@ impl Communicator for NcclCommunicator {
                         std::ptr::null_mut(),
                     )
                 };
+                // SAFETY: block `peer` of the output (checked to match the input's size and dtype) has room for
+                // `count` elements, and `comm` is live.
                 let r = unsafe {
                     (api.recv)(
                         out.ptr.wrapping_add(peer * block) as _,
@@ -527,6 +531,8 @@ impl Communicator for NcclCommunicator {
                 api.check("ncclSend", s)?;
                 api.check("ncclRecv", r)?;
             }
+            // SAFETY: closes the group opened above; the buffers it launches on outlive the call (`run` waits for
+            // the stream before returning).
             api.check("ncclGroupEnd", unsafe { (api.group_end)() })
         })
     }

@@ -69,6 +69,27 @@ fn reference(py: &Path, dir: &Path, mode: LossAggMode, rows: &ActorRows) -> serd
     serde_json::from_str(&std::fs::read_to_string(out_file).unwrap()).unwrap()
 }
 
+/// The global L2 norm of `grads` (in f64).
+fn global_norm<'a>(grads: impl Iterator<Item = &'a Tensor>) -> f64 {
+    grads
+        .map(|g| {
+            g.to_kind(Kind::Double)
+                .square()
+                .sum(Kind::Double)
+                .double_value(&[])
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// The largest absolute difference between `want` and the values of `got`, element by element.
+fn max_abs_diff(want: &[f64], got: &Tensor) -> f64 {
+    want.iter()
+        .zip(Vec::<f64>::try_from(got.to_kind(Kind::Double)).unwrap())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
 #[test]
 fn one_actor_update_matches_pytorch_for_every_loss_agg_mode() {
     let Some(py) = venv_python() else { return };
@@ -103,22 +124,9 @@ fn one_actor_update_matches_pytorch_for_every_loss_agg_mode() {
         engine.store_mut().zero_grads();
         let value = engine.forward_backward_with(&mb, &loss).unwrap();
         let (_, grads) = engine.store_mut().master_and_grads();
-        let norm = grads
-            .iter()
-            .map(|g| {
-                g.to_kind(Kind::Double)
-                    .square()
-                    .sum(Kind::Double)
-                    .double_value(&[])
-            })
-            .sum::<f64>()
-            .sqrt();
+        let norm = global_norm(grads.iter());
         let m = loss.metrics();
-        let lp_diff = floats(&want["log_prob"])
-            .iter()
-            .zip(Vec::<f64>::try_from(current.to_kind(Kind::Double)).unwrap())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let lp_diff = max_abs_diff(&floats(&want["log_prob"]), &current);
         let checks = [
             ("loss", value, want["loss"].as_f64().unwrap()),
             ("pg_loss", m.pg_loss, want["pg_loss"].as_f64().unwrap()),

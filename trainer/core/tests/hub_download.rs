@@ -241,24 +241,10 @@ fn set_hf_env(endpoint: &str, cache: &Path, hf_home: &Path) {
     std::env::set_var("HF_HOME", hf_home);
 }
 
-#[test]
-fn a_hub_id_downloads_into_an_empty_cache_then_resolves_offline_to_the_same_snapshot() {
-    let tmp = tempfile::tempdir().unwrap();
-    let hub = Arc::new(Hub {
-        files: tiny_repo(tmp.path()),
-        log: Mutex::new(Vec::new()),
-    });
-    let endpoint = hub.serve();
-    let cache = tmp.path().join("cache");
-    set_hf_env(&endpoint, &cache, &tmp.path().join("hf_home"));
-    // Run from the temp folder so `tiny-org/tiny-qwen2` is not a local path by accident.
-    std::env::set_current_dir(tmp.path()).unwrap();
-
-    // Online, empty cache: downloaded.
-    let dir = resolve_model(REPO).unwrap();
-    let repo_dir = cache.join("models--tiny-org--tiny-qwen2");
-    let snapshot = repo_dir.join("snapshots").join(SHA);
-    assert_eq!(dir, snapshot);
+/// After the first download: `refs/main` names the commit (and no ref is named after the commit), the snapshot
+/// holds exactly the files a model needs as links into `blobs/`, with the served bytes, and the Hub saw one listing
+/// of `main` and then only file requests at the pinned commit (none for the unused files).
+fn assert_download_layout(hub: &Hub, repo_dir: &Path, snapshot: &Path) {
     assert_eq!(
         std::fs::read_to_string(repo_dir.join("refs/main")).unwrap(),
         SHA
@@ -312,6 +298,27 @@ fn a_hub_id_downloads_into_an_empty_cache_then_resolves_offline_to_the_same_snap
             .all(|r| r.starts_with(&format!("/{REPO}/resolve/{SHA}/"))),
         "{requests:?}"
     );
+}
+
+#[test]
+fn a_hub_id_downloads_into_an_empty_cache_then_resolves_offline_to_the_same_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hub = Arc::new(Hub {
+        files: tiny_repo(tmp.path()),
+        log: Mutex::new(Vec::new()),
+    });
+    let endpoint = hub.serve();
+    let cache = tmp.path().join("cache");
+    set_hf_env(&endpoint, &cache, &tmp.path().join("hf_home"));
+    // Run from the temp folder so `tiny-org/tiny-qwen2` is not a local path by accident.
+    std::env::set_current_dir(tmp.path()).unwrap();
+
+    // Online, empty cache: downloaded.
+    let dir = resolve_model(REPO).unwrap();
+    let repo_dir = cache.join("models--tiny-org--tiny-qwen2");
+    let snapshot = repo_dir.join("snapshots").join(SHA);
+    assert_eq!(dir, snapshot);
+    assert_download_layout(&hub, &repo_dir, &snapshot);
 
     // The downloaded folder is a working model and tokenizer.
     let loaded = load_model(&dir).unwrap();

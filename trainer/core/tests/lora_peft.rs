@@ -18,6 +18,7 @@ use common::{
 };
 use ferl_fsdp::{global_step, FsdpOptions, ShardedParams, ShardingStrategy};
 use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
+use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::model::lora::{self, LoraSpec, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use ferl_trainer::model::{load_model, weights};
@@ -186,6 +187,91 @@ fn compare_logits(stepper: &mut Stepper<LocalParams>, samples: &Samples, theirs:
     worst
 }
 
+/// The base model in `model_dir` with peft's starting adapter from `start` (r 8, alpha 16, all-linear, nonzero `B`):
+/// the adapter's spec, the model's config, the LoRA layout and its tensors.
+fn start_adapter(
+    model_dir: &Path,
+    start: &Path,
+) -> (LoraSpec, ModelConfig, ModelLayout, Vec<Tensor>) {
+    let spec = LoraSpec::from_adapter_config(&start.join(ADAPTER_CONFIG)).unwrap();
+    assert_eq!(
+        (spec.rank, spec.alpha),
+        (8, 16.0),
+        "peft's r and lora_alpha"
+    );
+    let model = load_model(model_dir).unwrap();
+    let cfg = model.config.clone();
+    let (layout, params) =
+        lora::with_adapters(&cfg, model.layout, model.params, &spec, Some(start), 0).unwrap();
+    assert_eq!(
+        layout.lora_pairs().len(),
+        7 * cfg.num_layers,
+        "all-linear: 7 projections per layer"
+    );
+    let b_max = adapters_of(&layout, &params)
+        .iter()
+        .map(|t| t.abs().max().double_value(&[]))
+        .fold(0.0, f64::max);
+    assert!(b_max > 0.01, "the starting adapter's B are nonzero");
+    (spec, cfg, layout, params)
+}
+
+/// A rank's `(loss, grad norm)` curve and its trained adapters.
+type RankRun = (Vec<(f64, f64)>, Vec<Tensor>);
+
+/// Asserts `lora::merge` of `full` (a trained LoRA model's tensors) equals peft's `merge_and_unload()` saved in
+/// `peft_merged`, tensor by tensor, within 1e-5; returns the largest difference.
+fn compare_merge(layout: &ModelLayout, full: &[Tensor], peft_merged: &Path) -> f64 {
+    let merged = lora::merge(layout, full);
+    let theirs = weights::read_tensors(&[peft_merged.to_path_buf()]).unwrap();
+    let mut merge_diff = 0.0f64;
+    for ((name, _), t) in layout.tensors.iter().zip(&merged) {
+        let peft_t = theirs
+            .get(name)
+            .unwrap_or_else(|| panic!("merge_and_unload() has no `{name}`"));
+        let diff = max_abs_diff(t, peft_t);
+        assert!(
+            diff <= 1e-5,
+            "merged `{name}` differs from merge_and_unload() by {diff:e}"
+        );
+        merge_diff = merge_diff.max(diff);
+    }
+    println!("merged weights: max difference to merge_and_unload() {merge_diff:.2e}");
+    merge_diff
+}
+
+/// Trains `params` (the starting LoRA model of `layout`) on two ranks, each with half of every global batch in
+/// micro-batches of one, FULL_SHARD, checkpointing on; returns each rank's `(loss, grad norm)` curve and trained
+/// adapters.
+fn train_two_ranks(
+    layout: &ModelLayout,
+    cfg: &ModelConfig,
+    params: Vec<Tensor>,
+    samples: Samples,
+) -> Vec<RankRun> {
+    let samples = Arc::new(samples);
+    let shared = Arc::new(Mutex::new(params));
+    let (rank_layout, rank_cfg, rank_samples) = (layout.clone(), cfg.clone(), samples.clone());
+    run_ranks(2, move |rank, comm| {
+        let mine = copies(&shared.lock().unwrap());
+        let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
+        let store = ShardedParams::new(rank_layout.clone(), &mine, comm, opts).unwrap();
+        let optimizer = AdamW::new(adam(), store.trainable_masters());
+        let mut s = stepper(&rank_cfg, store, optimizer, 1, true, 0);
+        let curve: Vec<(f64, f64)> = (0..TOTAL_STEPS as usize)
+            .map(|step| {
+                let batch: Vec<SampleRef> = rank_slice(step, rank, 2)
+                    .map(|i| rank_samples.get(i))
+                    .collect();
+                let st = global_step(&mut s, &batch).unwrap();
+                assert!(!st.skipped);
+                (st.loss, st.grad_norm)
+            })
+            .collect();
+        (curve, s.engine.store_mut().full_trainable_params().unwrap())
+    })
+}
+
 #[test]
 fn lora_training_matches_peft_in_one_process_and_sharded_over_two_ranks() {
     let Some(py) = venv_python() else { return };
@@ -207,28 +293,8 @@ fn lora_training_matches_peft_in_one_process_and_sharded_over_two_ranks() {
     let want = reference_curve(&d.join("reference.json"));
     let samples = read_samples(&d.join("data.json"));
 
-    let start = d.join("adapter_start");
-    let spec = LoraSpec::from_adapter_config(&start.join(ADAPTER_CONFIG)).unwrap();
-    assert_eq!(
-        (spec.rank, spec.alpha),
-        (8, 16.0),
-        "peft's r and lora_alpha"
-    );
     let model_dir = d.join("model");
-    let model = load_model(&model_dir).unwrap();
-    let cfg = model.config.clone();
-    let (layout, params) =
-        lora::with_adapters(&cfg, model.layout, model.params, &spec, Some(&start), 0).unwrap();
-    assert_eq!(
-        layout.lora_pairs().len(),
-        7 * cfg.num_layers,
-        "all-linear: 7 projections per layer"
-    );
-    let b_max = adapters_of(&layout, &params)
-        .iter()
-        .map(|t| t.abs().max().double_value(&[]))
-        .fold(0.0, f64::max);
-    assert!(b_max > 0.01, "the starting adapter's B are nonzero");
+    let (spec, cfg, layout, params) = start_adapter(&model_dir, &d.join("adapter_start"));
 
     // (a) One process.
     let mut store = LocalParams::new(layout.clone(), copies(&params), Kind::Float);
@@ -258,48 +324,14 @@ fn lora_training_matches_peft_in_one_process_and_sharded_over_two_ranks() {
     );
     let adapter_diff = compare_adapters("one process", &ours, &d.join("adapter_trained"));
 
-    let merged = lora::merge(&layout, full);
-    let theirs = weights::read_tensors(&[d.join("merged.safetensors")]).unwrap();
-    let mut merge_diff = 0.0f64;
-    for ((name, _), t) in layout.tensors.iter().zip(&merged) {
-        let peft_t = theirs
-            .get(name)
-            .unwrap_or_else(|| panic!("merge_and_unload() has no `{name}`"));
-        let diff = max_abs_diff(t, peft_t);
-        assert!(
-            diff <= 1e-5,
-            "merged `{name}` differs from merge_and_unload() by {diff:e}"
-        );
-        merge_diff = merge_diff.max(diff);
-    }
-    println!("merged weights: max difference to merge_and_unload() {merge_diff:.2e}");
+    let merge_diff = compare_merge(&layout, full, &d.join("merged.safetensors"));
 
     peft.request(ours.to_str().unwrap());
     let logit_diff = compare_logits(&mut s, &samples, &read_f32s(&ours.join("logits.bin")));
     drop(peft);
 
     // (b) Two ranks, each with half of every global batch in micro-batches of one, FULL_SHARD, checkpointing on.
-    let samples = Arc::new(samples);
-    let shared = Arc::new(Mutex::new(params));
-    let (rank_layout, rank_cfg, rank_samples) = (layout.clone(), cfg.clone(), samples.clone());
-    let ranks = run_ranks(2, move |rank, comm| {
-        let mine = copies(&shared.lock().unwrap());
-        let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
-        let store = ShardedParams::new(rank_layout.clone(), &mine, comm, opts).unwrap();
-        let optimizer = AdamW::new(adam(), store.trainable_masters());
-        let mut s = stepper(&rank_cfg, store, optimizer, 1, true, 0);
-        let curve: Vec<(f64, f64)> = (0..TOTAL_STEPS as usize)
-            .map(|step| {
-                let batch: Vec<SampleRef> = rank_slice(step, rank, 2)
-                    .map(|i| rank_samples.get(i))
-                    .collect();
-                let st = global_step(&mut s, &batch).unwrap();
-                assert!(!st.skipped);
-                (st.loss, st.grad_norm)
-            })
-            .collect();
-        (curve, s.engine.store_mut().full_trainable_params().unwrap())
-    });
+    let ranks = train_two_ranks(&layout, &cfg, params, samples);
     let mut fsdp = (0.0f64, 0.0f64, 0.0f64);
     for (rank, (curve, adapters)) in ranks.into_iter().enumerate() {
         let what = format!("rank {rank} of 2");

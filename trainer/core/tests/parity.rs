@@ -27,16 +27,13 @@ struct Case {
     arch: &'static str,
 }
 
-fn run_case(name: &str, case: Case) {
-    let Some(py) = venv_python() else { return };
-    tch::set_num_threads(1);
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let steps = 6i64;
+/// Makes the case's model and data in `d` and trains them `steps` steps with the PyTorch reference; returns its
+/// per-step losses and grad norms.
+fn torch_reference(py: &Path, d: &Path, case: &Case, steps: i64) -> (Vec<f64>, Vec<f64>) {
     let tie = if case.tie { "1" } else { "0" };
     let kv = case.kv_heads.to_string();
     run_reference(
-        &py,
+        py,
         &[
             "make",
             "--out",
@@ -60,17 +57,15 @@ fn run_case(name: &str, case: Case) {
         "gradient_checkpointing": case.checkpointing,
     });
     std::fs::write(d.join("settings.json"), settings.to_string()).unwrap();
-    let model_dir = d.join("model");
-    let data = d.join("data.json");
     let reference = d.join("reference.json");
     run_reference(
-        &py,
+        py,
         &[
             "train",
             "--model",
-            model_dir.to_str().unwrap(),
+            d.join("model").to_str().unwrap(),
             "--data",
-            data.to_str().unwrap(),
+            d.join("data.json").to_str().unwrap(),
             "--settings",
             d.join("settings.json").to_str().unwrap(),
             "--out",
@@ -79,10 +74,12 @@ fn run_case(name: &str, case: Case) {
     );
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&reference).unwrap()).unwrap();
-    let (ref_loss, ref_norm) = (floats(&reference["loss"]), floats(&reference["grad_norm"]));
+    (floats(&reference["loss"]), floats(&reference["grad_norm"]))
+}
 
-    let samples = read_samples(&data);
-    let loaded = load_model(&model_dir).unwrap();
+/// ferl's stepper over the model in `model_dir` with the reference's settings for `case` (`steps` steps).
+fn ferl_stepper(model_dir: &Path, case: &Case, steps: i64) -> Stepper<LocalParams> {
+    let loaded = load_model(model_dir).unwrap();
     assert_eq!(loaded.config.tie_word_embeddings, case.tie);
     assert_eq!(
         format!("{:?}", loaded.config.arch).to_lowercase(),
@@ -101,7 +98,7 @@ fn run_case(name: &str, case: Case) {
     };
     let optimizer = AdamW::new(adam, engine.store().master());
     let schedule = LrSchedule::from_verl(case.scheduler, 2e-3, 0.2, steps, 0.1).unwrap();
-    let mut stepper = Stepper {
+    Stepper {
         engine,
         optimizer,
         schedule,
@@ -111,7 +108,19 @@ fn run_case(name: &str, case: Case) {
         device: Device::Cpu,
         completed_steps: 0,
         sequence_parallel: None,
-    };
+    }
+}
+
+fn run_case(name: &str, case: Case) {
+    let Some(py) = venv_python() else { return };
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let steps = 6i64;
+    let (ref_loss, ref_norm) = torch_reference(&py, d, &case, steps);
+    let data = d.join("data.json");
+    let samples = read_samples(&data);
+    let mut stepper = ferl_stepper(&d.join("model"), &case, steps);
     let n = samples.ids.len();
     for step in 0..steps as usize {
         let start = (step * case.batch) % n;

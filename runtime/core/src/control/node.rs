@@ -210,9 +210,49 @@ impl NodeAgent {
             .unwrap_or(&m.spec.type_name)
             .replace(|c: char| !c.is_alphanumeric(), "_");
         let log = self.0.log_dir.join(format!("worker-{}-{short}.log", m.id));
+        let mut cmd = self.worker_command(&m, &binary, shipped, &log)?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting worker {}", binary.display()))?;
+        let pid = child.id().unwrap_or(0);
+        let (tx, rx) = oneshot::channel();
+        self.0.workers.lock().expect("workers lock").insert(
+            m.id,
+            WorkerEntry {
+                pid,
+                spec: m.spec.clone(),
+                addr: None,
+                ready: Some(tx),
+                log: log.clone(),
+            },
+        );
+        self.watch_worker(m.id, pid, child);
+        wait_until_ready(m.id, pid, rx, &log).await?;
+        let addr = self
+            .0
+            .workers
+            .lock()
+            .expect("workers lock")
+            .get(&m.id)
+            .and_then(|w| w.addr.clone());
+        Ok((
+            addr.ok_or_else(|| anyhow!("worker for actor {} never said hello", m.id))?,
+            pid,
+        ))
+    }
+
+    /// The command that runs worker `m` from `binary`, with its environment (the node's, the spec's, the head's and
+    /// the `shipped` files'), its output in `log`, and death with this node agent.
+    fn worker_command(
+        &self,
+        m: &StartWorker,
+        binary: &Path,
+        shipped: Vec<(String, String)>,
+        log: &Path,
+    ) -> Result<tokio::process::Command> {
         let out =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let mut cmd = tokio::process::Command::new(&binary);
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let mut cmd = tokio::process::Command::new(binary);
         cmd.env(wenv::ACTOR_ID, m.id.to_string())
             .env(wenv::NODE_ADDR, self.0.process.addr.to_string())
             .env(wenv::HEAD_ADDR, self.0.head.to_string())
@@ -233,23 +273,12 @@ impl NodeAgent {
                 Ok(())
             });
         }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting worker {}", binary.display()))?;
-        let pid = child.id().unwrap_or(0);
-        let (tx, rx) = oneshot::channel();
-        self.0.workers.lock().expect("workers lock").insert(
-            m.id,
-            WorkerEntry {
-                pid,
-                spec: m.spec.clone(),
-                addr: None,
-                ready: Some(tx),
-                log: log.clone(),
-            },
-        );
+        Ok(cmd)
+    }
+
+    /// Reports worker `id` (process `pid`) gone, with why, once `child` exits.
+    fn watch_worker(&self, id: u64, pid: u32, mut child: tokio::process::Child) {
         let watcher = self.clone();
-        let id = m.id;
         tokio::spawn(async move {
             let status = child.wait().await;
             let reason = match status {
@@ -261,34 +290,6 @@ impl NodeAgent {
             };
             watcher.worker_gone(id, pid, reason).await;
         });
-        match tokio::time::timeout(START_TIMEOUT, rx).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => bail!("{e} (log: {})", log.display()),
-            Ok(Err(_)) => bail!(
-                "worker for actor {} vanished while starting (log: {})",
-                m.id,
-                log.display()
-            ),
-            Err(_) => {
-                kill(pid);
-                bail!(
-                    "worker for actor {} was not ready within {START_TIMEOUT:?} (log: {})",
-                    m.id,
-                    log.display()
-                )
-            }
-        }
-        let addr = self
-            .0
-            .workers
-            .lock()
-            .expect("workers lock")
-            .get(&m.id)
-            .and_then(|w| w.addr.clone());
-        Ok((
-            addr.ok_or_else(|| anyhow!("worker for actor {} never said hello", m.id))?,
-            pid,
-        ))
     }
 
     async fn worker_gone(&self, id: u64, pid: u32, reason: String) {
@@ -319,6 +320,31 @@ impl NodeAgent {
             .await
         {
             tracing::warn!("reporting the exit of actor {id} to the head failed: {e}");
+        }
+    }
+}
+
+/// Waits for worker `id` (process `pid`, output in `log`) to construct its actor: `ready` answers once it has (or
+/// why it could not); a worker not ready within [`START_TIMEOUT`] is killed.
+async fn wait_until_ready(
+    id: u64,
+    pid: u32,
+    ready: oneshot::Receiver<Result<(), String>>,
+    log: &Path,
+) -> Result<()> {
+    match tokio::time::timeout(START_TIMEOUT, ready).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(e))) => bail!("{e} (log: {})", log.display()),
+        Ok(Err(_)) => bail!(
+            "worker for actor {id} vanished while starting (log: {})",
+            log.display()
+        ),
+        Err(_) => {
+            kill(pid);
+            bail!(
+                "worker for actor {id} was not ready within {START_TIMEOUT:?} (log: {})",
+                log.display()
+            )
         }
     }
 }

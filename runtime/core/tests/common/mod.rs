@@ -14,12 +14,24 @@ pub(crate) fn testbed() -> std::path::PathBuf {
     env!("CARGO_BIN_EXE_ferl-runtime-testbed").into()
 }
 
+/// Sets environment variable `key` of this test process, which the runtime (and every worker it spawns) reads.
+///
+/// Call it only at the start of a test, before it starts a head or a cluster.
+pub(crate) fn set_env(key: &str, value: impl AsRef<std::ffi::OsStr>) {
+    // SAFETY: `set_var` is unsound only while another thread reads or writes the environment. The tests call this
+    // before they start any runtime code (the only readers besides the test harness), the tokio worker threads of the
+    // test are idle until its first `.await`, and nextest (`scripts/test.sh`) runs each test in its own process, so
+    // no other test's thread exists. Under plain `cargo test` tests of one binary share a process: run those with
+    // `--test-threads=1`.
+    unsafe { std::env::set_var(key, value) };
+}
+
 /// Points session folders at a private temporary folder (leaked for the life of the test process).
 pub(crate) fn private_tmp() {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     let dir = DIR.get_or_init(|| tempfile::tempdir().expect("temp dir"));
     // Each test binary runs one test per process under nextest; with plain `cargo test` the value is the same.
-    unsafe { std::env::set_var("FERL_TMPDIR", dir.path()) };
+    set_env("FERL_TMPDIR", dir.path());
 }
 
 /// An embedded head (with its own node of `cpus` CPUs) whose workers run the testbed binary.

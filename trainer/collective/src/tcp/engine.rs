@@ -68,6 +68,8 @@ struct SharedPlan<'a>(&'a Plan);
 // sender from reading bytes the receiver has not finished writing, and steps never write a range another step reads
 // concurrently.
 unsafe impl Send for SharedPlan<'_> {}
+// SAFETY: through a shared reference the plan itself is only read; the buffers its pointers address are accessed
+// under the same dependency rule as for `Send` above.
 unsafe impl Sync for SharedPlan<'_> {}
 
 impl SharedPlan<'_> {

@@ -34,7 +34,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use hf_hub::api::sync::ApiBuilder;
+use hf_hub::api::sync::{Api, ApiBuilder, ApiRepo};
 use hf_hub::{Cache, Repo, RepoType};
 
 /// The Hub contacted when `HF_ENDPOINT` is not set.
@@ -385,24 +385,7 @@ fn download(repo: &RepoRef, s: &HubSettings) -> Result<PathBuf> {
         .with_retries(3)
         .build()
         .context("setting up the Hub client")?;
-    let info = api
-        .repo(Repo::with_revision(
-            repo.id.clone(),
-            RepoType::Model,
-            repo.revision.clone(),
-        ))
-        .info()
-        .map_err(hub_error)
-        .with_context(|| format!("reading the file list of {}@{}", repo.id, repo.revision))?;
-    let sha = info.sha;
-    if sha.is_empty() || !sha.chars().all(|c| c.is_ascii_alphanumeric()) {
-        bail!(
-            "the Hub answered an invalid commit `{sha}` for {}@{}",
-            repo.id,
-            repo.revision
-        );
-    }
-    let files: BTreeSet<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
+    let (sha, files) = current_commit(&api, repo)?;
     let mut wanted = files_to_fetch(&files)?;
     tracing::info!(
         "downloading {}@{} (commit {sha}) from {} into {}",
@@ -420,6 +403,50 @@ fn download(repo: &RepoRef, s: &HubSettings) -> Result<PathBuf> {
     let snapshot = repo_dir.join("snapshots").join(&sha);
     let sha_ref = repo_dir.join("refs").join(&sha);
     let had_sha_ref = sha_ref.exists();
+    fetch_all(&pinned, &snapshot, &sha, &mut wanted)?;
+    if repo.revision != sha {
+        write_ref(&repo_dir.join("refs").join(&repo.revision), &sha)?;
+        if !had_sha_ref {
+            // hf-hub records a ref named after the pinned commit; huggingface_hub writes none for a commit.
+            std::fs::remove_file(&sha_ref).ok();
+        }
+    }
+    tracing::info!(
+        "{}@{}: {} files in {}",
+        repo.id,
+        repo.revision,
+        wanted.len(),
+        snapshot.display()
+    );
+    Ok(snapshot)
+}
+
+/// The commit `repo`'s revision names now on the Hub (checked to be a plain hash) and the files of the repo.
+fn current_commit(api: &Api, repo: &RepoRef) -> Result<(String, BTreeSet<String>)> {
+    let info = api
+        .repo(Repo::with_revision(
+            repo.id.clone(),
+            RepoType::Model,
+            repo.revision.clone(),
+        ))
+        .info()
+        .map_err(hub_error)
+        .with_context(|| format!("reading the file list of {}@{}", repo.id, repo.revision))?;
+    let sha = info.sha;
+    if sha.is_empty() || !sha.chars().all(|c| c.is_ascii_alphanumeric()) {
+        bail!(
+            "the Hub answered an invalid commit `{sha}` for {}@{}",
+            repo.id,
+            repo.revision
+        );
+    }
+    let files = info.siblings.into_iter().map(|s| s.rfilename).collect();
+    Ok((sha, files))
+}
+
+/// Downloads each of `wanted` from `pinned` (the repo at commit `sha`) into `snapshot`, skipping files already
+/// there; the shards a downloaded weight index names are appended to `wanted` and fetched too.
+fn fetch_all(pinned: &ApiRepo, snapshot: &Path, sha: &str, wanted: &mut Vec<String>) -> Result<()> {
     let fetch = |name: &str| -> Result<()> {
         let want = snapshot.join(name);
         if want.is_file() {
@@ -445,21 +472,7 @@ fn download(repo: &RepoRef, s: &HubSettings) -> Result<PathBuf> {
         }
         i += 1;
     }
-    if repo.revision != sha {
-        write_ref(&repo_dir.join("refs").join(&repo.revision), &sha)?;
-        if !had_sha_ref {
-            // hf-hub records a ref named after the pinned commit; huggingface_hub writes none for a commit.
-            std::fs::remove_file(&sha_ref).ok();
-        }
-    }
-    tracing::info!(
-        "{}@{}: {} files in {}",
-        repo.id,
-        repo.revision,
-        wanted.len(),
-        snapshot.display()
-    );
-    Ok(snapshot)
+    Ok(())
 }
 
 /// An hf-hub error as one message (its `Display` already includes its source), with a hint for refused access.

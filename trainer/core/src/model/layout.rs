@@ -60,70 +60,26 @@ pub struct ModelLayout {
 impl ModelLayout {
     /// The layout of a model with `cfg`.
     pub fn new(cfg: &ModelConfig) -> Self {
-        let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-        let q_out = cfg.num_heads * cfg.head_dim;
-        let kv_out = cfg.num_kv_heads * cfg.head_dim;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let mut tensors: Vec<(String, Vec<i64>)> = Vec::new();
-        let mut push = |name: String, shape: Vec<i64>| {
+        let push = |tensors: &mut Vec<(String, Vec<i64>)>, name: String, shape: Vec<i64>| {
             tensors.push((name, shape));
             tensors.len() - 1
         };
         let mut stages = Vec::new();
-        let embed = push("model.embed_tokens.weight".into(), vec![v, h]);
+        let embed = push(&mut tensors, "model.embed_tokens.weight".into(), vec![v, h]);
         stages.push((Stage::Embedding, vec![embed]));
         let mut decoder = None;
         for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}.");
-            let mut ids = Vec::new();
-            let mut add = |ids: &mut Vec<usize>, name: String, shape: Vec<i64>| {
-                ids.push(push(name, shape));
-                ids.len() - 1
-            };
-            let input_norm = add(&mut ids, format!("{p}input_layernorm.weight"), vec![h]);
-            let mut proj = |ids: &mut Vec<usize>, n: &str, out: i64, inp: i64, bias: bool| {
-                let w = add(ids, format!("{p}self_attn.{n}.weight"), vec![out, inp]);
-                let b = bias.then(|| add(ids, format!("{p}self_attn.{n}.bias"), vec![out]));
-                (w, b)
-            };
-            let q = proj(&mut ids, "q_proj", q_out, h, cfg.qkv_bias);
-            let k = proj(&mut ids, "k_proj", kv_out, h, cfg.qkv_bias);
-            let vv = proj(&mut ids, "v_proj", kv_out, h, cfg.qkv_bias);
-            let o = proj(&mut ids, "o_proj", h, q_out, cfg.o_bias);
-            let mut head_norm = |ids: &mut Vec<usize>, n: &str| {
-                let shape = vec![cfg.head_dim];
-                cfg.qk_norm
-                    .then(|| add(ids, format!("{p}self_attn.{n}.weight"), shape))
-            };
-            let (q_norm, k_norm) = (head_norm(&mut ids, "q_norm"), head_norm(&mut ids, "k_norm"));
-            let post_norm = add(
-                &mut ids,
-                format!("{p}post_attention_layernorm.weight"),
-                vec![h],
-            );
-            let gate = add(&mut ids, format!("{p}mlp.gate_proj.weight"), vec![i, h]);
-            let up = add(&mut ids, format!("{p}mlp.up_proj.weight"), vec![i, h]);
-            let down = add(&mut ids, format!("{p}mlp.down_proj.weight"), vec![h, i]);
-            decoder = Some(DecoderParam {
-                input_norm,
-                q,
-                k,
-                v: vv,
-                o,
-                q_norm,
-                k_norm,
-                post_norm,
-                gate,
-                up,
-                down,
-                lora: LoraSlots::default(),
-            });
+            let (params, ids) = decoder_layer(cfg, l, &mut tensors);
+            decoder = Some(params);
             stages.push((Stage::Decoder(l), ids));
         }
-        let norm = push("model.norm.weight".into(), vec![h]);
+        let norm = push(&mut tensors, "model.norm.weight".into(), vec![h]);
         let head = if cfg.tie_word_embeddings {
             embed
         } else {
-            push("lm_head.weight".into(), vec![v, h])
+            push(&mut tensors, "lm_head.weight".into(), vec![v, h])
         };
         stages.push((Stage::Head, vec![norm, head]));
         let decoder = decoder.unwrap_or(DecoderParam {
@@ -156,4 +112,62 @@ impl ModelLayout {
             .map(|(_, s)| s.iter().product::<i64>())
             .sum()
     }
+}
+
+/// Appends the tensors of decoder layer `l` of a model with `cfg` to `tensors`; returns the positions inside the
+/// layer's list and the layer's list of indices into `tensors`.
+fn decoder_layer(
+    cfg: &ModelConfig,
+    l: usize,
+    tensors: &mut Vec<(String, Vec<i64>)>,
+) -> (DecoderParam, Vec<usize>) {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let q_out = cfg.num_heads * cfg.head_dim;
+    let kv_out = cfg.num_kv_heads * cfg.head_dim;
+    let p = format!("model.layers.{l}.");
+    let mut ids = Vec::new();
+    let mut add = |ids: &mut Vec<usize>, name: String, shape: Vec<i64>| {
+        tensors.push((name, shape));
+        ids.push(tensors.len() - 1);
+        ids.len() - 1
+    };
+    let input_norm = add(&mut ids, format!("{p}input_layernorm.weight"), vec![h]);
+    let mut proj = |ids: &mut Vec<usize>, n: &str, out: i64, inp: i64, bias: bool| {
+        let w = add(ids, format!("{p}self_attn.{n}.weight"), vec![out, inp]);
+        let b = bias.then(|| add(ids, format!("{p}self_attn.{n}.bias"), vec![out]));
+        (w, b)
+    };
+    let q = proj(&mut ids, "q_proj", q_out, h, cfg.qkv_bias);
+    let k = proj(&mut ids, "k_proj", kv_out, h, cfg.qkv_bias);
+    let vv = proj(&mut ids, "v_proj", kv_out, h, cfg.qkv_bias);
+    let o = proj(&mut ids, "o_proj", h, q_out, cfg.o_bias);
+    let mut head_norm = |ids: &mut Vec<usize>, n: &str| {
+        let shape = vec![cfg.head_dim];
+        cfg.qk_norm
+            .then(|| add(ids, format!("{p}self_attn.{n}.weight"), shape))
+    };
+    let (q_norm, k_norm) = (head_norm(&mut ids, "q_norm"), head_norm(&mut ids, "k_norm"));
+    let post_norm = add(
+        &mut ids,
+        format!("{p}post_attention_layernorm.weight"),
+        vec![h],
+    );
+    let gate = add(&mut ids, format!("{p}mlp.gate_proj.weight"), vec![i, h]);
+    let up = add(&mut ids, format!("{p}mlp.up_proj.weight"), vec![i, h]);
+    let down = add(&mut ids, format!("{p}mlp.down_proj.weight"), vec![h, i]);
+    let params = DecoderParam {
+        input_norm,
+        q,
+        k,
+        v: vv,
+        o,
+        q_norm,
+        k_norm,
+        post_norm,
+        gate,
+        up,
+        down,
+        lora: LoraSlots::default(),
+    };
+    (params, ids)
 }

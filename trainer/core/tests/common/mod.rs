@@ -36,7 +36,9 @@ pub(crate) fn reference_script() -> PathBuf {
 
 /// The script `name` in `trainer/py/`.
 pub(crate) fn py_script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../py").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../py")
+        .join(name)
 }
 
 /// Runs `python parity_reference.py args...`, panicking with its stderr on failure.
