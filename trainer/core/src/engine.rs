@@ -117,6 +117,11 @@ impl<P: ParamStore> Engine<P> {
         &self.cfg
     }
 
+    /// The dtype the layers compute in.
+    pub fn compute_kind(&self) -> Kind {
+        self.kind
+    }
+
     /// The parameter store.
     pub fn store(&self) -> &P {
         &self.store
@@ -125,6 +130,20 @@ impl<P: ParamStore> Engine<P> {
     /// The parameter store, mutably (optimizer, checkpoints).
     pub fn store_mut(&mut self) -> &mut P {
         &mut self.store
+    }
+
+    /// Sets the temperature `T` of every log-probability the head computes, `log_softmax(logits / T)`, in
+    /// [`Engine::token_stats`] and in the losses of [`Engine::forward_backward_with`] (verl divides the logits by the
+    /// rollout temperature when it recomputes `old_log_prob` and in the actor's update). 1 by default; exactly 1 gives
+    /// the results of an engine without a temperature, bit for bit. A head kernel (`use_liger`) is bypassed at
+    /// `T != 1`.
+    pub fn set_temperature(&mut self, temperature: f64) -> Result<()> {
+        self.head.set_temperature(temperature)
+    }
+
+    /// The temperature of the head's log-probabilities.
+    pub fn temperature(&self) -> f64 {
+        self.head.temperature()
     }
 
     /// The schedule options.
@@ -292,7 +311,13 @@ impl<P: ParamStore> Engine<P> {
         let want_grad_w = out_w.requires_grad();
         let targets = &mb.target_ids;
         if let Some(c) = loss.uniform_grad() {
-            if let Some(kernel) = &self.kernels.head {
+            // The head kernel knows no temperature: it serves `T = 1` only.
+            let kernel = self
+                .kernels
+                .head
+                .as_ref()
+                .filter(|_| self.head.temperature() == 1.0);
+            if let Some(kernel) = kernel {
                 let (ce, gx, gw) = kernel.sum_loss_and_grads(normed, out_w, targets)?;
                 let gw = if want_grad_w { gw * -c } else { Tensor::new() };
                 return Ok((ce.double_value(&[]), gx * -c, gw));
@@ -338,7 +363,8 @@ impl<P: ParamStore> Engine<P> {
         Ok((stats.cross_entropy_sum().double_value(&[]), mb.num_targets))
     }
 
-    /// Full fp32 logits `[B, T, vocab]` of `mb` (for checks against other implementations; small inputs only).
+    /// Full fp32 logits `[B, T, vocab]` of `mb`, not divided by the temperature (for checks against other
+    /// implementations; small inputs only).
     pub fn logits(&mut self, mb: &MicroBatch) -> Result<Tensor> {
         let h = self.forward_hidden_no_grad(mb)?;
         let _g = tch::no_grad_guard();

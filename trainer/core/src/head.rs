@@ -4,6 +4,11 @@
 //! the loss's per-token gradients (cross-entropy: `softmax - onehot`, scaled; see [`ChunkedHead::backward`]) and used
 //! for both gradient matmuls. Nothing of size `[tokens, vocab]` is ever allocated, and no autograd graph holds
 //! vocabulary-sized tensors.
+//!
+//! A sampling temperature `T` ([`ChunkedHead::set_temperature`], verl's `logits.div_(temperature)` when it recomputes
+//! log-probabilities) divides the logits before the log-softmax, and the logits' gradient by `T` on the way back
+//! (`d z / d logits = 1 / T` for `z = logits / T`). At `T = 1` neither division runs: results are bit-identical to a
+//! head without a temperature.
 
 use tch::{Device, Kind, Tensor};
 
@@ -11,6 +16,7 @@ use tch::{Device, Kind, Tensor};
 pub struct ChunkedHead {
     buf: Option<Tensor>,
     max_elements: i64,
+    temperature: f64,
 }
 
 impl ChunkedHead {
@@ -19,7 +25,23 @@ impl ChunkedHead {
         Self {
             buf: None,
             max_elements,
+            temperature: 1.0,
         }
+    }
+
+    /// The temperature `T` of `log_softmax(logits / T)` (1 by default); positive and finite.
+    pub fn set_temperature(&mut self, temperature: f64) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            temperature > 0.0 && temperature.is_finite(),
+            "the head's temperature {temperature} must be positive and finite"
+        );
+        self.temperature = temperature;
+        Ok(())
+    }
+
+    /// The temperature the logits are divided by.
+    pub fn temperature(&self) -> f64 {
+        self.temperature
     }
 
     fn rows_per_chunk(&self, vocab: i64) -> i64 {
@@ -49,6 +71,9 @@ impl ChunkedHead {
             let _ = x.mm_out(&logits, &w.tr());
         } else {
             logits.copy_(&x.mm(&w.tr()));
+        }
+        if self.temperature != 1.0 {
+            let _ = logits.g_div_scalar_(self.temperature);
         }
         logits
     }
@@ -109,6 +134,9 @@ impl ChunkedHead {
             let _ = g.g_sub_(&lse); // log-softmax
             if let Some(h) = logits_grad_in_place(&mut g, &t, &grad.narrow(start, n)) {
                 entropies.push(h);
+            }
+            if self.temperature != 1.0 {
+                let _ = g.g_div_scalar_(self.temperature); // through z = logits / T
             }
             grad_x.push(project_back(&g, &xc, &w_c, grad_w.as_mut()));
         }
@@ -346,6 +374,47 @@ mod tests {
             "grad x differs by {}",
             close(&gx, &g[0])
         );
+    }
+
+    #[test]
+    fn temperature_divides_the_logits_and_their_gradient_as_autograd_does() {
+        tch::manual_seed(4);
+        let x = Tensor::randn([7, 5], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([11, 5], (Kind::Float, Device::Cpu));
+        let t = Tensor::from_slice(&[0i64, 3, 10, 4, 4, 1, 9]);
+        let dlp = Tensor::randn([7], (Kind::Float, Device::Cpu));
+        let dh = Tensor::randn([7], (Kind::Float, Device::Cpu));
+        let grad = || TokenGrad::PerRow {
+            log_prob: dlp.copy(),
+            entropy: Some(dh.copy()),
+        };
+        let temperature = 0.7;
+        let mut head = ChunkedHead::new(3 * 11);
+        assert!(head.set_temperature(0.0).is_err() && head.set_temperature(f64::NAN).is_err());
+        head.set_temperature(temperature).unwrap();
+        let (stats, gx, gw) = head.backward(&x, &w, &t, &grad(), true);
+        let xa = x.detach().set_requires_grad(true);
+        let wa = w.detach().set_requires_grad(true);
+        let ls = (xa.mm(&wa.tr()) / temperature).log_softmax(1, Kind::Float);
+        let lp = ls.gather(1, &t.unsqueeze(1), false).squeeze_dim(1);
+        let h = -(ls.exp() * &ls).sum_dim_intlist(1, false, Kind::Float);
+        let objective = (&lp * &dlp).sum(Kind::Float) + (&h * &dh).sum(Kind::Float);
+        let g = Tensor::run_backward(&[objective], &[&xa, &wa], false, false);
+        let rel = |a: &Tensor, b: &Tensor| {
+            (a - b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-12)
+        };
+        assert!(rel(&stats.log_prob, &lp) < 1e-6);
+        assert!(rel(stats.entropy.as_ref().expect("entropy"), &h) < 1e-6);
+        assert!(rel(&gx, &g[0]) < 1e-5, "grad x off by {}", rel(&gx, &g[0]));
+        let gw = gw.expect("grad w asked for");
+        assert!(rel(&gw, &g[1]) < 1e-5, "grad w off by {}", rel(&gw, &g[1]));
+        let again = head.token_stats(&x, &w, &t, true);
+        assert!(again.log_prob.equal(&stats.log_prob));
+        // Back at T = 1: exactly the results of a head that never had a temperature.
+        head.set_temperature(1.0).unwrap();
+        let (one, gx1, _) = head.backward(&x, &w, &t, &grad(), false);
+        let (plain, gx_plain, _) = ChunkedHead::new(3 * 11).backward(&x, &w, &t, &grad(), false);
+        assert!(one.log_prob.equal(&plain.log_prob) && gx1.equal(&gx_plain));
     }
 
     #[test]

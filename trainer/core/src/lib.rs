@@ -18,7 +18,8 @@
 //!   and metric names.
 //! - [`rollout`]: generation with a KV cache (greedy, temperature, top-k, top-p, seeded) and one-pass scoring of
 //!   prompt + response tokens (log-probabilities, entropies), with the model code and weights of [`model`].
-//! - [`rl`]: verl's core_algos as pure tensor functions (GRPO/RLOO advantages, PPO clipped loss, KL, entropy).
+//! - [`rl`]: verl's core_algos as pure tensor functions (GRPO/RLOO advantages, PPO clipped loss, KL, entropy), and
+//!   GRPO in one process built from them (RL batch, rewards, the actor worker, the colocated step).
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
 //! - [`storage`]: freeing a parameter buffer's bytes while autograd graphs refer to it, and refilling it (FULL_SHARD).
 

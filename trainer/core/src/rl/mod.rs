@@ -2,6 +2,10 @@
 //! loss, KL penalties and entropy ([`policy`]), and the loss aggregation every loss shares ([`agg_loss`]); the actor's
 //! loss as a loss of the engine ([`token_loss`]: [`ActorTokenLoss`] over a micro-batch's response tokens).
 //!
+//! Built from them, GRPO in one process: the step's batch ([`batch`]: [`RlBatch`]), rewards ([`reward`]), the actor
+//! worker over the engine ([`policy_worker`]: `compute_log_prob`, `update_policy`) and the step itself ([`grpo`]:
+//! [`GrpoTrainer`], colocated with its rollout snapshot).
+//!
 //! Shapes follow verl: per-token tensors are `[batch, response_length]` and `response_mask` marks the response
 //! tokens (any dtype; non-zero = counted). Each function is checked against a PyTorch implementation of verl's
 //! formulas on fixed inputs (`trainer/core/tests/rl_core_algos.rs`, `trainer/py/rl_reference.py`).
@@ -13,17 +17,25 @@
 //! 3. A wrong shape or an unknown mode is an error naming the argument or the key and its valid values.
 
 pub mod advantage;
+pub mod batch;
+pub mod grpo;
 pub mod policy;
+pub mod policy_worker;
+pub mod reward;
 pub mod token_loss;
 
 use anyhow::{bail, Result};
 use tch::Tensor;
 
 pub use advantage::{grpo_outcome_advantage, rloo_outcome_advantage};
+pub use batch::{RlBatch, RlRow};
+pub use grpo::{derive_seed, AdvEstimator, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
 pub use policy::{
     actor_loss, compute_policy_loss, entropy_from_logits, kl_penalty, ActorLoss, ActorLossConfig,
     ActorLossInputs, KlPenalty, PolicyLoss, PolicyLossConfig,
 };
+pub use policy_worker::{compute_log_prob, ActorUpdateConfig, PolicyWorker};
+pub use reward::{score_batch, FnReward, Reward, RewardRow};
 pub use token_loss::{ActorLossMetrics, ActorRows, ActorTokenLoss};
 
 /// `values` summed where `mask` is non-zero (masked positions count as 0 even when NaN), over all dimensions or
