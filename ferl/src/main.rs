@@ -38,6 +38,8 @@ enum Command {
     Export(cmd::export::ExportArgs),
     /// Generate responses to a parquet of chat prompts (verl's main_generation).
     Generate(cmd::generate::GenerateArgs),
+    /// GRPO/RLOO with verl's ppo_trainer keys (`key=value` overrides), rollout colocated with the actor.
+    Grpo(cmd::grpo::GrpoArgs),
     /// List and reload plugins.
     #[command(subcommand)]
     Plugin(cmd::plugin::PluginCommand),
@@ -53,6 +55,7 @@ fn main() -> anyhow::Result<()> {
         Command::Status(a) => cmd::cluster::status(a),
         Command::Stop(a) => cmd::cluster::stop(a),
         Command::Sft(a) => cmd::sft::run(a),
+        Command::Grpo(a) => cmd::grpo::run(a),
         Command::Data(c) => cmd::data::run(c),
         Command::Model(c) => cmd::model::run(c),
         Command::Export(a) => cmd::export::run(a),

@@ -67,7 +67,10 @@ impl HeadProcess {
         BufReader::new(stdout).read_line(&mut line)?;
         let Some((address, token)) = line.trim().split_once(' ') else {
             let _ = child.kill();
-            bail!("the head process printed `{}`, not `<address> <token>`", line.trim());
+            bail!(
+                "the head process printed `{}`, not `<address> <token>`",
+                line.trim()
+            );
         };
         Ok(Self {
             address: address.to_string(),

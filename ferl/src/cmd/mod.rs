@@ -4,6 +4,7 @@ pub(crate) mod cluster;
 pub(crate) mod data;
 pub(crate) mod export;
 pub(crate) mod generate;
+pub(crate) mod grpo;
 pub(crate) mod model;
 pub(crate) mod plugin;
 pub(crate) mod sft;

@@ -1,0 +1,196 @@
+//! `ferl grpo`: GRPO (or RLOO) with verl's `ppo_trainer.yaml` keys, in one process with the rollout colocated with
+//! the actor (its weights are re-snapshotted after every update). Each step takes `data.train_batch_size` prompts of
+//! `data.train_files` (reshuffled every epoch with `data.seed`, else `trainer.seed`), generates
+//! `actor_rollout_ref.rollout.n` responses to each, scores them with the reward, and updates the policy
+//! ([`ferl_trainer::rl::GrpoTrainer`]). Metrics carry verl's names; `trainer.save_freq` writes
+//! `global_step_N/` folders under `trainer.default_local_dir`, and `trainer.resume_mode=auto` resumes from the newest.
+
+mod setup;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferl_data::SftTokenizer;
+use ferl_trainer::config::PpoConfig;
+use ferl_trainer::engine::{Engine, EngineOptions};
+use ferl_trainer::metrics::{LoggerContext, LoggerRegistry, MetricsLogger};
+use ferl_trainer::params::LocalParams;
+use ferl_trainer::rl::{GrpoPrompt, GrpoTrainer};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tch::Kind;
+
+/// Arguments of `ferl grpo`.
+#[derive(Args, Debug)]
+pub(crate) struct GrpoArgs {
+    /// A YAML file with verl's `ppo_trainer.yaml` keys.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// `--cfg job` prints the resolved config and exits without training.
+    #[arg(long = "cfg", value_name = "job")]
+    pub cfg: Option<String>,
+    /// Overrides: `a.b=c`, `+a.b=c`, `~a.b`, lists as `[x,y]`.
+    #[arg(value_name = "KEY=VALUE")]
+    pub overrides: Vec<String>,
+}
+
+/// The file naming the newest saved step, as verl writes it.
+const LATEST: &str = "latest_checkpointed_iteration.txt";
+
+/// Loads the config, checks it, and trains.
+pub(crate) fn run(args: GrpoArgs) -> Result<()> {
+    let cfg = PpoConfig::load(args.config.as_deref(), &args.overrides)?;
+    match args.cfg.as_deref() {
+        Some("job") => {
+            print!("{}", cfg.to_yaml());
+            return Ok(());
+        }
+        Some(other) => bail!("--cfg {other}: only `--cfg job` is supported"),
+        None => {}
+    }
+    cfg.validate_supported(&setup::supported())?;
+    let model_dir = setup::model_dir(&cfg)?;
+    let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
+    let tok = Arc::new(SftTokenizer::from_dir(
+        tok_dir.as_deref().unwrap_or(&model_dir),
+        None,
+    )?);
+    let prompts = setup::prompts(&cfg, &tok)?;
+    let host = plugin_host()?;
+    let reward = setup::reward(&cfg, host, &prompts)?;
+    let mut trainer = build_trainer(&cfg, &model_dir, &tok, reward)?;
+    let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
+    if cfg.trainer.resume_mode == ferl_trainer::config::ResumeMode::Auto {
+        resume(&mut trainer, &run_dir)?;
+    }
+    train(&cfg, &mut trainer, &prompts, &run_dir)
+}
+
+/// The policy (fp32, on the CPU) from the model folder, with its reward and tokenizer.
+fn build_trainer(
+    cfg: &PpoConfig,
+    model_dir: &Path,
+    tok: &Arc<SftTokenizer>,
+    reward: Box<dyn ferl_trainer::rl::Reward>,
+) -> Result<GrpoTrainer<LocalParams>> {
+    let settings = setup::settings(cfg, tok)?;
+    let loaded = ferl_trainer::model::load_model(model_dir)?;
+    let store = LocalParams::new(loaded.layout, loaded.params, Kind::Float);
+    let opts = EngineOptions {
+        gradient_checkpointing: cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
+        ..Default::default()
+    };
+    let engine = Engine::new(loaded.config, store, Kind::Float, opts);
+    let mut trainer = GrpoTrainer::new(settings, engine, reward)?;
+    let decoder = Arc::clone(tok);
+    trainer.set_decoder(Box::new(move |ids| decoder.decode(ids).unwrap_or_default()));
+    Ok(trainer)
+}
+
+/// The plugin host rewards come from: the first-party plugins beside this binary and `$FERL_PLUGIN_PATH`.
+fn plugin_host() -> Result<Arc<ferl_plugin_host::PluginHost>> {
+    match ferl_actors::plugins::actor_plugin_host()? {
+        Some(host) => Ok(host),
+        None => {
+            let dir = std::env::temp_dir()
+                .join("ferl-plugin-copies")
+                .join(std::process::id().to_string());
+            Ok(Arc::new(ferl_plugin_host::PluginHost::new(dir)))
+        }
+    }
+}
+
+/// Restores the newest `global_step_N/` of `run_dir`, if any.
+fn resume(trainer: &mut GrpoTrainer<LocalParams>, run_dir: &Path) -> Result<()> {
+    let latest = run_dir.join(LATEST);
+    let Ok(text) = std::fs::read_to_string(&latest) else {
+        return Ok(());
+    };
+    let step: u64 = text
+        .trim()
+        .parse()
+        .with_context(|| format!("{}: `{}` is not a step", latest.display(), text.trim()))?;
+    let dir = run_dir.join(format!("global_step_{step}"));
+    trainer
+        .load(&dir)
+        .with_context(|| format!("resuming from {}", dir.display()))?;
+    eprintln!("resumed from {} (step {step})", dir.display());
+    Ok(())
+}
+
+/// Steps until `trainer.total_training_steps` (else `trainer.total_epochs` epochs of whole batches).
+fn train(
+    cfg: &PpoConfig,
+    trainer: &mut GrpoTrainer<LocalParams>,
+    prompts: &[GrpoPrompt],
+    run_dir: &Path,
+) -> Result<()> {
+    let batch = cfg.data.train_batch_size;
+    let per_epoch = (prompts.len() / batch) as u64;
+    let total = cfg
+        .trainer
+        .total_training_steps
+        .map(|s| s as u64)
+        .unwrap_or(per_epoch * cfg.trainer.total_epochs as u64);
+    let mut loggers = loggers(cfg, run_dir)?;
+    let progress = indicatif::ProgressBar::new(total);
+    progress.set_position(trainer.global_step());
+    while trainer.global_step() < total {
+        let step = trainer.global_step();
+        let order = epoch_order(cfg, prompts.len(), step / per_epoch);
+        let at = (step % per_epoch) as usize * batch;
+        let chosen: Vec<GrpoPrompt> = order[at..at + batch]
+            .iter()
+            .map(|&i| prompts[i].clone())
+            .collect();
+        let out = trainer.step(&chosen)?;
+        let metrics: Vec<(String, f64)> = out.metrics.into_iter().collect();
+        for l in loggers.iter_mut() {
+            progress.suspend(|| l.log(out.step as i64, &metrics))?;
+        }
+        progress.inc(1);
+        let save = cfg.trainer.save_freq > 0 && out.step % cfg.trainer.save_freq as u64 == 0;
+        if save || (cfg.trainer.save_freq > 0 && out.step == total) {
+            save_step(trainer, run_dir, out.step)?;
+        }
+    }
+    progress.finish_and_clear();
+    for l in loggers.iter_mut() {
+        l.finish()?;
+    }
+    Ok(())
+}
+
+/// The prompt order of epoch `epoch`: shuffled with the data seed when `data.shuffle`, else as read.
+fn epoch_order(cfg: &PpoConfig, n: usize, epoch: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if cfg.data.shuffle {
+        let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch));
+        order.shuffle(&mut rng);
+    }
+    order
+}
+
+/// `trainer.logger`'s loggers, writing under `run_dir`.
+fn loggers(cfg: &PpoConfig, run_dir: &Path) -> Result<Vec<Box<dyn MetricsLogger>>> {
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    let ctx = LoggerContext {
+        run_dir: run_dir.to_path_buf(),
+        project: cfg.trainer.project_name.clone(),
+        experiment: cfg.trainer.experiment_name.clone(),
+        progress: None,
+    };
+    let names: Vec<String> = cfg.trainer.logger.as_slice().to_vec();
+    LoggerRegistry::default().build(&names, &ctx)
+}
+
+/// Writes `global_step_N/` and then points [`LATEST`] at it.
+fn save_step(trainer: &mut GrpoTrainer<LocalParams>, run_dir: &Path, step: u64) -> Result<()> {
+    let dir = run_dir.join(format!("global_step_{step}"));
+    trainer.save(&dir)?;
+    let latest = run_dir.join(LATEST);
+    std::fs::write(&latest, step.to_string())
+        .with_context(|| format!("writing {}", latest.display()))
+}

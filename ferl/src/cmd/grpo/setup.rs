@@ -1,0 +1,272 @@
+//! What `ferl grpo` builds from a [`PpoConfig`] before its first step: the keys it honours (the config gate), the
+//! trainer's settings, the prompts of `data.train_files`, and the reward.
+
+use anyhow::{bail, Context, Result};
+use ferl_data::SftTokenizer;
+use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
+use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
+use ferl_trainer::config::{PpoConfig, Supported};
+use ferl_trainer::optim::AdamWConfig;
+use ferl_trainer::rl::{
+    ActorLossConfig, AdvEstimator, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode,
+    PolicyLossConfig, Reward,
+};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+
+/// The keys `ferl grpo` honours with any value.
+const HONOURED: &[&str] = &[
+    "data.train_files",
+    "data.prompt_key",
+    "data.reward_fn_key",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.train_batch_size",
+    "data.shuffle",
+    "data.seed",
+    "data.filter_overlong_prompts",
+    "data.tokenizer",
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.clip_ratio_c",
+    "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "actor_rollout_ref.actor.shuffle",
+    "actor_rollout_ref.actor.grad_clip",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.optim.weight_decay",
+    "actor_rollout_ref.actor.optim.betas",
+    "actor_rollout_ref.rollout.temperature",
+    "actor_rollout_ref.rollout.top_k",
+    "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "algorithm.norm_adv_by_std_in_grpo",
+    "custom_reward_function.path",
+    "custom_reward_function.name",
+    "trainer.total_epochs",
+    "trainer.total_training_steps",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.save_freq",
+    "trainer.default_local_dir",
+    "trainer.seed",
+];
+
+/// The config gate of `ferl grpo`: what it honours, and with which values where only some are.
+pub(crate) fn supported() -> Supported {
+    Supported::new()
+        .keys(HONOURED)
+        .values(
+            "actor_rollout_ref.actor.loss_agg_mode",
+            &["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+        )
+        .values("actor_rollout_ref.rollout.name", &["ferl"])
+        .values("actor_rollout_ref.rollout.do_sample", &["true"])
+        .values("algorithm.adv_estimator", &["grpo", "rloo"])
+        .values("reward_model.reward_manager", &["naive"])
+        .values("trainer.logger", &["console", "jsonl"])
+        .values("trainer.device", &["cpu"])
+        .values("trainer.resume_mode", &["auto", "disable"])
+        .values("trainer.nnodes", &["1"])
+        .values("trainer.n_gpus_per_node", &["1"])
+        // No validation pass and no critic: only the settings that say so are accepted.
+        .values("trainer.val_before_train", &["false"])
+        .values("critic.enable", &["false"])
+}
+
+/// A config value spelled as in YAML (`low_var_kl`, `token-mean`, `grpo`).
+fn spelled<T: serde::Serialize>(value: &T) -> Result<String> {
+    match serde_json::to_value(value)? {
+        Value::String(s) => Ok(s),
+        other => Ok(other.to_string()),
+    }
+}
+
+/// The trainer's settings from the config; stop and padding tokens from the tokenizer.
+pub(crate) fn settings(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<GrpoSettings> {
+    let (actor, rollout) = (&cfg.actor_rollout_ref.actor, &cfg.actor_rollout_ref.rollout);
+    let micro = actor
+        .ppo_micro_batch_size_per_gpu
+        .unwrap_or(cfg.data.train_batch_size * rollout.n);
+    let log_prob_micro = rollout
+        .log_prob_micro_batch_size_per_gpu
+        .or(cfg
+            .actor_rollout_ref
+            .reference
+            .log_prob_micro_batch_size_per_gpu)
+        .unwrap_or(micro);
+    let loss = ActorLossConfig {
+        policy: PolicyLossConfig {
+            clip_ratio: actor.clip_ratio,
+            clip_ratio_low: actor.clip_ratio_low,
+            clip_ratio_high: actor.clip_ratio_high,
+            clip_ratio_c: actor.clip_ratio_c,
+        },
+        loss_agg_mode: LossAggMode::parse(&spelled(&actor.loss_agg_mode)?)?,
+        entropy_coeff: actor.entropy_coeff,
+        use_kl_loss: actor.use_kl_loss,
+        kl_loss_coef: actor.kl_loss_coef,
+        kl_loss_type: KlPenalty::parse(&spelled(&actor.kl_loss_type)?)?,
+    };
+    Ok(GrpoSettings {
+        n: rollout.n,
+        temperature: rollout.temperature,
+        top_k: rollout.top_k,
+        top_p: rollout.top_p,
+        seed: cfg.trainer.seed,
+        max_response_length: rollout.response_length,
+        eos_token_ids: vec![tok.eos_token_id()],
+        pad_token_id: tok.pad_token_id(),
+        ppo_mini_batch_size: actor.ppo_mini_batch_size,
+        ppo_micro_batch_size: micro,
+        log_prob_micro_batch_size: log_prob_micro,
+        ppo_epochs: actor.ppo_epochs,
+        shuffle: actor.shuffle,
+        loss,
+        adv_estimator: AdvEstimator::parse(&spelled(&cfg.algorithm.adv_estimator)?)?,
+        norm_adv_by_std_in_grpo: cfg.algorithm.norm_adv_by_std_in_grpo,
+        lr: actor.optim.lr,
+        optim: AdamWConfig {
+            betas: (actor.optim.betas[0], actor.optim.betas[1]),
+            eps: 1e-8,
+            weight_decay: actor.optim.weight_decay,
+        },
+        grad_clip: actor.grad_clip,
+    })
+}
+
+/// The prompts of `data.train_files` (verl's RL parquet: `prompt` messages, `reward_model.ground_truth`,
+/// `data_source`, `extra_info`), rendered with the chat template and its generation prompt. A prompt longer than
+/// `data.max_prompt_length` is skipped with `data.filter_overlong_prompts`, else refused naming its row.
+pub(crate) fn prompts(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<Vec<GrpoPrompt>> {
+    let mut out = Vec::new();
+    let mut skipped = 0;
+    for file in cfg.data.train_files.as_slice() {
+        let path = ferl_data::expand_path(file);
+        let rows = ferl_data::read::read_rows(&path, None)
+            .with_context(|| format!("data.train_files: {}", path.display()))?;
+        for (i, row) in rows.iter().enumerate() {
+            let at = || format!("{} row {i}", path.display());
+            let p = prompt(cfg, tok, row).with_context(at)?;
+            if p.ids.len() > cfg.data.max_prompt_length {
+                if cfg.data.filter_overlong_prompts {
+                    skipped += 1;
+                    continue;
+                }
+                bail!(
+                    "{}: the prompt has {} tokens, over data.max_prompt_length={} (set data.filter_overlong_prompts=true to skip such rows)",
+                    at(), p.ids.len(), cfg.data.max_prompt_length
+                );
+            }
+            out.push(p);
+        }
+    }
+    if skipped > 0 {
+        eprintln!("skipped {skipped} prompts over data.max_prompt_length");
+    }
+    if out.len() < cfg.data.train_batch_size {
+        bail!(
+            "data.train_files holds {} usable prompts, fewer than data.train_batch_size={}",
+            out.len(),
+            cfg.data.train_batch_size
+        );
+    }
+    Ok(out)
+}
+
+/// One row as a prompt.
+fn prompt(cfg: &PpoConfig, tok: &SftTokenizer, row: &Value) -> Result<GrpoPrompt> {
+    let key = &cfg.data.prompt_key;
+    let messages = match row.get(key) {
+        Some(Value::Array(m)) => m.clone(),
+        Some(Value::String(s)) => vec![serde_json::json!({"role": "user", "content": s})],
+        Some(other) => bail!("`{key}` is {other}, not a list of chat messages or a string"),
+        None => bail!("no `{key}` column (data.prompt_key)"),
+    };
+    let text = tok
+        .template()?
+        .render(&messages, true, None, &BTreeMap::new())?;
+    let ground_truth = match row.pointer("/reward_model/ground_truth") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Null) | None => String::new(),
+        Some(v) => v.to_string(),
+    };
+    let source_key = &cfg.data.reward_fn_key;
+    let extra = serde_json::json!({
+        "data_source": row.get(source_key).cloned().unwrap_or(Value::Null),
+        "extra_info": row.get("extra_info").cloned().unwrap_or(Value::Null),
+    });
+    Ok(GrpoPrompt {
+        ids: tok.encode(&text)?,
+        text,
+        ground_truth,
+        extra,
+    })
+}
+
+/// The reward: `custom_reward_function.path` (a reward plugin file; `custom_reward_function.name`, when changed from
+/// verl's `compute_score`, must be its name), else verl's `naive` manager over the prompts' data sources, each scored
+/// by ferl's first-party plugin for it.
+pub(crate) fn reward(
+    cfg: &PpoConfig,
+    host: Arc<PluginHost>,
+    prompts: &[GrpoPrompt],
+) -> Result<Box<dyn Reward>> {
+    if let Some(path) = &cfg.custom_reward_function.path {
+        let file = ferl_data::expand_path(path);
+        let plugin = host
+            .load_file(&file, Some(PluginKind::Reward))
+            .with_context(|| format!("custom_reward_function.path={path}"))?;
+        let name = plugin.info().name.clone();
+        let wanted = &cfg.custom_reward_function.name;
+        if wanted != "compute_score" && wanted != &name {
+            bail!("custom_reward_function.name={wanted}: {path} holds reward plugin `{name}`");
+        }
+        return Ok(Box::new(PluginReward::new(Box::new(HotReward::new(
+            host, &name, "",
+        )?))));
+    }
+    let sources: BTreeSet<String> = prompts
+        .iter()
+        .map(|p| p.extra["data_source"].as_str().unwrap_or("").to_string())
+        .collect();
+    let mut rewards = BTreeMap::new();
+    for source in sources {
+        let Some(plugin) = reward_plugin_for(&source) else {
+            bail!(
+                "data_source `{source}` has no built-in reward: set custom_reward_function.path to a reward plugin"
+            );
+        };
+        let r = HotReward::new(host.clone(), plugin, "")
+            .with_context(|| format!("the reward of data_source `{source}`"))?;
+        rewards.insert(source, PluginReward::new(Box::new(r)));
+    }
+    Ok(Box::new(DataSourceReward::new(rewards)))
+}
+
+/// Refuses a model folder that is not there, naming the key.
+pub(crate) fn model_dir(cfg: &PpoConfig) -> Result<std::path::PathBuf> {
+    let spec = &cfg.actor_rollout_ref.model.path;
+    let dir = ferl_trainer::model::hub::resolve_model(spec)
+        .with_context(|| format!("actor_rollout_ref.model.path={spec}"))?;
+    if !Path::new(&dir).join("config.json").exists() {
+        bail!(
+            "actor_rollout_ref.model.path={spec}: no config.json in {}",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
