@@ -50,6 +50,7 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
         None => {}
     }
     cfg.validate_supported(&setup::supported())?;
+    setup::check_values(&cfg)?;
     let model_dir = setup::model_dir(&cfg)?;
     let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
     let tok = Arc::new(SftTokenizer::from_dir(
@@ -57,8 +58,7 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
         None,
     )?);
     let prompts = setup::prompts(&cfg, &tok)?;
-    let host = plugin_host()?;
-    let reward = setup::reward(&cfg, host, &prompts)?;
+    let reward = setup::reward(&cfg, plugin_host, &prompts)?;
     let mut trainer = build_trainer(&cfg, &model_dir, &tok, reward)?;
     let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
     if cfg.trainer.resume_mode == ferl_trainer::config::ResumeMode::Auto {

@@ -217,28 +217,41 @@ fn prompt(cfg: &PpoConfig, tok: &SftTokenizer, row: &Value) -> Result<GrpoPrompt
     })
 }
 
-/// The reward: `custom_reward_function.path` (a reward plugin file; `custom_reward_function.name`, when changed from
-/// verl's `compute_score`, must be its name), else verl's `naive` manager over the prompts' data sources, each scored
-/// by ferl's first-party plugin for it.
+/// The reward: `custom_reward_function.path` (a reward plugin file, loaded into a host of its own; when
+/// `custom_reward_function.name` is changed from verl's `compute_score` it must be the plugin's name), else verl's
+/// `naive` manager over the prompts' data sources, each scored by ferl's first-party plugin for it (found in `host`).
 pub(crate) fn reward(
     cfg: &PpoConfig,
-    host: Arc<PluginHost>,
+    host: impl FnOnce() -> Result<Arc<PluginHost>>,
     prompts: &[GrpoPrompt],
 ) -> Result<Box<dyn Reward>> {
-    if let Some(path) = &cfg.custom_reward_function.path {
-        let file = ferl_data::expand_path(path);
-        let plugin = host
-            .load_file(&file, Some(PluginKind::Reward))
-            .with_context(|| format!("custom_reward_function.path={path}"))?;
-        let name = plugin.info().name.clone();
-        let wanted = &cfg.custom_reward_function.name;
-        if wanted != "compute_score" && wanted != &name {
-            bail!("custom_reward_function.name={wanted}: {path} holds reward plugin `{name}`");
-        }
-        return Ok(Box::new(PluginReward::new(Box::new(HotReward::new(
-            host, &name, "",
-        )?))));
+    match &cfg.custom_reward_function.path {
+        Some(path) => custom_reward(cfg, path),
+        None => naive_reward(host()?, prompts),
     }
+}
+
+/// The reward plugin in the file `path`.
+fn custom_reward(cfg: &PpoConfig, path: &str) -> Result<Box<dyn Reward>> {
+    let key = || format!("custom_reward_function.path={path}");
+    let copies = std::env::temp_dir()
+        .join("ferl-plugin-copies")
+        .join(format!("{}-custom", std::process::id()));
+    let host = Arc::new(PluginHost::new(copies));
+    let plugin = host
+        .load_file(&ferl_data::expand_path(path), Some(PluginKind::Reward))
+        .with_context(key)?;
+    let name = plugin.info().name.clone();
+    let wanted = &cfg.custom_reward_function.name;
+    if wanted != "compute_score" && wanted != &name {
+        bail!("custom_reward_function.name={wanted}: {path} holds reward plugin `{name}`");
+    }
+    let reward = HotReward::new(host, &name, "").with_context(key)?;
+    Ok(Box::new(PluginReward::new(Box::new(reward))))
+}
+
+/// verl's `naive` manager: each data source of the prompts scored by its first-party reward plugin.
+fn naive_reward(host: Arc<PluginHost>, prompts: &[GrpoPrompt]) -> Result<Box<dyn Reward>> {
     let sources: BTreeSet<String> = prompts
         .iter()
         .map(|p| p.extra["data_source"].as_str().unwrap_or("").to_string())
@@ -255,6 +268,33 @@ pub(crate) fn reward(
         rewards.insert(source, PluginReward::new(Box::new(r)));
     }
     Ok(Box::new(DataSourceReward::new(rewards)))
+}
+
+/// Values `ferl grpo` cannot run even where they are verl's defaults (an unchanged key passes the gate).
+pub(crate) fn check_values(cfg: &PpoConfig) -> Result<()> {
+    let estimator = spelled(&cfg.algorithm.adv_estimator)?;
+    if AdvEstimator::parse(&estimator).is_err() {
+        bail!(
+            "algorithm.adv_estimator={estimator}: ferl grpo runs `grpo` or `rloo` (critic-free estimators); set algorithm.adv_estimator=grpo"
+        );
+    }
+    let rollout = &cfg.actor_rollout_ref.rollout;
+    if rollout.name != "ferl" {
+        bail!(
+            "actor_rollout_ref.rollout.name={}: ferl generates with its own engine (`ferl`)",
+            rollout.name
+        );
+    }
+    if !rollout.do_sample {
+        bail!("actor_rollout_ref.rollout.do_sample=false: GRPO compares sampled responses; keep it true");
+    }
+    if cfg.trainer.device != "cpu" {
+        bail!(
+            "trainer.device={}: ferl grpo runs on the CPU in one process for now; set trainer.device=cpu",
+            cfg.trainer.device
+        );
+    }
+    Ok(())
 }
 
 /// Refuses a model folder that is not there, naming the key.

@@ -1,0 +1,214 @@
+//! `ferl grpo` run as a user would, on verl's GSM8K parquet and the tiny Qwen2: verl's metric names in
+//! `metrics.jsonl`, `global_step_N/` checkpoints with `latest_checkpointed_iteration.txt`, a resumed run that equals
+//! an uninterrupted one, a reward plugin named by `custom_reward_function.path`, and keys it cannot honour refused
+//! by name. The tiny random model scores 0 on GSM8K, so the entropy bonus (`entropy_coeff`) is what moves the weights
+//! between steps: without it every step would be the same and the resume check would prove nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ferl_tests::*;
+use serde_json::Value;
+
+fn run_ferl(args: &[String]) -> Output {
+    Command::new(ferl_binary())
+        .env("OMP_NUM_THREADS", "1")
+        .args(args)
+        .output()
+        .expect("run ferl")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A tiny model and verl's GSM8K parquet of 6 training rows.
+fn fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    write_tiny_model(&d.join("model")).unwrap();
+    std::fs::create_dir_all(d.join("raw")).unwrap();
+    write_gsm8k_slice(&d.join("raw/train.jsonl"), 6).unwrap();
+    write_gsm8k_slice(&d.join("raw/test.jsonl"), 2).unwrap();
+    let out = run_ferl(&[
+        "data".into(),
+        "gsm8k".into(),
+        "--input-dir".into(),
+        d.join("raw").display().to_string(),
+        "--local-dir".into(),
+        d.join("data").display().to_string(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    dir
+}
+
+/// `ferl grpo` on the fixture: 2 prompts x 2 responses of 6 tokens per step, KL loss and an entropy bonus.
+fn grpo_args(d: &Path, run: &str, steps: usize, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        "grpo".into(),
+        format!(
+            "data.train_files={}",
+            d.join("data/train.parquet").display()
+        ),
+        format!("actor_rollout_ref.model.path={}", d.join("model").display()),
+        format!("trainer.default_local_dir={}", d.join(run).display()),
+        "data.train_batch_size=2".into(),
+        "data.max_prompt_length=256".into(),
+        "data.max_response_length=6".into(),
+        "actor_rollout_ref.rollout.n=2".into(),
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2".into(),
+        "actor_rollout_ref.actor.use_kl_loss=true".into(),
+        "actor_rollout_ref.actor.entropy_coeff=0.01".into(),
+        "actor_rollout_ref.actor.optim.lr=1e-3".into(),
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false".into(),
+        "algorithm.adv_estimator=grpo".into(),
+        "trainer.logger=[console,jsonl]".into(),
+        "trainer.device=cpu".into(),
+        "trainer.n_gpus_per_node=1".into(),
+        "trainer.val_before_train=false".into(),
+        "trainer.save_freq=1".into(),
+        format!("trainer.total_training_steps={steps}"),
+    ];
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+fn metrics(run: &Path) -> Vec<Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The number `key` of a metrics line (`{"step": N, "<key>": value, ...}`).
+fn number(line: &Value, key: &str) -> f64 {
+    line.get(key)
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("no `{key}` in {line}"))
+}
+
+const VERL_KEYS: [&str; 10] = [
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/pg_clipfrac",
+    "actor/entropy",
+    "response_length/mean",
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+];
+
+#[test]
+fn grpo_logs_verl_metrics_saves_steps_and_resumes_to_the_same_run() {
+    let dir = fixture();
+    let d = dir.path();
+    let out = run_ferl(&grpo_args(d, "a", 3, &[]));
+    assert!(out.status.success(), "{}", text(&out));
+    let a = metrics(&d.join("a"));
+    assert_eq!(a.len(), 3, "one metrics line per step");
+    for key in VERL_KEYS {
+        number(&a[2], key);
+    }
+    for step in 1..=3 {
+        assert!(d.join(format!("a/global_step_{step}")).is_dir());
+    }
+    let latest = std::fs::read_to_string(d.join("a/latest_checkpointed_iteration.txt")).unwrap();
+    assert_eq!(latest.trim(), "3");
+    let moved = (number(&a[0], "actor/entropy") - number(&a[2], "actor/entropy")).abs();
+    assert!(
+        moved > 1e-6,
+        "the entropy bonus moved the weights ({moved})"
+    );
+
+    let first = run_ferl(&grpo_args(d, "b", 2, &[]));
+    assert!(first.status.success(), "{}", text(&first));
+    let resumed = run_ferl(&grpo_args(d, "b", 3, &[]));
+    assert!(resumed.status.success(), "{}", text(&resumed));
+    assert!(String::from_utf8_lossy(&resumed.stderr).contains("resumed from"));
+    let b = metrics(&d.join("b"));
+    assert_eq!(b.len(), 3, "two steps, then the resumed third");
+    for key in VERL_KEYS.iter().filter(|k| !k.starts_with("timing_s")) {
+        let (x, y) = (number(&a[2], key), number(&b[2], key));
+        assert!(
+            (x - y).abs() <= 1e-6 * x.abs().max(1.0),
+            "{key}: uninterrupted {x}, resumed {y}"
+        );
+    }
+}
+
+#[test]
+fn grpo_scores_with_the_reward_plugin_of_custom_reward_function_path() {
+    let dir = fixture();
+    let d = dir.path();
+    let plugin = plugin_file("ferl_plugin_gsm8k");
+    let path = format!("custom_reward_function.path={}", plugin.display());
+    let out = run_ferl(&grpo_args(
+        d,
+        "c",
+        1,
+        &[&path, "custom_reward_function.name=gsm8k"],
+    ));
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(number(&metrics(&d.join("c"))[0], "critic/score/mean"), 0.0);
+    let wrong = run_ferl(&grpo_args(
+        d,
+        "c2",
+        1,
+        &[&path, "custom_reward_function.name=other"],
+    ));
+    assert!(!wrong.status.success());
+    assert!(
+        text(&wrong).contains("holds reward plugin `gsm8k`"),
+        "{}",
+        text(&wrong)
+    );
+}
+
+/// The first-party plugin library `name` that the workspace build left beside the `ferl` binary.
+fn plugin_file(name: &str) -> PathBuf {
+    let file = ferl_binary().with_file_name(format!("lib{name}.so"));
+    assert!(
+        file.exists(),
+        "{} is built with the workspace",
+        file.display()
+    );
+    file
+}
+
+#[test]
+fn grpo_refuses_what_it_cannot_honour_by_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cases: [(&str, &str); 5] = [
+        (
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.name",
+        ),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator"),
+        ("data.val_files=x.parquet", "data.val_files"),
+        (
+            "reward_model.reward_manager=prime",
+            "reward_model.reward_manager",
+        ),
+        (
+            "actor_rollout_ref.actor.lr=1e-5",
+            "actor_rollout_ref.actor.optim.lr",
+        ),
+    ];
+    for (arg, named) in cases {
+        let out = run_ferl(&grpo_args(d, "r", 1, &[arg]));
+        assert!(!out.status.success(), "{arg} was accepted");
+        assert!(
+            text(&out).contains(named),
+            "{arg}: the error does not name {named}:\n{}",
+            text(&out)
+        );
+    }
+}
