@@ -212,3 +212,62 @@ fn grpo_refuses_what_it_cannot_honour_by_key() {
         );
     }
 }
+
+/// One `ferl sft` step (lr 1e-2, so the weights visibly move) saved under `d/sft`.
+fn sft_checkpoint(d: &Path) -> PathBuf {
+    let args: Vec<String> = [
+        "sft".to_string(),
+        format!("model.partial_pretrain={}", d.join("model").display()),
+        format!(
+            "data.train_files={}",
+            d.join("data/train.parquet").display()
+        ),
+        "data.val_files=[]".into(),
+        "data.prompt_key=extra_info".into(),
+        "data.response_key=extra_info".into(),
+        "data.prompt_dict_keys=[question]".into(),
+        "data.response_dict_keys=[answer]".into(),
+        "data.train_batch_size=2".into(),
+        "data.micro_batch_size_per_gpu=2".into(),
+        "data.max_length=96".into(),
+        "data.truncation=right".into(),
+        "optim.lr=1e-2".into(),
+        "trainer.total_training_steps=1".into(),
+        format!("trainer.default_local_dir={}", d.join("sft").display()),
+        "trainer.device=cpu".into(),
+        "trainer.logger=[console]".into(),
+    ]
+    .into();
+    let out = run_ferl(&args);
+    assert!(out.status.success(), "{}", text(&out));
+    d.join("sft/global_step_1")
+}
+
+#[test]
+fn grpo_starts_from_an_sft_checkpoint() {
+    let dir = fixture();
+    let d = dir.path();
+    let ckpt = sft_checkpoint(d);
+    let from = format!("actor_rollout_ref.model.path={}", ckpt.display());
+    let tok = format!("data.tokenizer={}", d.join("model").display());
+    let out = run_ferl(&grpo_args(d, "from_sft", 1, &[&from, &tok]));
+    assert!(out.status.success(), "{}", text(&out));
+    let base = run_ferl(&grpo_args(d, "from_base", 1, &[]));
+    assert!(base.status.success(), "{}", text(&base));
+    let (sft, hf) = (metrics(&d.join("from_sft")), metrics(&d.join("from_base")));
+    let (a, b) = (
+        number(&sft[0], "actor/entropy"),
+        number(&hf[0], "actor/entropy"),
+    );
+    assert!(
+        (a - b).abs() > 1e-4,
+        "the SFT step's weights were used: entropy {a} vs the base model's {b}"
+    );
+    let no_tok = run_ferl(&grpo_args(d, "no_tok", 1, &[&from]));
+    assert!(!no_tok.status.success());
+    assert!(
+        text(&no_tok).contains("set data.tokenizer"),
+        "{}",
+        text(&no_tok)
+    );
+}

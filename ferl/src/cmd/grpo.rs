@@ -51,7 +51,7 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     }
     cfg.validate_supported(&setup::supported())?;
     setup::check_values(&cfg)?;
-    let model_dir = setup::model_dir(&cfg)?;
+    let (model_dir, _exported) = setup::model_dir(&cfg)?;
     let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
     let tok = Arc::new(SftTokenizer::from_dir(
         tok_dir.as_deref().unwrap_or(&model_dir),

@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use ferl_data::SftTokenizer;
+use ferl_fsdp::checkpoint::LoraExport;
 use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
 use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
 use ferl_trainer::config::{PpoConfig, Supported};
@@ -13,8 +14,9 @@ use ferl_trainer::rl::{
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use tch::Kind;
 
 /// The keys `ferl grpo` honours with any value.
 const HONOURED: &[&str] = &[
@@ -297,16 +299,33 @@ pub(crate) fn check_values(cfg: &PpoConfig) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a model folder that is not there, naming the key.
-pub(crate) fn model_dir(cfg: &PpoConfig) -> Result<std::path::PathBuf> {
+/// The policy's starting weights as a Hugging Face folder: `actor_rollout_ref.model.path` itself (a folder or Hub
+/// id), or, for a sharded `ferl sft` checkpoint (`global_step_N/` with `fsdp_meta.json`), its model exported into a
+/// temporary folder (kept alive by the returned guard) with the tokenizer files of `data.tokenizer`.
+pub(crate) fn model_dir(cfg: &PpoConfig) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
     let spec = &cfg.actor_rollout_ref.model.path;
-    let dir = ferl_trainer::model::hub::resolve_model(spec)
-        .with_context(|| format!("actor_rollout_ref.model.path={spec}"))?;
-    if !Path::new(&dir).join("config.json").exists() {
-        bail!(
-            "actor_rollout_ref.model.path={spec}: no config.json in {}",
-            dir.display()
-        );
+    let key = || format!("actor_rollout_ref.model.path={spec}");
+    let given = ferl_data::expand_path(spec);
+    if given.join("fsdp_meta.json").is_file() {
+        let Some(tok) = cfg.data.tokenizer.as_deref() else {
+            bail!("{}: an SFT checkpoint holds no tokenizer; set data.tokenizer to the folder of the model the SFT run started from", key());
+        };
+        ferl_trainer::checkpoint::verify(&given).with_context(key)?;
+        let tmp = tempfile::tempdir()?;
+        let side = [Path::new(tok)];
+        ferl_fsdp::checkpoint::export_sharded(
+            &given,
+            tmp.path(),
+            Kind::Float,
+            &side,
+            LoraExport::Merge,
+        )
+        .with_context(key)?;
+        return Ok((tmp.path().to_path_buf(), Some(tmp)));
     }
-    Ok(dir)
+    let dir = ferl_trainer::model::hub::resolve_model(spec).with_context(key)?;
+    if !dir.join("config.json").exists() {
+        bail!("{}: no config.json in {}", key(), dir.display());
+    }
+    Ok((dir, None))
 }
