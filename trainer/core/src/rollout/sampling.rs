@@ -131,33 +131,41 @@ impl Sampler {
     }
 
     /// Inverse-CDF sampling of each row of `logits / temperature` restricted by top-k and top-p, with draws `u`
-    /// (`[B]` fp64 in `[0, 1)`).
+    /// (`[B]` fp64 in `[0, 1)`). Without a restriction the CDF runs over the vocabulary in its own order (no sort);
+    /// with top-k only over the `k` largest logits (`topk`); top-p needs every probability in descending order.
     fn sample(&self, logits: &Tensor, u: &Tensor) -> Tensor {
         let p = &self.params;
         let vocab = logits.size()[1];
-        let (sorted, order) = (logits / p.temperature).sort(-1, true);
-        let probs = sorted.softmax(-1, Kind::Double);
-        let mut keep = probs.ones_like().to_kind(Kind::Bool);
-        if p.top_k > 0 && p.top_k < vocab {
-            let rank = Tensor::arange(vocab, (Kind::Int64, logits.device())).unsqueeze(0);
-            keep = keep.logical_and(&rank.lt(p.top_k));
-        }
+        let scaled = logits / p.temperature;
+        let top_k = (p.top_k > 0 && p.top_k < vocab).then_some(p.top_k);
+        let (candidates, order) = match (top_k, p.top_p < 1.0) {
+            (None, false) => return inverse_cdf(&scaled.softmax(-1, Kind::Double), u),
+            (Some(k), false) => scaled.topk(k, -1, true, true),
+            (_, true) => {
+                let (sorted, order) = scaled.sort(-1, true);
+                let k = top_k.unwrap_or(vocab);
+                (sorted.narrow(1, 0, k), order.narrow(1, 0, k))
+            }
+        };
+        let mut probs = candidates.softmax(-1, Kind::Double);
         if p.top_p < 1.0 {
             // Keep a token while the mass of the tokens before it is below top_p (the first is always kept).
             let before = probs.cumsum(-1, Kind::Double) - &probs;
-            keep = keep.logical_and(&before.lt(p.top_p));
+            probs = probs * before.lt(p.top_p).to_kind(Kind::Double);
         }
-        let kept = probs * keep.to_kind(Kind::Double);
-        let cdf = kept.cumsum(-1, Kind::Double);
-        let total = cdf.select(1, vocab - 1).unsqueeze(1);
-        let target = u.unsqueeze(1) * &total;
-        // The first index whose cumulative mass exceeds the target (never a dropped, zero-mass token).
-        let index = cdf
-            .le_tensor(&target)
-            .sum_dim_intlist(1, true, Kind::Int64)
-            .clamp_max(vocab - 1);
-        order.gather(1, &index, false).squeeze_dim(1)
+        order.gather(1, &inverse_cdf(&probs, u).unsqueeze(1), false).squeeze_dim(1)
     }
+}
+
+/// For each row of (unnormalised, non-negative) `probs` `[B, N]`, the first column whose cumulative mass exceeds
+/// `u · total` — never a zero-mass column.
+fn inverse_cdf(probs: &Tensor, u: &Tensor) -> Tensor {
+    let n = probs.size()[1];
+    let cdf = probs.cumsum(-1, Kind::Double);
+    let target = u.unsqueeze(1) * cdf.select(1, n - 1).unsqueeze(1);
+    cdf.le_tensor(&target)
+        .sum_dim_intlist(1, false, Kind::Int64)
+        .clamp_max(n - 1)
 }
 
 #[cfg(test)]
