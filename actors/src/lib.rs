@@ -18,6 +18,8 @@
 //! - a distributed train step: [`rank::RankState::train_step`] (the trainer's `Stepper::step_with_global_targets`
 //!   over the sharded store)
 //! - the launch paths: [`sft`]; the loop itself: `ferl_trainer::run::run`
+//! - GRPO's roles as actors ([`rl`]: [`rl::Rollout`], [`rl::PolicyActor`]) and verl's single-controller loop over
+//!   them ([`rl::GrpoDriver`], [`rl::run_grpo_on_groups`]); weights cross processes as one byte blob
 
 pub mod checkpoint;
 pub mod cluster_run;
@@ -29,6 +31,7 @@ pub mod plugins;
 pub mod rank;
 mod registry;
 pub mod rendezvous;
+pub mod rl;
 pub mod sft;
 pub mod spmd;
 pub mod trainer_rank;

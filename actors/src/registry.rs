@@ -5,22 +5,28 @@ use crate::checkpoint::Checkpointer;
 use crate::data_loader::DataLoader;
 use crate::messages::*;
 use crate::metrics::Metrics;
+use crate::rl::messages::*;
+use crate::rl::{PolicyActor, Rollout};
 use crate::trainer_rank::TrainerRank;
 
 ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, Validate, SaveShard, FinishSave, LoadShard, Export]);
 ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, BatchOf, ValShards]);
 ferl_runtime::register_actor!(Checkpointer, calls: [Commit, Flush]);
 ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);
+ferl_runtime::register_actor!(Rollout, calls: [Generate, LoadWeights]);
+ferl_runtime::register_actor!(PolicyActor, calls: [ComputeLogProb, UpdatePolicy, ExportWeights, SaveState, LoadState]);
 
 /// Keeps these registrations linked into the calling binary; call it before
 /// `ferl_runtime::enter_worker_mode_if_spawned` in every binary that spawns the standard actors.
 #[inline(never)]
-pub fn ensure_linked() -> [&'static str; 4] {
+pub fn ensure_linked() -> [&'static str; 6] {
     use ferl_runtime::Actor;
     [
         TrainerRank::NAME,
         DataLoader::NAME,
         Checkpointer::NAME,
         Metrics::NAME,
+        Rollout::NAME,
+        PolicyActor::NAME,
     ]
 }

@@ -51,7 +51,10 @@ fn check_nonce(nonce: &[u8], whose: &str) -> Result<()> {
 /// `Hello`, answers with a `Challenge`, and checks the joiner's `Proof`. `Ok` means the joiner knows `token`; the
 /// caller then sends the credentials. A joiner that breaks the protocol or whose proof is wrong gets an error (and a
 /// `Refused` message for a wrong token).
-#[cfg_attr(not(feature = "testing"), expect(unreachable_pub, reason = "public through the `testing` feature"))]
+#[cfg_attr(
+    not(feature = "testing"),
+    expect(unreachable_pub, reason = "public through the `testing` feature")
+)]
 pub async fn head_exchange<R, W>(
     rx: &mut R,
     tx: &mut W,
@@ -89,7 +92,10 @@ where
 /// The joiner's side of the join exchange over any byte streams: sends `Hello`, checks the head's proof, sends its
 /// own, and returns the credentials the head answers with. `head` names the head in errors; a refusal (the head's,
 /// or a head whose proof does not match the token) is an [`Error::JoinRefused`] inside the `anyhow` error.
-#[cfg_attr(not(feature = "testing"), expect(unreachable_pub, reason = "public through the `testing` feature"))]
+#[cfg_attr(
+    not(feature = "testing"),
+    expect(unreachable_pub, reason = "public through the `testing` feature")
+)]
 pub async fn joiner_exchange<R, W>(
     rx: &mut R,
     tx: &mut W,
@@ -200,7 +206,10 @@ impl JoinService {
 /// The joiner's side: returns credentials minted by the head at `head`. A head that refuses (a wrong token) gives
 /// [`Error::JoinRefused`] with its reason; one that cannot be reached, or does not finish the handshake in time,
 /// [`Error::Unreachable`].
-#[cfg_attr(not(feature = "testing"), expect(unreachable_pub, reason = "public through the `testing` feature"))]
+#[cfg_attr(
+    not(feature = "testing"),
+    expect(unreachable_pub, reason = "public through the `testing` feature")
+)]
 pub async fn join(
     head: SocketAddr,
     token: &str,

@@ -16,7 +16,10 @@ use sha2::{Digest, Sha256};
 use crate::codec::Wire;
 
 /// The name every cluster certificate is issued for (and clients verify).
-#[cfg_attr(not(feature = "testing"), expect(unreachable_pub, reason = "public through the `testing` feature"))]
+#[cfg_attr(
+    not(feature = "testing"),
+    expect(unreachable_pub, reason = "public through the `testing` feature")
+)]
 pub const CLUSTER_SERVER_NAME: &str = "ferl.cluster";
 const ALPN: &[u8] = b"ferl/1";
 
@@ -112,7 +115,10 @@ pub(crate) fn server_config(creds: &Credentials) -> Result<rustls::ServerConfig>
 }
 
 /// Client side for members: verify the peer against the cluster CA and present our certificate.
-#[cfg_attr(not(feature = "testing"), expect(unreachable_pub, reason = "public through the `testing` feature"))]
+#[cfg_attr(
+    not(feature = "testing"),
+    expect(unreachable_pub, reason = "public through the `testing` feature")
+)]
 pub fn client_config(creds: &Credentials) -> Result<rustls::ClientConfig> {
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])?
@@ -183,7 +189,10 @@ impl ServerCertVerifier for TokenAuthenticatedHead {
 }
 
 /// The proof one side of the join sends: `sha256(token ‖ label ‖ nonce ‖ sha256(head cert))`.
-#[cfg_attr(not(feature = "testing"), expect(unreachable_pub, reason = "public through the `testing` feature"))]
+#[cfg_attr(
+    not(feature = "testing"),
+    expect(unreachable_pub, reason = "public through the `testing` feature")
+)]
 pub fn join_proof(token: &str, label: &str, nonce: &[u8], head_cert_der: &[u8]) -> Vec<u8> {
     let mut h = Sha256::new();
     h.update(token.as_bytes());

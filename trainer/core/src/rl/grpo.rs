@@ -35,10 +35,7 @@ use std::path::Path;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
-/// File of [`GrpoTrainer::save`]: the trainable master tensors and AdamW's moments.
-pub const STATE_TENSORS: &str = "grpo_state.safetensors";
-/// File of [`GrpoTrainer::save`]: the step counters.
-pub const STATE_META: &str = "grpo_state.json";
+pub use super::state::{STATE_META, STATE_TENSORS};
 
 /// `algorithm.adv_estimator`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -459,92 +456,16 @@ impl<P: ParamStore> GrpoTrainer<P> {
         }
     }
 
-    /// Writes the trainable master tensors, AdamW's state and the step counters to `dir` ([`STATE_TENSORS`],
-    /// [`STATE_META`]; fp32, exact). The reference policy is not saved: it is the weights the trainer is built with.
+    /// Writes the policy's state ([`crate::rl::state`]) with this run's step counter to `dir`. The reference policy
+    /// is not saved: it is the weights the trainer is built with.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let host = |t: &Tensor| t.detach().to_device(Device::Cpu).contiguous();
-        let mut named: Vec<(String, Tensor)> = Vec::new();
-        let (master, _) = self.actor.engine_mut().store_mut().master_and_grads();
-        named.extend(
-            master
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (format!("master.{i}"), host(t))),
-        );
-        let opt = self.actor.optimizer();
-        named.extend(
-            opt.exp_avg
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (format!("exp_avg.{i}"), host(t))),
-        );
-        named.extend(
-            opt.exp_avg_sq
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (format!("exp_avg_sq.{i}"), host(t))),
-        );
-        Tensor::write_safetensors(&named, dir.join(STATE_TENSORS))?;
-        let meta = serde_json::json!({
-            "global_step": self.completed,
-            "optimizer_step": opt.step,
-            "schedule_step": self.actor.completed_steps(),
-        });
-        let file = dir.join(STATE_META);
-        std::fs::write(&file, serde_json::to_string_pretty(&meta)?)
-            .with_context(|| format!("writing {}", file.display()))
+        self.actor.save_state(dir, self.completed)
     }
 
     /// Restores what [`GrpoTrainer::save`] wrote into this trainer (built like the saved one, from the initial
     /// weights) and refreshes the rollout snapshot: the next step is the saved run's next step.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
-        let file = dir.join(STATE_META);
-        let text = std::fs::read_to_string(&file)
-            .with_context(|| format!("reading {}", file.display()))?;
-        let meta: serde_json::Value = serde_json::from_str(&text)?;
-        let counter = |k: &str| {
-            meta[k]
-                .as_i64()
-                .with_context(|| format!("{}: no `{k}`", file.display()))
-        };
-        let (global, opt_step, sched) = (
-            counter("global_step")?,
-            counter("optimizer_step")?,
-            counter("schedule_step")?,
-        );
-        let tensors: BTreeMap<String, Tensor> = Tensor::read_safetensors(dir.join(STATE_TENSORS))?
-            .into_iter()
-            .collect();
-        let get = |name: String, like: &Tensor| -> Result<Tensor> {
-            let t = tensors
-                .get(&name)
-                .with_context(|| format!("{}: no tensor {name}", dir.display()))?;
-            if t.size() != like.size() {
-                bail!(
-                    "{}: {name} is {:?}, the model's {:?}",
-                    dir.display(),
-                    t.size(),
-                    like.size()
-                );
-            }
-            Ok(t.to_device(like.device()).to_kind(like.kind()))
-        };
-        let _g = tch::no_grad_guard();
-        let (master, _) = self.actor.engine_mut().store_mut().master_and_grads();
-        for (i, m) in master.iter_mut().enumerate() {
-            m.copy_(&get(format!("master.{i}"), m)?);
-        }
-        let opt = self.actor.optimizer_mut();
-        for (i, m) in opt.exp_avg.iter_mut().enumerate() {
-            *m = get(format!("exp_avg.{i}"), m)?;
-        }
-        for (i, v) in opt.exp_avg_sq.iter_mut().enumerate() {
-            *v = get(format!("exp_avg_sq.{i}"), v)?;
-        }
-        opt.step = opt_step;
-        self.actor.set_completed_steps(sched);
-        self.completed = global as u64;
+        self.completed = self.actor.restore_state(dir)?;
         self.rollout = snapshot(&mut self.actor)?;
         Ok(())
     }
@@ -575,7 +496,7 @@ fn summary(out: &mut BTreeMap<String, f64>, prefix: &str, v: &[f64]) {
 
 /// verl's data metrics of a step's batch: scores, rewards, advantages over the response tokens, response and
 /// prompt lengths, and the fraction of responses cut by `max_response_length`.
-fn data_metrics(
+pub fn data_metrics(
     batch: &RlBatch,
     mask: &Tensor,
     max_response_length: usize,

@@ -22,6 +22,7 @@ pub mod grpo;
 pub mod policy;
 pub mod policy_worker;
 pub mod reward;
+pub mod state;
 pub mod token_loss;
 
 use anyhow::{bail, Result};

@@ -151,9 +151,11 @@ impl Sampler {
         if p.top_p < 1.0 {
             // Keep a token while the mass of the tokens before it is below top_p (the first is always kept).
             let before = probs.cumsum(-1, Kind::Double) - &probs;
-            probs = probs * before.lt(p.top_p).to_kind(Kind::Double);
+            probs *= before.lt(p.top_p).to_kind(Kind::Double);
         }
-        order.gather(1, &inverse_cdf(&probs, u).unsqueeze(1), false).squeeze_dim(1)
+        order
+            .gather(1, &inverse_cdf(&probs, u).unsqueeze(1), false)
+            .squeeze_dim(1)
     }
 }
 

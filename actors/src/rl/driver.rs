@@ -1,0 +1,485 @@
+//! verl's single-controller GRPO loop over the role actors: the driver holds the reward and computes the
+//! advantages; [`Rollout`] actors generate; the [`PolicyActor`] computes log-probabilities and updates; after each
+//! update the driver moves the policy's weights to every rollout actor ([`sync_weights`]).
+//!
+//! One [`GrpoDriver::step`] is `GrpoTrainer::step` with each stage a call: the same seeds
+//! ([`derive_seed`]`(seed, k, 0)` for the sampling of step `k`, stream 1 for the shuffles), the same functions on the
+//! same values, so given the same weights it generates the same responses and computes the same metrics (timings
+//! aside).
+//!
+//! # Placements ([`Placement`])
+//! - `Colocated`: one resource group of one bundle; the policy actor and the rollout actors are separate processes
+//!   in that bundle (the same node and device). The weight sync goes through the node's object store and
+//!   same-host path.
+//! - `Separate`: a group of one bundle for the policy and a group of one bundle per rollout actor (verl's
+//!   separate resource pools); the weight sync crosses nodes when the groups do, fetched once per node.
+
+use super::messages::{
+    token_matrix, ComputeLogProb, ExportWeights, Generate, Generations, LoadState, LoadWeights,
+    SaveState, UpdatePolicy, WeightsSource, WireDtype,
+};
+use super::policy::{PolicyActor, PolicyArgs};
+use super::rollout::{Rollout, RolloutArgs};
+use anyhow::{bail, Context as _, Result};
+use ferl_runtime::{
+    bundle, split_even, ActorRef, Cluster, ResourceGroup, SpawnOptions, Strategy, WorkerGroup,
+};
+use ferl_trainer::rl::grpo::{data_metrics, Decoder};
+use ferl_trainer::rl::{
+    agg_loss, derive_seed, grpo_outcome_advantage, rloo_outcome_advantage, score_batch,
+    ActorUpdateConfig, AdvEstimator, GlobalBatch, GrpoPrompt, GrpoSettings, GrpoStepOutput, Reward,
+    RlBatch,
+};
+use ferl_trainer::rollout::SamplingParams;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tch::{Device, Tensor};
+
+/// Where the roles run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// One resource group of one bundle holding the policy actor and the rollout actors (separate processes).
+    Colocated,
+    /// A resource group for the policy and another for the rollout actors, one bundle per actor.
+    Separate,
+}
+
+/// How the role actors are spawned.
+#[derive(Clone, Debug)]
+pub struct RoleOptions {
+    /// The actors' device: `cpu` (bundles of one CPU) or `cuda` (bundles of one GPU).
+    pub device: String,
+    /// The compute dtype of both roles: `fp32` or `bf16`.
+    pub dtype: String,
+    /// torch's intra-op threads per actor process (0: torch's default).
+    pub threads: u64,
+    /// Rollout actors (each generates an even share of the prompts).
+    pub rollouts: usize,
+}
+
+impl Default for RoleOptions {
+    /// CPU, fp32, one thread, one rollout actor.
+    fn default() -> Self {
+        Self {
+            device: "cpu".into(),
+            dtype: "fp32".into(),
+            threads: 1,
+            rollouts: 1,
+        }
+    }
+}
+
+/// The spawned roles and the resource groups they hold.
+pub struct GrpoRoles {
+    /// The policy (and reference).
+    pub policy: ActorRef<PolicyActor>,
+    /// The rollout actors, in rank order.
+    pub rollouts: WorkerGroup<Rollout>,
+    /// The resource groups (one when colocated, two when separate).
+    pub groups: Vec<ResourceGroup>,
+}
+
+impl GrpoRoles {
+    /// Frees the groups, which stops their actors.
+    pub async fn remove(self, cluster: &Cluster) -> Result<()> {
+        for g in &self.groups {
+            cluster.remove_group(g).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Spawns the policy actor (with a reference when `settings.loss.use_kl_loss`) and `opts.rollouts` rollout actors,
+/// all built from the model folder `model_dir`, on resource groups laid out as `placement` says.
+pub async fn spawn_roles(
+    cluster: &Cluster,
+    settings: &GrpoSettings,
+    model_dir: &Path,
+    placement: Placement,
+    opts: &RoleOptions,
+) -> Result<GrpoRoles> {
+    if opts.rollouts == 0 {
+        bail!("spawn_roles: at least one rollout actor is needed");
+    }
+    let unit = match opts.device.starts_with("cuda") {
+        true => bundle(&[("GPU", 1.0)]),
+        false => bundle(&[("CPU", 1.0)]),
+    };
+    let device = if opts.device.starts_with("cuda") {
+        "cuda"
+    } else {
+        "cpu"
+    };
+    let wait = Duration::from_secs(60);
+    let dir = model_dir.display().to_string();
+    let rollout_args = RolloutArgs {
+        model_dir: dir.clone(),
+        device: device.into(),
+        dtype: opts.dtype.clone(),
+        threads: opts.threads,
+    };
+    let policy_args = PolicyArgs {
+        model_dir: dir,
+        device: device.into(),
+        dtype: opts.dtype.clone(),
+        threads: opts.threads,
+        lr: settings.lr,
+        beta1: settings.optim.betas.0,
+        beta2: settings.optim.betas.1,
+        eps: settings.optim.eps,
+        weight_decay: settings.optim.weight_decay,
+        reference: settings.loss.use_kl_loss,
+    };
+    let policy_group = cluster
+        .create_group(vec![unit.clone()], Strategy::Pack, wait)
+        .await?;
+    let in_policy = SpawnOptions::new().in_bundle(&policy_group, 0);
+    let policy = cluster.spawn::<PolicyActor>(policy_args, in_policy.clone());
+    let (policy, rollouts, groups) = match placement {
+        Placement::Colocated => {
+            let mut members = Vec::with_capacity(opts.rollouts);
+            for _ in 0..opts.rollouts {
+                let r = cluster.spawn::<Rollout>(rollout_args.clone(), in_policy.clone());
+                members.push(r.await?);
+            }
+            let rollouts = WorkerGroup::from_members(members);
+            (policy.await?, rollouts, vec![policy_group])
+        }
+        Placement::Separate => {
+            let group = cluster
+                .create_group(vec![unit; opts.rollouts], Strategy::Spread, wait)
+                .await?;
+            let args = |_| rollout_args.clone();
+            let rollouts = WorkerGroup::spawn(cluster, &group, args, SpawnOptions::new());
+            let (policy, rollouts) = futures::join!(policy, rollouts);
+            (policy?, rollouts?, vec![policy_group, group])
+        }
+    };
+    Ok(GrpoRoles {
+        policy,
+        rollouts,
+        groups,
+    })
+}
+
+/// One weight sync: what moved and how long it took.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WeightSync {
+    /// Bytes of the weights blob (fetched once per node).
+    pub bytes: u64,
+    /// Seconds of the whole sync: export, put, and every rollout actor's fetch and rebuild.
+    pub seconds: f64,
+    /// Seconds the policy took to export (and the reply to arrive).
+    pub export_seconds: f64,
+    /// Seconds from the put until every rollout actor had rebuilt its model.
+    pub load_seconds: f64,
+}
+
+impl WeightSync {
+    /// `timing_s/update_weights` and the sync's `perf/weight_sync_bytes` and `perf/weight_sync_mb_per_s` (bytes
+    /// over the whole sync's seconds, 10⁶ bytes per MB).
+    pub fn metrics(&self) -> BTreeMap<String, f64> {
+        BTreeMap::from([
+            ("timing_s/update_weights".to_string(), self.seconds),
+            ("perf/weight_sync_bytes".to_string(), self.bytes as f64),
+            (
+                "perf/weight_sync_mb_per_s".to_string(),
+                self.bytes as f64 / self.seconds.max(1e-9) / 1e6,
+            ),
+        ])
+    }
+}
+
+/// Moves the policy's current weights to every rollout actor: the policy exports them as one blob of `dtype`, the
+/// driver puts the blob into the object store once, and every rollout actor fetches it (once per node) and rebuilds
+/// its model. The driver's handle keeps the object until every actor has loaded it.
+pub async fn sync_weights(
+    cluster: &Cluster,
+    policy: &ActorRef<PolicyActor>,
+    rollouts: &WorkerGroup<Rollout>,
+    dtype: WireDtype,
+) -> Result<WeightSync> {
+    let started = Instant::now();
+    let payload = policy.call(ExportWeights { dtype }).await?;
+    let export_seconds = started.elapsed().as_secs_f64();
+    let bytes = payload.bytes();
+    let loading = Instant::now();
+    let object = cluster.put(payload.data)?;
+    let msg = LoadWeights {
+        header: payload.header,
+        source: WeightsSource::Object(object.clone()),
+    };
+    let loaded = rollouts.call_all(msg).await?;
+    drop(object);
+    if let Some(bad) = loaded.iter().find(|l| l.bytes != bytes) {
+        bail!("a rollout actor loaded {} of {bytes} bytes", bad.bytes);
+    }
+    Ok(WeightSync {
+        bytes,
+        seconds: started.elapsed().as_secs_f64(),
+        export_seconds,
+        load_seconds: loading.elapsed().as_secs_f64(),
+    })
+}
+
+/// Runs `f`, recording its wall time as `timing_s/<key>`.
+async fn timed<T>(
+    timing: &mut BTreeMap<String, f64>,
+    key: &str,
+    f: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let start = Instant::now();
+    let out = f.await?;
+    timing.insert(format!("timing_s/{key}"), start.elapsed().as_secs_f64());
+    Ok(out)
+}
+
+/// GRPO driven from this process over the role actors (see the module docs).
+pub struct GrpoDriver {
+    cluster: Cluster,
+    roles: GrpoRoles,
+    settings: GrpoSettings,
+    reward: Box<dyn Reward>,
+    decoder: Option<Decoder>,
+    completed: u64,
+    sync_dtype: WireDtype,
+}
+
+impl GrpoDriver {
+    /// A driver of `roles` (spawned from the initial weights) with `settings`, scoring with `reward`. Weights are
+    /// synced as fp32.
+    pub fn new(
+        cluster: &Cluster,
+        roles: GrpoRoles,
+        settings: GrpoSettings,
+        reward: Box<dyn Reward>,
+    ) -> Result<Self> {
+        settings.validate()?;
+        Ok(Self {
+            cluster: cluster.clone(),
+            roles,
+            settings,
+            reward,
+            decoder: None,
+            completed: 0,
+            sync_dtype: WireDtype::F32,
+        })
+    }
+
+    /// Decodes responses for the reward with `decoder` (without one the reward sees empty response texts).
+    pub fn set_decoder(&mut self, decoder: Decoder) {
+        self.decoder = Some(decoder);
+    }
+
+    /// Sends weights to the rollout actors as `dtype` (bf16 halves the bytes; use it with bf16 rollouts).
+    pub fn set_sync_dtype(&mut self, dtype: WireDtype) {
+        self.sync_dtype = dtype;
+    }
+
+    /// The role actors.
+    pub fn roles(&self) -> &GrpoRoles {
+        &self.roles
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &GrpoSettings {
+        &self.settings
+    }
+
+    /// Steps completed.
+    pub fn global_step(&self) -> u64 {
+        self.completed
+    }
+
+    /// The `T` of every log-probability: the rollout temperature, or 1 under greedy sampling.
+    fn log_prob_temperature(&self) -> f64 {
+        let s = &self.settings;
+        let sampling = SamplingParams {
+            do_sample: true,
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: 0,
+        };
+        sampling.log_prob_temperature()
+    }
+
+    /// One GRPO step over `prompts`: generate, reward, old and reference log-probabilities, advantages, update,
+    /// weight sync. Returns verl's metrics (`critic/*`, `response_length/*`, `actor/*`, `timing_s/*`, and the
+    /// sync's `perf/weight_sync_*`) and the batch.
+    pub async fn step(&mut self, prompts: &[GrpoPrompt]) -> Result<GrpoStepOutput> {
+        if prompts.is_empty() {
+            bail!("a GRPO step needs at least one prompt");
+        }
+        let started = Instant::now();
+        let mut timing = BTreeMap::new();
+        let mut batch = timed(&mut timing, "gen", self.generate(prompts)).await?;
+        let reward_start = Instant::now();
+        batch.rewards = Some(score_batch(self.reward.as_mut(), &batch)?);
+        let reward_s = reward_start.elapsed().as_secs_f64();
+        timing.insert("timing_s/reward".into(), reward_s);
+        let mask = batch.response_mask(Device::Cpu);
+        let entropy = self.log_probs(&mut batch, &mut timing).await?;
+        let adv_start = Instant::now();
+        batch.advantages = Some(self.advantages(&batch, &mask)?);
+        timing.insert("timing_s/adv".into(), adv_start.elapsed().as_secs_f64());
+        let actor_metrics = timed(&mut timing, "update_actor", self.update(&batch)).await?;
+        let (cluster, roles) = (&self.cluster, &self.roles);
+        let sync = sync_weights(cluster, &roles.policy, &roles.rollouts, self.sync_dtype).await?;
+        self.completed += 1;
+        let s = &self.settings;
+        let mut metrics = data_metrics(&batch, &mask, s.max_response_length)?;
+        if let Some(h) = entropy {
+            let e = agg_loss(&h, &mask, s.loss.loss_agg_mode, GlobalBatch::default())?;
+            metrics.insert("actor/entropy".into(), e.double_value(&[]));
+        }
+        metrics.extend(actor_metrics);
+        metrics.extend(timing);
+        metrics.extend(sync.metrics());
+        metrics.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
+        Ok(GrpoStepOutput {
+            step: self.completed,
+            metrics,
+            batch,
+        })
+    }
+
+    /// `n` responses per prompt, the prompts split evenly over the rollout actors; actor `r` samples with seed
+    /// `derive_seed(seed, step, 0) + r` (one actor: exactly `GrpoTrainer`'s seed).
+    async fn generate(&self, prompts: &[GrpoPrompt]) -> Result<RlBatch> {
+        let s = &self.settings;
+        let seed = derive_seed(s.seed, self.completed, 0);
+        let rollouts = &self.roles.rollouts;
+        let chunks = split_even(prompts.to_vec(), rollouts.len());
+        let messages = chunks
+            .iter()
+            .enumerate()
+            .map(|(r, chunk)| Generate::new(chunk, s, seed.wrapping_add(r as u64)))
+            .collect();
+        let mut all = Generations::default();
+        for g in rollouts.call_each(messages).await? {
+            all.responses.extend(g.responses);
+            all.log_probs.extend(g.log_probs);
+            all.stopped_at_eos.extend(g.stopped_at_eos);
+        }
+        all.into_batch(prompts, s.n, self.decoder.as_deref())
+    }
+
+    /// Fills the batch's old (and with `use_kl_loss` reference) log-probabilities; returns the entropies.
+    async fn log_probs(
+        &self,
+        batch: &mut RlBatch,
+        timing: &mut BTreeMap<String, f64>,
+    ) -> Result<Option<Tensor>> {
+        let s = &self.settings;
+        let (policy, t) = (&self.roles.policy, self.log_prob_temperature());
+        let mbs = s.log_prob_micro_batch_size;
+        let call = policy.call(ComputeLogProb::policy(batch, mbs, t, true));
+        let old = timed(timing, "old_log_prob", async { Ok(call.await?) }).await?;
+        batch.old_log_probs = Some(token_matrix(batch, &old.log_probs, Device::Cpu)?);
+        let entropy = match &old.entropies {
+            Some(h) => Some(token_matrix(batch, h, Device::Cpu)?),
+            None => None,
+        };
+        if s.loss.use_kl_loss {
+            let call = policy.call(ComputeLogProb::reference(batch, mbs, t));
+            let r = timed(timing, "ref", async { Ok(call.await?) }).await?;
+            batch.ref_log_probs = Some(token_matrix(batch, &r.log_probs, Device::Cpu)?);
+        }
+        Ok(entropy)
+    }
+
+    /// The outcome advantages of `batch` (`[rows, width]`).
+    fn advantages(&self, batch: &RlBatch, mask: &Tensor) -> Result<Tensor> {
+        let rewards = batch.token_level_rewards(mask.device())?;
+        let uids = batch.uids();
+        let s = &self.settings;
+        match s.adv_estimator {
+            AdvEstimator::Grpo => {
+                grpo_outcome_advantage(&rewards, mask, &uids, 1e-6, s.norm_adv_by_std_in_grpo)
+            }
+            AdvEstimator::Rloo => rloo_outcome_advantage(&rewards, mask, &uids),
+        }
+    }
+
+    /// verl's `update_policy` on the policy actor; returns its `actor/*` metrics.
+    async fn update(&self, batch: &RlBatch) -> Result<BTreeMap<String, f64>> {
+        let s = &self.settings;
+        let cfg = ActorUpdateConfig {
+            loss: s.loss,
+            ppo_mini_batch_size: s.ppo_mini_batch_size,
+            rollout_n: s.n,
+            ppo_micro_batch_size: s.ppo_micro_batch_size,
+            ppo_epochs: s.ppo_epochs,
+            shuffle: s.shuffle,
+            shuffle_seed: derive_seed(s.seed, self.completed, 1),
+            grad_clip: s.grad_clip,
+            temperature: self.log_prob_temperature(),
+        };
+        let msg = UpdatePolicy::new(batch, &cfg)?;
+        Ok(self.roles.policy.call(msg).await?.into_iter().collect())
+    }
+
+    /// Writes the policy's state and this driver's step count to `dir` (the files of `GrpoTrainer::save`).
+    pub async fn save(&self, dir: &Path) -> Result<()> {
+        let msg = SaveState {
+            dir: dir.display().to_string(),
+            global_step: self.completed,
+        };
+        Ok(self.roles.policy.call(msg).await?)
+    }
+
+    /// Restores what [`GrpoDriver::save`] (or `GrpoTrainer::save`) wrote and syncs the restored weights to the
+    /// rollout actors: the next step is the saved run's next step.
+    pub async fn load(&mut self, dir: &Path) -> Result<()> {
+        let msg = LoadState {
+            dir: dir.display().to_string(),
+        };
+        self.completed = self.roles.policy.call(msg).await?;
+        let roles = &self.roles;
+        sync_weights(
+            &self.cluster,
+            &roles.policy,
+            &roles.rollouts,
+            self.sync_dtype,
+        )
+        .await
+        .context("syncing the restored weights")?;
+        Ok(())
+    }
+
+    /// Frees the roles' resource groups (their actors stop).
+    pub async fn shutdown(self) -> Result<()> {
+        self.roles.remove(&self.cluster).await
+    }
+}
+
+/// GRPO on the role actors for `steps` steps over the same `prompts` each step (see [`GrpoDriver::step`]): spawns
+/// the roles from `model_dir` with `placement` (CPU, fp32, one rollout actor), runs, frees the groups, and returns
+/// each step's metrics.
+pub async fn run_grpo_on_groups(
+    cluster: &Cluster,
+    settings: &GrpoSettings,
+    model_dir: &Path,
+    prompts: &[GrpoPrompt],
+    reward: Box<dyn Reward>,
+    steps: usize,
+    placement: Placement,
+) -> Result<Vec<BTreeMap<String, f64>>> {
+    let opts = RoleOptions::default();
+    let roles = spawn_roles(cluster, settings, model_dir, placement, &opts).await?;
+    let mut driver = GrpoDriver::new(cluster, roles, settings.clone(), reward)?;
+    let mut out = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        match driver.step(prompts).await {
+            Ok(step) => out.push(step.metrics),
+            Err(e) => {
+                let _ = driver.shutdown().await;
+                return Err(e);
+            }
+        }
+    }
+    driver.shutdown().await?;
+    Ok(out)
+}
