@@ -7,7 +7,7 @@
 
 mod setup;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use ferl_data::SftTokenizer;
 use ferl_trainer::config::PpoConfig;
@@ -24,15 +24,9 @@ use tch::Kind;
 /// Arguments of `ferl grpo`.
 #[derive(Args, Debug)]
 pub(crate) struct GrpoArgs {
-    /// A YAML file with verl's `ppo_trainer.yaml` keys.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// `--cfg job` prints the resolved config and exits without training.
-    #[arg(long = "cfg", value_name = "job")]
-    pub cfg: Option<String>,
-    /// Overrides: `a.b=c`, `+a.b=c`, `~a.b`, lists as `[x,y]`.
-    #[arg(value_name = "KEY=VALUE")]
-    pub overrides: Vec<String>,
+    /// The config file, overrides and `--cfg job`.
+    #[command(flatten)]
+    pub config: super::ConfigArgs,
 }
 
 /// The file naming the newest saved step, as verl writes it.
@@ -40,14 +34,10 @@ const LATEST: &str = "latest_checkpointed_iteration.txt";
 
 /// Loads the config, checks it, and trains.
 pub(crate) fn run(args: GrpoArgs) -> Result<()> {
-    let cfg = PpoConfig::load(args.config.as_deref(), &args.overrides)?;
-    match args.cfg.as_deref() {
-        Some("job") => {
-            print!("{}", cfg.to_yaml());
-            return Ok(());
-        }
-        Some(other) => bail!("--cfg {other}: only `--cfg job` is supported"),
-        None => {}
+    let c = &args.config;
+    let cfg = PpoConfig::load(c.config.as_deref(), &c.overrides)?;
+    if c.print_job(|| cfg.to_yaml())? {
+        return Ok(());
     }
     cfg.validate_supported(&setup::supported())?;
     setup::check_values(&cfg)?;

@@ -1,22 +1,15 @@
 //! `ferl sft`: supervised fine-tuning with verl's config keys (`--config FILE`, `key=value` overrides, `--cfg job`).
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use ferl_trainer::config::SftConfig;
-use std::path::PathBuf;
 
 /// Arguments of `ferl sft`.
 #[derive(Args, Debug)]
 pub(crate) struct SftArgs {
-    /// A YAML file with verl's `sft_trainer.yaml` keys.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// `--cfg job` prints the resolved config and exits without training.
-    #[arg(long = "cfg", value_name = "job")]
-    pub cfg: Option<String>,
-    /// Overrides: `a.b=c`, `+a.b=c`, `~a.b`, lists as `[x,y]`.
-    #[arg(value_name = "KEY=VALUE")]
-    pub overrides: Vec<String>,
+    /// The config file, overrides and `--cfg job`.
+    #[command(flatten)]
+    pub config: super::ConfigArgs,
     /// Distributed training: `--nproc-per-node`, `--nnodes`, `--address` (see `sft_dist`).
     #[command(flatten)]
     pub dist: super::sft_dist::DistArgs,
@@ -24,14 +17,10 @@ pub(crate) struct SftArgs {
 
 /// Loads the config and trains as the flags say (one process, a cluster, or a launcher rank).
 pub(crate) fn run(args: SftArgs) -> Result<()> {
-    let cfg = SftConfig::load(args.config.as_deref(), &args.overrides)?;
-    match args.cfg.as_deref() {
-        Some("job") => {
-            print!("{}", cfg.to_yaml());
-            return Ok(());
-        }
-        Some(other) => bail!("--cfg {other}: only `--cfg job` is supported"),
-        None => {}
+    let c = &args.config;
+    let cfg = SftConfig::load(c.config.as_deref(), &c.overrides)?;
+    if c.print_job(|| cfg.to_yaml())? {
+        return Ok(());
     }
     super::sft_dist::run(cfg, &args.dist)
 }
