@@ -47,6 +47,34 @@ async fn guarantee_13_large_payloads_on_one_host_go_through_shared_memory() {
     );
 }
 
+/// A payload larger than the last one the ring held still travels through it once the ring is drained (each
+/// 100 MiB reply after 1 MiB ones used to go to QUIC: the bytes a drained ring skips to restart at its beginning
+/// were counted against the payload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_13_100_mib_payloads_after_smaller_ones_go_through_the_ring() {
+    let cluster = common::cluster().await;
+    let actor = cluster
+        .spawn::<Counter>(0, SpawnOptions::new())
+        .await
+        .unwrap();
+    // The first large reply offers the worker's ring; the second one travels through it.
+    for round in 0..2u8 {
+        let data = pattern(1 << 20, round);
+        assert!(actor.call(Echo(data.clone())).await.unwrap() == data);
+    }
+    for round in 0..3u8 {
+        let data = vec![round + 1; 100 << 20];
+        let before = shm_bytes_received();
+        let back = actor.call(Echo(data.clone())).await.unwrap();
+        let received = shm_bytes_received() - before;
+        assert!(back == data, "round {round}: echoed bytes differ");
+        assert!(
+            received >= 100 << 20,
+            "round {round}: the 100 MiB reply did not come through the ring ({received} bytes did)"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_13_a_full_ring_falls_back_to_quic_in_order() {
     // A 1 MiB ring cannot hold 24 pipelined 300 KiB calls: some wait for nothing and go inline instead.

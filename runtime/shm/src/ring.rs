@@ -1,12 +1,14 @@
 //! The single-producer single-consumer byte ring and its wakeups.
 //!
 //! Invariants (positions are monotonic byte counts; a position's place in the data area is it modulo the capacity):
-//! 1. Only the producer advances `head`, only the consumer advances `tail`, and `tail <= head <= tail + capacity`
-//!    for an honest producer.
+//! 1. Only the producer advances `head`, only the consumer advances `tail`, and `tail <= head <= from + capacity`
+//!    for an honest producer, where `from` is `tail`, or the producer's `restart` while the consumer has not passed
+//!    it (the bytes between are the end of the data area a drained ring skipped, invariant 3: they hold nothing).
 //! 2. Bytes in `[tail, head)` are published: the producer wrote them before its `Release` store of `head`, and does
 //!    not touch them again until the consumer's `Release` store of `tail` passes them.
 //! 3. A payload placed by [`Producer::try_put`] never straddles the end of the data area, and a drained ring places
-//!    the next payload at the start, so the memory a ring touches is what it had in flight at most.
+//!    the next payload at the start (the next multiple of the capacity, its `restart`), so the memory a ring touches
+//!    is what it had in flight at most. The skipped bytes do not count against that payload, nor the ones after it.
 //! 4. A consumer reads only published bytes inside the data area: every position a peer names is checked first.
 
 use std::io::{Error, ErrorKind, Result};
@@ -166,6 +168,9 @@ pub struct Producer {
     control: *const RingControl,
     data: *mut u8,
     capacity: usize,
+    /// Where [`Producer::try_put`] last placed a payload into a drained ring: nothing before it is in flight, even
+    /// while the consumer's `tail` still lies before it (module invariant 1).
+    restart: u64,
 }
 
 // SAFETY: the pointers point into `map`, which the producer keeps alive; shared fields are atomics and the bytes it
@@ -187,6 +192,7 @@ impl Producer {
             control,
             data,
             capacity,
+            restart: 0,
         }
     }
 
@@ -200,10 +206,19 @@ impl Producer {
         self.capacity
     }
 
+    /// Where the bytes still in flight start: the consumer's `tail`, or the start of a payload put into the drained
+    /// ring that the consumer has not reached yet (module invariant 1).
+    fn in_flight_from(&self) -> u64 {
+        self.control()
+            .tail
+            .0
+            .load(Ordering::Acquire)
+            .max(self.restart)
+    }
+
     /// Bytes published and not yet freed by the consumer.
     pub fn in_flight(&self) -> u64 {
-        let c = self.control();
-        c.head.0.load(Ordering::Relaxed) - c.tail.0.load(Ordering::Acquire)
+        self.control().head.0.load(Ordering::Relaxed) - self.in_flight_from()
     }
 
     /// Copies `bytes` into the ring as a stream, waiting for room as needed, in pieces of at most 64 KiB so the
@@ -253,26 +268,32 @@ impl Producer {
     /// Copies `bytes` into the ring as one contiguous payload without waiting, and returns its position (for
     /// [`Consumer::take`]), or `None` when it does not fit now (or is empty, or larger than the ring). A payload
     /// that would straddle the end of the data area starts at its beginning instead; so does any payload put into a
-    /// drained ring.
+    /// drained ring, which then fits whenever it is not larger than the ring.
     pub fn try_put(&mut self, bytes: &[u8]) -> Option<u64> {
-        let c = self.control();
         let cap = self.capacity as u64;
         let len = bytes.len() as u64;
         if len == 0 || len > cap {
             return None;
         }
-        let head = c.head.0.load(Ordering::Relaxed);
-        let tail = c.tail.0.load(Ordering::Acquire);
-        let start = if head != tail && cap - head % cap >= len {
+        let head = self.control().head.0.load(Ordering::Relaxed);
+        let from = self.in_flight_from();
+        let drained = head == from;
+        let start = if !drained && cap - head % cap >= len {
             head
         } else {
             head.next_multiple_of(cap)
         };
-        if start + len - tail > cap {
+        // Free space ends a capacity past the first byte in flight; in a drained ring nothing is, and the bytes
+        // skipped up to `start` hold nothing: the payload fits whole (it was checked against the capacity).
+        if !drained && start + len - from > cap {
             return None;
         }
-        // SAFETY: [start, start + len) is free ring space (checked against `tail` above) and does not cross the end
-        // of the data area.
+        if drained {
+            self.restart = start;
+        }
+        let c = self.control();
+        // SAFETY: [start, start + len) is free ring space (checked against the bytes in flight above, which start at
+        // or after `tail`) and does not cross the end of the data area.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 bytes.as_ptr(),

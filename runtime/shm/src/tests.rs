@@ -96,6 +96,86 @@ fn payloads_fill_the_ring_then_fit_again_once_taken() {
     assert_eq!(tx.try_put(&vec![0u8; (64 << 10) + 1]), None);
 }
 
+/// A drained ring restarts at its beginning whatever the last payload's size was: the bytes it skips to get there
+/// hold nothing and must not count against the next payload (they did, and a payload larger than the previous one
+/// never fitted again: every 100 MiB call after a 1 MiB one went to QUIC).
+#[test]
+fn a_drained_ring_takes_a_payload_larger_than_the_last_one() {
+    let (created, accepted) = pair(1, 64 << 10);
+    let (mut tx, mut rx) = (created.producer(0), accepted.consumer(0));
+    let small = vec![3u8; 4 << 10];
+    let big = vec![4u8; 48 << 10];
+    let mut round_start = 0;
+    for round in 0..4u64 {
+        let at = tx.try_put(&small).unwrap();
+        assert_eq!(
+            at % (64 << 10),
+            0,
+            "round {round}: a drained ring starts over"
+        );
+        assert!(at >= round_start);
+        rx.take(at, small.len() as u64, |s| assert!(s == small.as_slice()))
+            .unwrap();
+        assert_eq!(tx.in_flight(), 0, "round {round}: drained");
+        let at = tx
+            .try_put(&big)
+            .unwrap_or_else(|| panic!("round {round}: 48 KiB do not fit a drained 64 KiB ring"));
+        assert_eq!(at % (64 << 10), 0, "round {round}: at the beginning");
+        assert_eq!(
+            tx.in_flight(),
+            48 << 10,
+            "round {round}: only the payload is in flight"
+        );
+        // Only 16 KiB are free: behind the payload.
+        assert_eq!(
+            tx.try_put(&vec![5u8; (16 << 10) + 1]),
+            None,
+            "round {round}"
+        );
+        let c = tx.try_put(&vec![5u8; 16 << 10]).unwrap();
+        assert_eq!(c, at + (48 << 10), "round {round}: right behind");
+        assert_eq!(tx.try_put(&[6u8; 1]), None, "round {round}: full");
+        rx.take(at, big.len() as u64, |s| assert!(s == big.as_slice()))
+            .unwrap();
+        // 48 KiB free again at the beginning, while 16 KiB are still in flight at the end.
+        let d = tx.try_put(&big).unwrap();
+        assert_eq!(
+            d,
+            at + (64 << 10),
+            "round {round}: wrapped behind the last payload"
+        );
+        rx.take(c, 16 << 10, |s| assert_eq!(s[0], 5)).unwrap();
+        rx.take(d, big.len() as u64, |s| assert!(s == big.as_slice()))
+            .unwrap();
+        round_start = d + (48 << 10);
+    }
+}
+
+/// The runtime's 100 MiB transfers through its default 256 MiB ring, after a 1 MiB payload: each one is taken
+/// before the next is put, and every one fits the ring.
+#[test]
+fn payloads_of_100_mib_fit_a_256_mib_ring_again_and_again() {
+    let (created, accepted) = pair(1, 256 << 20);
+    let (mut tx, mut rx) = (created.producer(0), accepted.consumer(0));
+    let mib = vec![1u8; 1 << 20];
+    let at = tx.try_put(&mib).unwrap();
+    rx.take(at, mib.len() as u64, |s| assert_eq!(s.len(), 1 << 20))
+        .unwrap();
+    let big = vec![2u8; 100 << 20];
+    for round in 0..4 {
+        let at = tx
+            .try_put(&big)
+            .unwrap_or_else(|| panic!("round {round}: 100 MiB do not fit a drained 256 MiB ring"));
+        rx.take(at, big.len() as u64, |s| {
+            assert_eq!((s.len(), s[0], s[s.len() - 1]), (100 << 20, 2, 2))
+        })
+        .unwrap();
+        // A payload of another size in between, as calls of several sizes share a stream's ring.
+        let at = tx.try_put(&mib[..(round + 1) << 16]).unwrap();
+        rx.take(at, ((round + 1) << 16) as u64, |_| ()).unwrap();
+    }
+}
+
 #[test]
 fn positions_outside_the_published_bytes_are_refused() {
     let (created, accepted) = pair(1, 64 << 10);
