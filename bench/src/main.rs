@@ -5,6 +5,7 @@ mod chaos;
 mod collectives;
 mod kernels;
 mod report;
+mod rl;
 mod runtime;
 mod train;
 
@@ -42,6 +43,9 @@ enum Suite {
     Kernels(kernels::KernelsArgs),
     /// Actor runtime: calls, transfers, resource groups, actor creation, cluster start (Ray's microbenchmark rows).
     Runtime(runtime::RuntimeArgs),
+    /// RL on the CPU: rollout generation tokens/s beside transformers (tiny and 0.5B-shaped Qwen2), and one GRPO
+    /// step's time split over verl's phases (`timing_s/*`).
+    Rl(rl::RlArgs),
     /// SFT train step of the tiny Qwen2 (vocab 151,936) on GSM8K: ferl beside the PyTorch eager loop (tokens/s, peak RSS);
     /// with --lora-rank also ferl LoRA beside transformers + peft.
     Train(Box<train::TrainArgs>),
@@ -58,6 +62,7 @@ fn main() -> anyhow::Result<()> {
         Suite::Runtime(args) => runtime::run(args, &mut out)?,
         Suite::RuntimeHead(args) => runtime::remote_head::serve(args)?,
         Suite::Kernels(args) => kernels::run(args, &mut out)?,
+        Suite::Rl(args) => rl::run(args, &mut out)?,
         Suite::Train(args) => train::run(*args, &mut out)?,
     }
     #[allow(unreachable_code)]

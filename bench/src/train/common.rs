@@ -14,7 +14,7 @@ pub(super) fn vm_hwm_kib() -> Result<f64> {
 }
 
 /// The venv's Python (`$FERL_VENV`, else `~/.cache/ferl/venv`).
-pub(super) fn python() -> PathBuf {
+pub(crate) fn python() -> PathBuf {
     let venv = std::env::var_os("FERL_VENV")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

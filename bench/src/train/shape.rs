@@ -40,7 +40,7 @@ use tch::{Device, Kind, Tensor};
 /// The `config.json` values of a named shape: `qwen2.5-0.5b` (Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads, 2 kv
 /// heads, intermediate 4864, vocab 151,936, tied), `tiny-qwen2` (`assets/models/tiny-qwen2`), `test` (a few thousand
 /// parameters' worth of layers and a 2,048-token vocabulary, for dry runs).
-pub(super) fn shape_config(name: &str) -> Result<serde_json::Value> {
+pub(crate) fn shape_config(name: &str) -> Result<serde_json::Value> {
     let (hidden, layers, heads, kv, inter, vocab) = match name {
         "qwen2.5-0.5b" => (896, 24, 14, 2, 4864, 151_936),
         "tiny-qwen2" => (128, 4, 4, 2, 384, 151_936),

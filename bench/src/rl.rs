@@ -1,0 +1,186 @@
+//! `ferl-bench rl`: the RL loop's costs on the CPU — generation throughput of ferl's rollout beside transformers, and
+//! how one GRPO step's time splits over verl's phases.
+//!
+//! - [`generation`]: ferl's [`RolloutModel::generate`](ferl::trainer::rollout::RolloutModel::generate) beside
+//!   transformers' `model.generate` (KV cache, fp32, greedy, exactly `--new-tokens` per prompt, no EOS stop) on the
+//!   same random-init model folders, the same `--batch` GSM8K prompts (chat template, different lengths) and the same
+//!   thread count, in one invocation; the peer is a child process (`rl/generation_peer.py`) in a private network
+//!   namespace. Rows `gen_tokens_per_s_{ferl,transformers}_<model>`, `gen_speedup_vs_transformers_<model>` (goal ≥ 2)
+//!   and `gen_greedy_tokens_equal_<model>` (how many of the batch's tokens the two greedy decodings share, position by
+//!   position: the comparison is like for like when they agree).
+//! - [`grpo`]: one [`GrpoTrainer::step`](ferl::trainer::rl::GrpoTrainer::step) of the tiny Qwen2, its `timing_s/*`
+//!   averaged over `--grpo-steps` steps after a warm-up step, rows `grpo_step_<phase>_s` and `grpo_step_total_s`.
+//!
+//! Models (`--model tiny|0.5b|both`): `tiny` is the train suite's tiny Qwen2 (`tiny-qwen2`: hidden 128, 4 layers,
+//! vocab 151,936), `0.5b` Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
+//! 151,936, tied), both randomly initialised (seed 0, [`shape_config`]) and written in the Hugging Face layout with the
+//! Qwen tokenizer.
+//!
+//! # Weight sync between processes
+//! The row of the weight sync between processes (the trainer's weights into a rollout running in another process) is
+//! added with the Rollout actor. Until then the only weight sync is the colocated snapshot of [`grpo`]'s trainer,
+//! `grpo_step_update_weights_s`.
+
+mod generation;
+mod grpo;
+
+use crate::report::Report;
+use crate::train::shape_config;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferl::trainer::data::gsm8k::INSTRUCTION;
+use ferl::trainer::data::SftTokenizer;
+use ferl::trainer::model::init_model;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Options of the rl suite.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct RlArgs {
+    /// Models of the generation rows: tiny (tiny-qwen2), 0.5b (Qwen2.5-0.5B's shape) or both.
+    #[arg(long, default_value = "both")]
+    model: String,
+    /// Prompts per generation batch.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// New tokens per prompt (every prompt gets exactly this many).
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// Intra-op threads of both sides (default: every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed generations per side and model (after a short warm-up generation).
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
+    /// Timed GRPO steps (after a warm-up step); 0 skips the GRPO rows.
+    #[arg(long, default_value_t = 2)]
+    grpo_steps: usize,
+    /// Tokenizer folder (copied into the models; renders the prompts).
+    #[arg(long, default_value = "assets/tokenizers/qwen3")]
+    tokenizer: PathBuf,
+    /// GSM8K jsonl (question/answer columns) the prompts come from.
+    #[arg(long, default_value = "assets/data/gsm8k/train.jsonl")]
+    data: PathBuf,
+}
+
+impl RlArgs {
+    /// The thread count of both sides: `--threads`, else every core.
+    pub(crate) fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(usize::from)
+                .unwrap_or(1)
+        })
+    }
+}
+
+/// One prompt of the suite: its chat-rendered token ids and the GSM8K answer.
+pub(crate) struct Prompt {
+    /// Token ids of the question rendered through the tokenizer's chat template (generation prompt added).
+    pub(crate) ids: Vec<i64>,
+    /// The final answer after `####`.
+    pub(crate) ground_truth: String,
+}
+
+/// Runs the suite: generation rows for each `--model`, then the GRPO step split.
+pub(crate) fn run(a: RlArgs, out: &mut Report) -> Result<()> {
+    let models: &[&str] = match a.model.as_str() {
+        "tiny" => &["tiny"],
+        "0.5b" => &["0.5b"],
+        "both" => &["tiny", "0.5b"],
+        other => bail!("--model {other}: expected tiny, 0.5b or both"),
+    };
+    if a.batch == 0 || a.new_tokens == 0 || a.repeats == 0 {
+        bail!("--batch, --new-tokens and --repeats must be positive");
+    }
+    let threads = a.threads();
+    tch::set_num_threads(threads as i32);
+    eprintln!(
+        "rl: {threads} threads, batch {} x {} new tokens, {} timed repeat(s)",
+        a.batch, a.new_tokens, a.repeats
+    );
+    let dir = std::env::temp_dir().join(format!("ferl-bench-rl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = measure(&a, models, &dir, out);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// The generation rows of `models`, then the GRPO rows, in the scratch folder `dir`.
+fn measure(a: &RlArgs, models: &[&str], dir: &Path, out: &mut Report) -> Result<()> {
+    let prompts = gsm8k_prompts(a, a.batch.max(grpo::PROMPTS))?;
+    for &name in models {
+        let started = Instant::now();
+        let model = write_model(a, name, dir)?;
+        eprintln!(
+            "rl: {name}: model written in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        generation::run(a, name, &model, &prompts[..a.batch], out)?;
+        std::fs::remove_dir_all(&model)?;
+        eprintln!(
+            "rl: {name}: {:.1} s (model init, both sides' loading, warm-up and generation)",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    if a.grpo_steps > 0 {
+        let started = Instant::now();
+        let model = write_model(a, "tiny", dir)?;
+        grpo::run(a, &model, &prompts[..grpo::PROMPTS], out)?;
+        eprintln!(
+            "rl: GRPO: {:.1} s ({} steps)",
+            started.elapsed().as_secs_f64(),
+            a.grpo_steps + 1
+        );
+    }
+    Ok(())
+}
+
+/// Writes the random-init model `name` (`tiny` or `0.5b`, seed 0, with the tokenizer) to `dir/<name>`.
+fn write_model(a: &RlArgs, name: &str, dir: &Path) -> Result<PathBuf> {
+    let shape = match name {
+        "tiny" => "tiny-qwen2",
+        _ => "qwen2.5-0.5b",
+    };
+    let config = dir.join(format!("{name}.json"));
+    std::fs::write(&config, shape_config(shape)?.to_string())?;
+    let model = dir.join(name);
+    init_model(&config, Some(&a.tokenizer), &model, 0)
+        .with_context(|| format!("writing the {shape} model"))?;
+    Ok(model)
+}
+
+/// The first `count` GSM8K questions (with verl's instruction) as chat prompts, and their answers.
+fn gsm8k_prompts(a: &RlArgs, count: usize) -> Result<Vec<Prompt>> {
+    let tok = SftTokenizer::from_dir(&a.tokenizer, None)?;
+    let text = std::fs::read_to_string(&a.data)
+        .with_context(|| format!("reading {}", a.data.display()))?;
+    let prompts = text
+        .lines()
+        .take(count)
+        .map(|line| {
+            let row: serde_json::Value = serde_json::from_str(line)?;
+            let question = row["question"].as_str().context("a row without question")?;
+            let answer = row["answer"].as_str().unwrap_or_default();
+            let message =
+                serde_json::json!({"role": "user", "content": format!("{question} {INSTRUCTION}")});
+            let rendered = tok
+                .template()?
+                .render(&[message], true, None, &BTreeMap::new())?;
+            Ok(Prompt {
+                ids: tok.encode(&rendered)?,
+                ground_truth: ferl::trainer::data::gsm8k::extract_solution(answer)
+                    .unwrap_or_default(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if prompts.len() < count {
+        bail!(
+            "{}: {} rows, the suite needs {count}",
+            a.data.display(),
+            prompts.len()
+        );
+    }
+    Ok(prompts)
+}
