@@ -43,8 +43,8 @@ enum Suite {
     Kernels(kernels::KernelsArgs),
     /// Actor runtime: calls, transfers, resource groups, actor creation, cluster start (Ray's microbenchmark rows).
     Runtime(runtime::RuntimeArgs),
-    /// RL on the CPU: rollout generation tokens/s beside transformers (tiny and 0.5B-shaped Qwen2), and one GRPO
-    /// step's time split over verl's phases (`timing_s/*`).
+    /// RL on the CPU: rollout generation tokens/s beside transformers (tiny and 0.5B-shaped Qwen2), the weight sync
+    /// between processes beside the transport, and one GRPO step's time split over verl's phases (`timing_s/*`).
     Rl(rl::RlArgs),
     /// SFT train step of the tiny Qwen2 (vocab 151,936) on GSM8K: ferl beside the PyTorch eager loop (tokens/s, peak RSS);
     /// with --lora-rank also ferl LoRA beside transformers + peft.
@@ -52,6 +52,9 @@ enum Suite {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Keeps the standard actors (the rl suite's PolicyActor and Rollout) registered in this binary, whose workers
+    // re-run it.
+    ferl::actors::ensure_linked();
     ferl::enter_worker_mode_if_spawned();
     let cli = Cli::parse();
     let mut out = report::Report::new(cli.json);

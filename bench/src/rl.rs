@@ -1,5 +1,5 @@
-//! `ferl-bench rl`: the RL loop's costs on the CPU — generation throughput of ferl's rollout beside transformers, and
-//! how one GRPO step's time splits over verl's phases.
+//! `ferl-bench rl`: the RL loop's costs on the CPU — generation throughput of ferl's rollout beside transformers, the
+//! weight sync between processes beside the transport, and how one GRPO step's time splits over verl's phases.
 //!
 //! - [`generation`]: ferl's [`RolloutModel::generate`](ferl::trainer::rollout::RolloutModel::generate) beside
 //!   transformers' `model.generate` (KV cache, fp32, greedy, exactly `--new-tokens` per prompt, no EOS stop) on the
@@ -16,13 +16,19 @@
 //! 151,936, tied), both randomly initialised (seed 0, [`shape_config`]) and written in the Hugging Face layout with the
 //! Qwen tokenizer.
 //!
-//! # Weight sync between processes
-//! The row of the weight sync between processes (the trainer's weights into a rollout running in another process) is
-//! added with the Rollout actor. Until then the only weight sync is the colocated snapshot of [`grpo`]'s trainer,
-//! `grpo_step_update_weights_s`.
+//! - [`sync`]: the weight sync between processes of each `--model` (the trainer's weights into a rollout running in
+//!   another process): a `PolicyActor` and a `Rollout` actor on separate resource groups of an embedded cluster,
+//!   timed by `ferl_actors::rl::sync_weights` (export, object-store put, fetch, load), beside the transport alone
+//!   moving the same bytes as one `SharedBytes` call. Rows `weight_sync_{bytes,s,GBps}_<model>`,
+//!   `transport_GBps_same_payload_<model>` and `weight_sync_share_of_transport_<model>` (goal ≥ 0.5); it reuses the
+//!   model folder the generation rows wrote. [`grpo`]'s `grpo_step_update_weights_s` is the colocated snapshot inside
+//!   one process instead.
+//!
+//! `--no-gen` skips the generation rows, `--no-sync` the weight-sync rows, `--grpo-steps 0` the GRPO rows.
 
 mod generation;
 mod grpo;
+mod sync;
 
 use crate::report::Report;
 use crate::train::shape_config;
@@ -38,7 +44,7 @@ use std::time::Instant;
 /// Options of the rl suite.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct RlArgs {
-    /// Models of the generation rows: tiny (tiny-qwen2), 0.5b (Qwen2.5-0.5B's shape) or both.
+    /// Models of the generation and weight-sync rows: tiny (tiny-qwen2), 0.5b (Qwen2.5-0.5B's shape) or both.
     #[arg(long, default_value = "both")]
     model: String,
     /// Prompts per generation batch.
@@ -56,6 +62,15 @@ pub(crate) struct RlArgs {
     /// Timed GRPO steps (after a warm-up step); 0 skips the GRPO rows.
     #[arg(long, default_value_t = 2)]
     grpo_steps: usize,
+    /// Timed weight syncs (and transport calls) per model, after a warm-up of each; their median is reported.
+    #[arg(long, default_value_t = 3)]
+    sync_repeats: usize,
+    /// Skip the generation rows.
+    #[arg(long)]
+    no_gen: bool,
+    /// Skip the weight-sync rows.
+    #[arg(long)]
+    no_sync: bool,
     /// Tokenizer folder (copied into the models; renders the prompts).
     #[arg(long, default_value = "assets/tokenizers/qwen3")]
     tokenizer: PathBuf,
@@ -83,7 +98,7 @@ pub(crate) struct Prompt {
     pub(crate) ground_truth: String,
 }
 
-/// Runs the suite: generation rows for each `--model`, then the GRPO step split.
+/// Runs the suite: generation and weight-sync rows for each `--model`, then the GRPO step split.
 pub(crate) fn run(a: RlArgs, out: &mut Report) -> Result<()> {
     let models: &[&str] = match a.model.as_str() {
         "tiny" => &["tiny"],
@@ -91,8 +106,8 @@ pub(crate) fn run(a: RlArgs, out: &mut Report) -> Result<()> {
         "both" => &["tiny", "0.5b"],
         other => bail!("--model {other}: expected tiny, 0.5b or both"),
     };
-    if a.batch == 0 || a.new_tokens == 0 || a.repeats == 0 {
-        bail!("--batch, --new-tokens and --repeats must be positive");
+    if a.batch == 0 || a.new_tokens == 0 || a.repeats == 0 || a.sync_repeats == 0 {
+        bail!("--batch, --new-tokens, --repeats and --sync-repeats must be positive");
     }
     let threads = a.threads();
     tch::set_num_threads(threads as i32);
@@ -107,22 +122,28 @@ pub(crate) fn run(a: RlArgs, out: &mut Report) -> Result<()> {
     result
 }
 
-/// The generation rows of `models`, then the GRPO rows, in the scratch folder `dir`.
+/// The generation and weight-sync rows of `models` (one model folder each), then the GRPO rows, in the scratch
+/// folder `dir`.
 fn measure(a: &RlArgs, models: &[&str], dir: &Path, out: &mut Report) -> Result<()> {
     let prompts = gsm8k_prompts(a, a.batch.max(grpo::PROMPTS))?;
-    for &name in models {
+    for &name in models.iter().filter(|_| !(a.no_gen && a.no_sync)) {
         let started = Instant::now();
         let model = write_model(a, name, dir)?;
         eprintln!(
             "rl: {name}: model written in {:.1} s",
             started.elapsed().as_secs_f64()
         );
-        generation::run(a, name, &model, &prompts[..a.batch], out)?;
+        if !a.no_gen {
+            generation::run(a, name, &model, &prompts[..a.batch], out)?;
+            eprintln!(
+                "rl: {name}: {:.1} s (model init, both sides' loading, warm-up and generation)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        if !a.no_sync {
+            sync::run(a, name, &model, out)?;
+        }
         std::fs::remove_dir_all(&model)?;
-        eprintln!(
-            "rl: {name}: {:.1} s (model init, both sides' loading, warm-up and generation)",
-            started.elapsed().as_secs_f64()
-        );
     }
     if a.grpo_steps > 0 {
         let started = Instant::now();
