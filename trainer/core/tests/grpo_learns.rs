@@ -14,76 +14,18 @@
 //! - `rloo_with_an_entropy_bonus_and_seq_mean_modes_runs`: RLOO, top-k/top-p, an entropy bonus and both `seq-mean-*`
 //!   modes run two steps with finite metrics, and RLOO's advantages sum to zero per group.
 
-use ferl_trainer::engine::{Engine, EngineOptions};
-use ferl_trainer::model::{init_model, load_model};
+#[path = "common/digits.rs"]
+mod digits;
+
+use digits::{assert_same_step, model_dir, one_process, prompts, settings, MAX_STEPS};
 use ferl_trainer::params::LocalParams;
-use ferl_trainer::rl::{
-    ActorLossConfig, AdvEstimator, FnReward, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer,
-    KlPenalty, LossAggMode, PolicyLossConfig, RewardRow,
-};
-use std::path::{Path, PathBuf};
+use ferl_trainer::rl::{AdvEstimator, GrpoSettings, GrpoStepOutput, GrpoTrainer, LossAggMode};
+use std::path::Path;
 use std::time::Instant;
 use tch::Kind;
 
-const BOS: i64 = 1;
-const EOS: i64 = 2;
-const DIGITS: std::ops::RangeInclusive<i64> = 3..=12;
-/// Steps within which the mean reward must reach 0.8.
-const MAX_STEPS: usize = 30;
 /// Steps before the save of the resume check.
 const K: usize = 3;
-
-/// The tiny model as a Hugging Face folder under `dir`.
-fn model_dir(dir: &Path) -> PathBuf {
-    let config = serde_json::json!({
-        "model_type": "qwen2", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
-        "initializer_range": 0.02, "bos_token_id": BOS, "eos_token_id": EOS, "dtype": "float32"
-    });
-    let file = dir.join("config.json");
-    std::fs::write(&file, config.to_string()).unwrap();
-    let out = dir.join("model");
-    init_model(&file, None, &out, 7).unwrap();
-    out
-}
-
-fn settings() -> GrpoSettings {
-    GrpoSettings {
-        n: 8,
-        temperature: 1.0,
-        seed: 42,
-        max_response_length: 3,
-        eos_token_ids: vec![EOS],
-        pad_token_id: 0,
-        ppo_mini_batch_size: 5, // four optimizer steps per epoch
-        ppo_micro_batch_size: 16,
-        log_prob_micro_batch_size: 40,
-        ppo_epochs: 2,
-        shuffle: true,
-        loss: ActorLossConfig {
-            policy: PolicyLossConfig {
-                clip_ratio: 0.2,
-                clip_ratio_low: Some(0.2),
-                clip_ratio_high: Some(0.28),
-                clip_ratio_c: 3.0,
-            },
-            loss_agg_mode: LossAggMode::TokenMean,
-            entropy_coeff: 0.0,
-            use_kl_loss: true,
-            kl_loss_coef: 0.001,
-            kl_loss_type: (KlPenalty::K3, false),
-        },
-        lr: 3e-3,
-        optim: ferl_trainer::optim::AdamWConfig {
-            betas: (0.9, 0.999),
-            eps: 1e-8,
-            weight_decay: 0.0,
-        },
-        grad_clip: 1.0,
-        ..GrpoSettings::default()
-    }
-}
 
 /// A fresh trainer of the initial weights in `model`.
 fn trainer(model: &Path) -> GrpoTrainer<LocalParams> {
@@ -92,24 +34,7 @@ fn trainer(model: &Path) -> GrpoTrainer<LocalParams> {
 
 /// A fresh trainer of the initial weights in `model` with `settings`.
 fn trainer_with(model: &Path, settings: GrpoSettings) -> GrpoTrainer<LocalParams> {
-    let loaded = load_model(model).unwrap();
-    let store = LocalParams::new(loaded.layout.clone(), loaded.params, Kind::Float);
-    let engine = Engine::new(loaded.config, store, Kind::Float, EngineOptions::default());
-    let reward = FnReward::new("echo_digit", |r: &RewardRow<'_>| {
-        f64::from(r.response_ids.first() == r.prompt_ids.get(1))
-    });
-    GrpoTrainer::new(settings, engine, Box::new(reward)).unwrap()
-}
-
-fn prompts() -> Vec<GrpoPrompt> {
-    DIGITS
-        .flat_map(|d| [d, d])
-        .map(|d| GrpoPrompt {
-            ids: vec![BOS, d],
-            ground_truth: d.to_string(),
-            ..GrpoPrompt::default()
-        })
-        .collect()
+    one_process(model, settings)
 }
 
 #[test]
@@ -210,30 +135,6 @@ fn check_metrics(out: &GrpoStepOutput) {
     }
     assert_eq!(out.metrics["prompt_length/mean"], 2.0);
     assert_eq!(out.metrics["actor/lr"], settings().lr);
-}
-
-/// What must be equal between two runs' same step: responses, rewards and every non-timing metric. Returns the
-/// largest metric difference.
-fn assert_same_step(a: &GrpoStepOutput, b: &GrpoStepOutput, what: &str) -> f64 {
-    let responses = |o: &GrpoStepOutput| {
-        o.batch
-            .rows
-            .iter()
-            .map(|r| r.response.clone())
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(responses(a), responses(b), "{what}: responses differ");
-    assert_eq!(a.batch.rewards, b.batch.rewards, "{what}: rewards differ");
-    let mut worst = 0.0f64;
-    for (k, v) in &a.metrics {
-        if k.starts_with("timing_s/") {
-            continue;
-        }
-        let w = b.metrics[k];
-        assert!((v - w).abs() <= 1e-6, "{what}: {k} {v} vs {w}");
-        worst = worst.max((v - w).abs());
-    }
-    worst
 }
 
 #[test]
