@@ -119,20 +119,30 @@ fn prompt_ids(
     i: usize,
 ) -> Result<Vec<i64>> {
     let at = || format!("{} row {i}", file.display());
+    let (_, ids) = chat_prompt(tok, row, key, "--prompt-key").with_context(at)?;
+    Ok(ids)
+}
+
+/// A row's prompt in column `key` (verl's list of `{role, content}` messages, or a plain string taken as one user
+/// message) rendered with the chat template and its generation prompt: the text and its token ids. `setting` names
+/// what chooses the column, for the error when it is missing. Shared by `ferl generate` and `ferl grpo`.
+pub(crate) fn chat_prompt(
+    tok: &SftTokenizer,
+    row: &Value,
+    key: &str,
+    setting: &str,
+) -> Result<(String, Vec<i64>)> {
     let messages = match row.get(key) {
         Some(Value::Array(m)) => m.clone(),
         Some(Value::String(s)) => vec![serde_json::json!({"role": "user", "content": s})],
-        Some(other) => bail!(
-            "{}: `{key}` is {other}, not a list of chat messages or a string",
-            at()
-        ),
-        None => bail!("{}: no `{key}` column (set --prompt-key)", at()),
+        Some(other) => bail!("`{key}` is {other}, not a list of chat messages or a string"),
+        None => bail!("no `{key}` column (set {setting})"),
     };
     let text = tok
         .template()?
-        .render(&messages, true, None, &BTreeMap::new())
-        .with_context(at)?;
-    tok.encode(&text).with_context(at)
+        .render(&messages, true, None, &BTreeMap::new())?;
+    let ids = tok.encode(&text)?;
+    Ok((text, ids))
 }
 
 /// Sampling from the arguments; stop tokens from the model folder plus the tokenizer's EOS; the tokenizer's pad.

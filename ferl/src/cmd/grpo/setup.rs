@@ -191,16 +191,8 @@ pub(crate) fn prompts(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<Vec<GrpoPro
 
 /// One row as a prompt.
 fn prompt(cfg: &PpoConfig, tok: &SftTokenizer, row: &Value) -> Result<GrpoPrompt> {
-    let key = &cfg.data.prompt_key;
-    let messages = match row.get(key) {
-        Some(Value::Array(m)) => m.clone(),
-        Some(Value::String(s)) => vec![serde_json::json!({"role": "user", "content": s})],
-        Some(other) => bail!("`{key}` is {other}, not a list of chat messages or a string"),
-        None => bail!("no `{key}` column (data.prompt_key)"),
-    };
-    let text = tok
-        .template()?
-        .render(&messages, true, None, &BTreeMap::new())?;
+    let (text, ids) =
+        super::super::generate::chat_prompt(tok, row, &cfg.data.prompt_key, "data.prompt_key")?;
     let ground_truth = match row.pointer("/reward_model/ground_truth") {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Null) | None => String::new(),
@@ -212,7 +204,7 @@ fn prompt(cfg: &PpoConfig, tok: &SftTokenizer, row: &Value) -> Result<GrpoPrompt
         "extra_info": row.get("extra_info").cloned().unwrap_or(Value::Null),
     });
     Ok(GrpoPrompt {
-        ids: tok.encode(&text)?,
+        ids,
         text,
         ground_truth,
         extra,
