@@ -70,7 +70,8 @@
 //! - spawn: [`Cluster::spawn`] with [`SpawnOptions::in_bundle`], [`SpawnOptions::env`], `max_restarts`, `name`;
 //! - drive: [`WorkerGroup::spawn`], [`WorkerGroup::call_all`], [`WorkerGroup::call_each`],
 //!   [`WorkerGroup::call_split`], [`WorkerGroup::call_rank0`]; a deadline: [`Call::timeout`];
-//! - share large inputs: [`Cluster::put`] → [`ObjectRef`], read anywhere with [`Cluster::get`] (once per node);
+//! - share large inputs: [`Cluster::put`] → [`ObjectRef`], read anywhere with [`Cluster::get`] (once per node; mapped
+//!   without a copy on the owner's host when put from a [`Cluster::object_buffer`]);
 //! - rendezvous: [`Cluster::kv_put`], [`Cluster::kv_get`], [`Cluster::kv_wait`] (also from inside an actor through
 //!   [`Context::cluster`]);
 //! - failures: [`Error::ActorDied`], [`Error::Rank`], [`Error::Timeout`], [`Error::Infeasible`] / [`Error::Busy`]
@@ -118,7 +119,7 @@ pub use cluster::{
 pub use control::blobs::SHIPPED_FILES_ENV;
 pub use control::config::RuntimeConfig;
 pub use control::head::JOBS_PREFIX;
-pub use control::objects::{ObjectRef, ObjectStats};
+pub use control::objects::{ObjectBuffer, ObjectRef, ObjectStats};
 pub use control::resources::parse_pairs as parse_resources;
 pub use ferl_wire::protocol::{ActorAddress, Event, Resources, Strategy};
 pub use ferl_wire::{

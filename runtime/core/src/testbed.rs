@@ -10,7 +10,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 use crate::actor::{Actor, Context, Handler, ItemSink, StreamHandler};
 use crate::codec::SharedBytes;
-use crate::control::objects::ObjectRef;
+use crate::control::objects::{ObjectRef, ObjectStats};
 
 /// A counter: adds, reports, records the order of tagged messages, and can crash or sleep on request.
 pub struct Counter {
@@ -63,6 +63,9 @@ pub struct Fail(pub String);
 /// Read an object from the store; replies with its length and sha256 (hex).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct ObjectDigest(pub ObjectRef);
+/// This worker process's object-store stats.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct LocalObjectStats;
 /// Stream the numbers `0..n`.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct CountTo(pub u64);
@@ -81,6 +84,7 @@ crate::message! {
     Pid => u32;
     Fail => ();
     ObjectDigest => (u64, String);
+    LocalObjectStats => ObjectStats;
 }
 crate::stream_message!(CountTo => u64);
 
@@ -108,7 +112,7 @@ impl Counter {
 }
 
 crate::register_actor!(Counter, calls: [Add, Get, Record, Recorded, Sleep, Echo, Sink, SinkShared, EchoShared, GetEnv, Pid, Fail,
-    ObjectDigest],
+    ObjectDigest, LocalObjectStats],
     streams: [CountTo]);
 
 impl Handler<Add> for Counter {
@@ -181,6 +185,11 @@ impl Handler<ObjectDigest> for Counter {
             bytes.len() as u64,
             hex::encode(sha2::Sha256::digest(&bytes)),
         ))
+    }
+}
+impl Handler<LocalObjectStats> for Counter {
+    async fn handle(&self, _: LocalObjectStats, ctx: &Context) -> Result<ObjectStats> {
+        Ok(ctx.cluster().object_stats(None).await?)
     }
 }
 impl StreamHandler<CountTo> for Counter {

@@ -224,3 +224,55 @@ async fn guarantee_16_an_object_crosses_to_each_node_once_and_is_freed_with_its_
     assert_eq!(cluster.object_stats(None).await.unwrap().served, crossed);
     head.cluster.clone().shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_16_same_host_readers_map_an_object_put_from_a_buffer_without_a_copy() {
+    let cluster = common::cluster().await;
+    let group = counters(&cluster, 2).await;
+    let size = (40usize << 20) + 3;
+    let mut buffer = cluster.object_buffer(size);
+    assert!(buffer.is_shared(), "a Linux host gives shared memory");
+    assert!(buffer.iter().all(|b| *b == 0), "a new buffer is zeroed");
+    for (i, b) in buffer.iter_mut().enumerate() {
+        *b = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes()[7];
+    }
+    let want = hex::encode(sha2::Sha256::digest(&buffer[..]));
+    let object = cluster.put_buffer(buffer).unwrap();
+    let borrowed = ferl_runtime::ObjectRef::from_wire(&object.to_wire().unwrap()).unwrap();
+    for round in 0..2 {
+        let reads = group
+            .call_each(vec![ObjectDigest(object.clone()); 2])
+            .await
+            .unwrap();
+        for (rank, read) in reads.iter().enumerate() {
+            assert_eq!(
+                read,
+                &(size as u64, want.clone()),
+                "round {round} rank {rank}"
+            );
+        }
+    }
+    let workers = group.call_all(LocalObjectStats).await.unwrap();
+    assert!(
+        workers.iter().all(|s| s.mapped == 2),
+        "each worker mapped the object on each read: {workers:?}"
+    );
+    let owner = cluster.object_stats(None).await.unwrap();
+    assert!(owner.served.is_empty(), "no copy left the owner: {owner:?}");
+    let node = group.rank(0).node();
+    let agent = cluster.object_stats(Some(&node)).await.unwrap();
+    assert_eq!(
+        (agent.fetched, agent.cached),
+        (0, 0),
+        "no node agent in between"
+    );
+
+    drop(object);
+    let err = group
+        .rank(0)
+        .call(ObjectDigest(borrowed))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("not held by its owner"), "{err}");
+    cluster.shutdown().await;
+}

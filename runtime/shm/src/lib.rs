@@ -15,6 +15,10 @@
 //! - Waiting spins, then yields, then sleeps on a futex word in the segment that the other side bumps on progress,
 //!   waking every [`POLL_INTERVAL`] to ask the caller's [`Watch`] whether the peer is gone.
 //!
+//! - A [`Blob`] is one immutable byte buffer in a memfd sealed against every change (the object store's same-host
+//!   path): written once by its creator ([`BlobWriter`]), mapped read-only by any process of the host that holds
+//!   its [`BlobOffer`], with the same checks as a segment's offer (below) plus the write seal.
+//!
 //! ## Offer and accept
 //! The creator sends an [`Offer`] (its pid, the memfd's descriptor number, the ring geometry and the nonce) over a
 //! connection that is already authenticated (QUIC with cluster TLS; the collectives' job-secret handshake). The peer
@@ -36,9 +40,11 @@
 //! 5. The seals keep the file at its size while mapped (no `SIGBUS`), and every position a peer names is
 //!    bounds-checked against the ring before a byte is read.
 
+mod blob;
 mod ring;
 mod segment;
 
+pub use blob::{Blob, BlobOffer, BlobWriter, BLOB_MAGIC};
 pub use ring::{Consumer, Producer, Watch, POLL_INTERVAL};
 pub use segment::Segment;
 
@@ -113,5 +119,7 @@ pub fn out_of_space(e: &Error) -> bool {
     e.raw_os_error() == Some(libc::ENOSPC)
 }
 
+#[cfg(test)]
+mod blob_tests;
 #[cfg(test)]
 mod tests;

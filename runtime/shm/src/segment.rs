@@ -54,19 +54,20 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    fn new(fd: &impl AsRawFd, len: usize, populate: bool) -> Result<Self> {
+    pub(crate) fn new(fd: &impl AsRawFd, len: usize, populate: bool) -> Result<Self> {
+        Self::with_protection(fd, len, libc::PROT_READ | libc::PROT_WRITE, populate)
+    }
+
+    /// A shared mapping of the first `len` bytes of `fd` with the protection `prot` (`PROT_*` flags).
+    pub(crate) fn with_protection(
+        fd: &impl AsRawFd,
+        len: usize,
+        prot: libc::c_int,
+        populate: bool,
+    ) -> Result<Self> {
         let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh shared mapping of a descriptor we hold, at a kernel-chosen address; checked for failure.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(Error::last_os_error());
         }
@@ -78,6 +79,11 @@ impl Mapping {
         // SAFETY: the mapping starts with the page-aligned header (zeroed by the kernel, then written by the creator
         // before the offer); its shared field is an atomic.
         unsafe { &*(self.base.as_ptr() as *const Header) }
+    }
+
+    /// The mapping's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     pub(crate) fn at(&self, offset: usize) -> *mut u8 {
@@ -97,11 +103,11 @@ fn segment_len(rings: usize, ring_bytes: usize) -> usize {
     DATA_OFFSET + rings * ring_bytes
 }
 
-fn invalid(msg: String) -> Error {
+pub(crate) fn invalid(msg: String) -> Error {
     Error::new(ErrorKind::InvalidData, msg)
 }
 
-fn random_nonce() -> Result<[u8; NONCE_LEN]> {
+pub(crate) fn random_nonce() -> Result<[u8; NONCE_LEN]> {
     let mut nonce = [0u8; NONCE_LEN];
     let mut filled = 0;
     while filled < NONCE_LEN {
@@ -118,6 +124,67 @@ fn random_nonce() -> Result<[u8; NONCE_LEN]> {
         filled += n as usize;
     }
     Ok(nonce)
+}
+
+/// A new memfd named `name` (for `/proc/<pid>/fd` listings) of `len` bytes, close-on-exec, that accepts seals.
+pub(crate) fn sealable_memfd(name: &std::ffi::CStr, len: usize) -> Result<OwnedFd> {
+    // SAFETY: a NUL-terminated name and valid flags.
+    let raw =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if raw < 0 {
+        return Err(Error::last_os_error());
+    }
+    // SAFETY: a descriptor just returned to us and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: a plain call on a descriptor we own; its result is checked.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Opens the memfd a peer offered as `/proc/<pid>/fd/<fd>` (for writing too with `write`), and checks that it is a
+/// regular file of this user, of `len` bytes, carrying at least the seals `seals`. Returns it and its path.
+pub(crate) fn open_offered(
+    pid: u32,
+    fd: i32,
+    write: bool,
+    len: u64,
+    seals: libc::c_int,
+) -> Result<(File, String)> {
+    let path = format!("/proc/{pid}/fd/{fd}");
+    let file = File::options()
+        .read(true)
+        .write(write)
+        .open(&path)
+        .map_err(|e| {
+            Error::new(
+                e.kind(),
+                format!("cannot open {path} (another host or user?): {e}"),
+            )
+        })?;
+    let meta = file
+        .metadata()
+        .map_err(|e| Error::new(e.kind(), format!("{path}: {e}")))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.file_type().is_file() || meta.uid() != me {
+        return Err(invalid(format!(
+            "{path} is not a regular file of this user (uid {me})"
+        )));
+    }
+    if meta.len() != len {
+        return Err(invalid(format!(
+            "{path} holds {} bytes, the offer says {len}",
+            meta.len()
+        )));
+    }
+    // SAFETY: a query on a descriptor we own.
+    let found = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if found < 0 || found & seals != seals {
+        return Err(invalid(format!("{path} is not sealed as offered")));
+    }
+    Ok((file, path))
 }
 
 /// A mapped segment of rings (see the crate's documentation). Cloning the rings' handles keeps the mapping alive.
@@ -151,23 +218,9 @@ impl Segment {
             .and_then(|n| n.checked_add(DATA_OFFSET))
             .filter(|&n| n as u64 <= MAX_SEGMENT_BYTES)
             .ok_or_else(|| Error::new(ErrorKind::InvalidInput, "segment too large"))?;
-        // SAFETY: a C string literal and valid flags.
-        let raw = unsafe {
-            libc::memfd_create(
-                c"ferl-shm".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if raw < 0 {
-            return Err(Error::last_os_error());
-        }
-        // SAFETY: a descriptor just returned to us and owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = sealable_memfd(c"ferl-shm", len)?;
         // SAFETY: plain calls on a descriptor we own; each result is checked.
         unsafe {
-            if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
-                return Err(Error::last_os_error());
-            }
             if reserve {
                 let rc = libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t);
                 if rc != 0 {
@@ -235,40 +288,9 @@ impl Segment {
                 offer.rings, offer.ring_bytes
             )));
         }
-        let path = format!("/proc/{}/fd/{}", offer.pid, offer.fd);
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| {
-                Error::new(
-                    e.kind(),
-                    format!("cannot open {path} (another host or user?): {e}"),
-                )
-            })?;
-        let meta = file
-            .metadata()
-            .map_err(|e| Error::new(e.kind(), format!("{path}: {e}")))?;
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let me = unsafe { libc::geteuid() };
-        if !meta.file_type().is_file() || meta.uid() != me {
-            return Err(invalid(format!(
-                "{path} is not a regular file of this user (uid {me})"
-            )));
-        }
         let len = segment_len(rings, ring_bytes);
-        if meta.len() != len as u64 {
-            return Err(invalid(format!(
-                "{path} holds {} bytes, the offer says {len}",
-                meta.len()
-            )));
-        }
-        // SAFETY: a query on a descriptor we own.
-        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-        let wanted = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
-        if seals < 0 || seals & wanted != wanted {
-            return Err(invalid(format!("{path} is not sealed against resizing")));
-        }
+        let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        let (file, path) = open_offered(offer.pid, offer.fd, true, len as u64, sealed)?;
         let probe = Mapping::new(&file, DATA_OFFSET, false)
             .map_err(|e| Error::new(e.kind(), format!("mapping {path}: {e}")))?;
         let header = probe.header();

@@ -484,6 +484,21 @@ impl Cluster {
         crate::control::objects::put(&self.process, bytes.into())
     }
 
+    /// A zeroed buffer of `len` bytes to fill and then [`Cluster::put_buffer`]: in shared memory where the host
+    /// allows it, so that every process of this host maps the object instead of receiving a copy (a rollout reading
+    /// a trainer's weights, a batch read by many colocated actors).
+    pub fn object_buffer(&self, len: usize) -> crate::control::objects::ObjectBuffer {
+        crate::control::objects::buffer(len)
+    }
+
+    /// Puts a buffer filled from [`Cluster::object_buffer`] without copying it; otherwise as [`Cluster::put`].
+    pub fn put_buffer(
+        &self,
+        buffer: crate::control::objects::ObjectBuffer,
+    ) -> Result<crate::control::objects::ObjectRef> {
+        crate::control::objects::put_buffer(&self.process, buffer)
+    }
+
     /// The bytes of an object, from this process, its node's cache, or (once per node) its owner.
     pub async fn get(
         &self,

@@ -14,6 +14,13 @@
 //!    while the owner still holds a handle, and a `get` after the free fails naming the object and its owner. Bytes a
 //!    `get` returned stay valid as long as the caller holds them. Drop the last handle inside a tokio runtime: outside
 //!    one the owner frees its copy but cannot tell the nodes.
+//! 3. **Same host, no copy.** An object put from an [`ObjectBuffer`] ([`Cluster::object_buffer`](crate::Cluster::object_buffer),
+//!    [`Cluster::put_buffer`](crate::Cluster::put_buffer)) lives in a sealed shared-memory blob (`ferl_shm::Blob`):
+//!    a `get` in any process of the owner's host (same boot id) maps the owner's pages read-only instead of receiving
+//!    a copy, with no node agent in between. The blob is sealed against writes, so every reader sees the bytes the
+//!    owner put. When the owner frees the object it closes the blob's descriptor: later opens fail (and fall back
+//!    to the owner, which refuses as in 2), while mappings already made stay valid. A process on another host, or
+//!    one that cannot open the blob, reads as in 1.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +29,8 @@ use std::sync::{Arc, Mutex, Weak};
 use anyhow::{bail, Result as AnyResult};
 use rkyv::{Archive, Deserialize, Serialize};
 use tokio::sync::OnceCell;
+
+use ferl_shm::{Blob, BlobOffer, BlobWriter};
 
 use crate::actor::process::{Process, OBJECT_ACTOR};
 use crate::actor::{Actor, Context, Handler};
@@ -43,8 +52,19 @@ pub struct ObjectRef {
     size: u64,
     owner: String,
     owner_node: String,
+    /// Where a process of the owner's host maps the object (objects put from an [`ObjectBuffer`]).
+    shared: Option<SharedLocation>,
     #[rkyv(with = rkyv::with::Skip)]
     lease: Option<Arc<Lease>>,
+}
+
+/// Where an object in shared memory can be mapped: the owner's host (its boot id) and the blob's offer.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+struct SharedLocation {
+    host: String,
+    pid: u32,
+    fd: i32,
+    nonce: [u8; ferl_shm::NONCE_LEN],
 }
 
 impl std::fmt::Debug for ObjectRef {
@@ -95,6 +115,8 @@ pub struct ObjectStats {
     pub fetched: u64,
     /// Objects this owner sent to each node (by node name), over the process's life.
     pub served: BTreeMap<String, u64>,
+    /// Objects of a same-host owner this process mapped from shared memory (no copy), over its life.
+    pub mapped: u64,
 }
 
 /// The owner's side of an object's lifetime: dropped with the owner's last handle.
@@ -113,6 +135,8 @@ impl Drop for Lease {
 
 struct Owned {
     bytes: SharedBytes,
+    /// The shared-memory blob holding `bytes`, when put from an [`ObjectBuffer`] (its descriptor closes on free).
+    blob: Option<Arc<Blob>>,
     /// Addresses of the node agents that fetched it (told to drop their copy when it is freed).
     holders: BTreeSet<String>,
 }
@@ -127,6 +151,7 @@ pub(crate) struct ObjectStore {
     cached: Mutex<HashMap<(String, u64), Cached>>,
     served: Mutex<BTreeMap<String, u64>>,
     fetched: AtomicU64,
+    mapped: AtomicU64,
     hosted: std::sync::OnceLock<()>,
 }
 
@@ -159,6 +184,99 @@ pinned_message! {
     QueryObjects => ObjectStats;
 }
 
+/// A buffer to fill, then put with [`Cluster::put_buffer`](crate::Cluster::put_buffer) without a copy: in shared
+/// memory where the host allows it, so that processes on the owner's host map the object (invariant 3) instead of
+/// receiving a copy. Made by [`Cluster::object_buffer`](crate::Cluster::object_buffer), zeroed.
+pub struct ObjectBuffer(Buffer);
+
+enum Buffer {
+    Shared(BlobWriter),
+    Heap(Vec<u8>),
+}
+
+impl ObjectBuffer {
+    /// Whether the buffer is in shared memory (same-host readers will map it).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.0, Buffer::Shared(_))
+    }
+}
+
+impl std::ops::Deref for ObjectBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Buffer::Shared(w) => w.data(),
+            Buffer::Heap(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for ObjectBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            Buffer::Shared(w) => w.data_mut(),
+            Buffer::Heap(v) => v,
+        }
+    }
+}
+
+/// A shared-memory blob as the owner of a [`bytes::Bytes`].
+struct BlobBytes(Arc<Blob>);
+
+impl AsRef<[u8]> for BlobBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.0.data()
+    }
+}
+
+/// This host's boot id (the same for every process of one running kernel), read once; `None` where unreadable.
+fn host_id() -> Option<&'static str> {
+    static ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    })
+    .as_deref()
+}
+
+/// Where same-host readers map `blob`.
+fn location(blob: &Blob) -> Option<SharedLocation> {
+    let offer = blob.offer()?;
+    Some(SharedLocation {
+        host: host_id()?.to_string(),
+        pid: offer.pid,
+        fd: offer.fd,
+        nonce: offer.nonce,
+    })
+}
+
+/// The bytes of `obj` mapped from its owner's shared memory, when it is there and on this host (invariant 3);
+/// `None` sends the caller down the copying path.
+fn map_shared(process: &Process, obj: &ObjectRef) -> Option<SharedBytes> {
+    let at = obj.shared.as_ref()?;
+    if host_id() != Some(at.host.as_str()) {
+        return None;
+    }
+    let offer = BlobOffer {
+        pid: at.pid,
+        fd: at.fd,
+        len: obj.size,
+        nonce: at.nonce,
+    };
+    match Blob::open(&offer) {
+        Ok(blob) => {
+            store_of(process).mapped.fetch_add(1, Ordering::Relaxed);
+            Some(bytes::Bytes::from_owner(BlobBytes(Arc::new(blob))).into())
+        }
+        Err(e) => {
+            tracing::debug!(object = obj.id, "mapping {obj:?} from shared memory: {e}");
+            None
+        }
+    }
+}
+
 /// The object service every owner and node agent hosts at [`OBJECT_ACTOR`].
 pub(crate) struct ObjectService;
 
@@ -186,6 +304,38 @@ pub(crate) fn host_service(process: &Arc<Process>) {
 
 /// Keeps `bytes` in `process` and returns the owner's handle.
 pub(crate) fn put(process: &Arc<Process>, bytes: SharedBytes) -> Result<ObjectRef> {
+    keep(process, bytes, None)
+}
+
+/// A buffer of `len` zero bytes to fill and put with [`put_buffer`]: a shared-memory blob when this host allows it,
+/// else (no boot id, no shared memory left) plain memory.
+pub(crate) fn buffer(len: usize) -> ObjectBuffer {
+    if host_id().is_some() {
+        match BlobWriter::create(len) {
+            Ok(writer) => return ObjectBuffer(Buffer::Shared(writer)),
+            Err(e) => tracing::debug!("an object buffer of {len} bytes in plain memory: {e}"),
+        }
+    }
+    ObjectBuffer(Buffer::Heap(vec![0; len]))
+}
+
+/// Keeps the filled `buffer` in `process` (shared with same-host readers when it is in shared memory) and returns
+/// the owner's handle.
+pub(crate) fn put_buffer(process: &Arc<Process>, buffer: ObjectBuffer) -> Result<ObjectRef> {
+    match buffer.0 {
+        Buffer::Heap(v) => keep(process, v.into(), None),
+        Buffer::Shared(writer) => {
+            let blob = Arc::new(writer.finish().map_err(|e| {
+                Error::Cluster(format!("sealing an object's shared-memory blob: {e}"))
+            })?);
+            let bytes = SharedBytes::from(bytes::Bytes::from_owner(BlobBytes(blob.clone())));
+            keep(process, bytes, Some(blob))
+        }
+    }
+}
+
+/// Stores `bytes` (held by `blob` when it is shared) under a new id and returns the owner's handle.
+fn keep(process: &Arc<Process>, bytes: SharedBytes, blob: Option<Arc<Blob>>) -> Result<ObjectRef> {
     if bytes.len() as u64 > MAX_BULK {
         return Err(Error::Cluster(format!(
             "cannot put {} bytes: an object holds at most {MAX_BULK} bytes",
@@ -195,8 +345,10 @@ pub(crate) fn put(process: &Arc<Process>, bytes: SharedBytes) -> Result<ObjectRe
     host_service(process);
     let id = rand::random::<u64>();
     let size = bytes.len() as u64;
+    let shared = blob.as_ref().and_then(|b| location(b));
     let owned = Owned {
         bytes,
+        blob,
         holders: BTreeSet::new(),
     };
     lock(&store_of(process).owned).insert(id, owned);
@@ -208,6 +360,7 @@ pub(crate) fn put(process: &Arc<Process>, bytes: SharedBytes) -> Result<ObjectRe
             .node
             .get()
             .map_or_else(|| "driver".to_string(), |(_, name)| name.clone()),
+        shared,
         lease: Some(Arc::new(Lease {
             id,
             process: Arc::downgrade(process),
@@ -228,6 +381,9 @@ pub(crate) async fn get(process: &Arc<Process>, obj: &ObjectRef) -> Result<Share
 async fn read(process: &Arc<Process>, obj: &ObjectRef) -> Result<SharedBytes> {
     if obj.owner == process.addr.to_string() {
         return owned_copy(process, obj.id).map_err(Error::Cluster);
+    }
+    if let Some(bytes) = map_shared(process, obj) {
+        return Ok(bytes);
     }
     match process.node.get() {
         Some((addr, _)) if *addr == process.addr => node_get(process, obj).await,
@@ -263,6 +419,7 @@ pub(crate) fn stats(process: &Process) -> ObjectStats {
         cached_bytes,
         fetched: store.fetched.load(Ordering::Relaxed),
         served: lock(&store.served).clone(),
+        mapped: store.mapped.load(Ordering::Relaxed),
     }
 }
 
@@ -341,6 +498,9 @@ fn free(process: &Arc<Process>, id: u64) {
     let Some(owned) = lock(&store_of(process).owned).remove(&id) else {
         return;
     };
+    if let Some(blob) = &owned.blob {
+        blob.close_fd();
+    }
     let holders: Vec<std::net::SocketAddr> = owned
         .holders
         .iter()
