@@ -14,7 +14,7 @@ ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, BatchOf, ValSh
 ferl_runtime::register_actor!(Checkpointer, calls: [Commit, Flush]);
 ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);
 ferl_runtime::register_actor!(Rollout, calls: [Generate, LoadWeights]);
-ferl_runtime::register_actor!(PolicyActor, calls: [ComputeLogProb, UpdatePolicy, ExportWeights, SaveState, LoadState]);
+ferl_runtime::register_actor!(PolicyActor, calls: [ComputeLogProb, UpdatePolicy, ExportWeights, PublishWeights, ReleaseWeights, SaveState, LoadState]);
 
 /// Keeps these registrations linked into the calling binary; call it before
 /// `ferl_runtime::enter_worker_mode_if_spawned` in every binary that spawns the standard actors.

@@ -242,7 +242,7 @@ async fn measure_wide_sync(cluster: &Cluster, dir: &Path) {
         .await
         .unwrap();
     for i in 1..=3 {
-        let sync = sync_weights(cluster, &roles.policy, &roles.rollouts, WireDtype::F32)
+        let sync = sync_weights(&roles.policy, &roles.rollouts, WireDtype::F32)
             .await
             .unwrap();
         assert_eq!(sync.bytes, param_bytes(&model));
@@ -279,14 +279,23 @@ async fn weight_sync_gives_rollouts_the_policy_weights() {
         param_bytes(&model) as f64
     );
     let roles = driver.roles();
-    let sync = sync_weights(&cluster, &roles.policy, &roles.rollouts, WireDtype::F32)
+    let sync = sync_weights(&roles.policy, &roles.rollouts, WireDtype::F32)
         .await
         .unwrap();
     println!(
-        "tiny model, sync to 2 rollout actors: {} bytes in {:.4} s (export {:.4} s, fetch + rebuild {:.4} s)",
+        "tiny model, sync to 2 rollout actors: {} bytes in {:.4} s (export {:.4} s, read + rebuild {:.4} s)",
         sync.bytes, sync.seconds, sync.export_seconds, sync.load_seconds
     );
     assert_eq!(sync.bytes, param_bytes(&model));
+    let agent = cluster
+        .object_stats(Some(&roles.policy.node()))
+        .await
+        .unwrap();
+    assert_eq!(
+        (agent.fetched, agent.cached),
+        (0, 0),
+        "the rollouts mapped the policy's blob: no node agent copied it"
+    );
     assert_rollouts_generate_with_policy_weights(roles, &model).await;
     driver.shutdown().await.unwrap();
     measure_wide_sync(&cluster, dir.path()).await;

@@ -18,8 +18,8 @@
 //!
 //! - [`sync`]: the weight sync between processes of each `--model` (the trainer's weights into a rollout running in
 //!   another process): a `PolicyActor` and a `Rollout` actor on separate resource groups of an embedded cluster,
-//!   timed by `ferl_actors::rl::sync_weights` (export, object-store put, fetch, load), beside the transport alone
-//!   moving the same bytes as one `SharedBytes` call. Rows `weight_sync_{bytes,s,GBps}_<model>`,
+//!   timed by `ferl_actors::rl::sync_weights` (export into a shared-memory object, read, load), beside the
+//!   transport alone moving the same bytes as one `SharedBytes` call. Rows `weight_sync_{bytes,s,GBps}_<model>`,
 //!   `transport_GBps_same_payload_<model>` and `weight_sync_share_of_transport_<model>` (goal ≥ 0.5); it reuses the
 //!   model folder the generation rows wrote. [`grpo`]'s `grpo_step_update_weights_s` is the colocated snapshot inside
 //!   one process instead.

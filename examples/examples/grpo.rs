@@ -15,7 +15,7 @@ use ferl::trainer::rl::{
     derive_seed, grpo_outcome_advantage, score_batch, ActorLossConfig, ActorUpdateConfig, FnReward,
     GrpoPrompt, GrpoSettings, PolicyLossConfig, Reward, RewardRow,
 };
-use ferl::{Cluster, HeadOptions, NodeOptions};
+use ferl::{HeadOptions, NodeOptions};
 use tch::Device;
 
 const STEPS: u64 = 20;
@@ -65,7 +65,6 @@ fn prompts() -> Vec<GrpoPrompt> {
 
 /// One GRPO step (0-based `step`) on the roles; returns the mean reward, `actor/pg_loss` and the weight sync.
 async fn grpo_step(
-    cluster: &Cluster,
     roles: &GrpoRoles,
     s: &GrpoSettings,
     prompts: &[GrpoPrompt],
@@ -122,8 +121,8 @@ async fn grpo_step(
         .iter()
         .find(|(k, _)| k == "actor/pg_loss")
         .map_or(0.0, |p| p.1);
-    // 6. weight sync: policy → object store → every rollout actor
-    let sync = sync_weights(cluster, policy, rollouts, WireDtype::F32).await?;
+    // 6. weight sync: the policy publishes into the object store, every rollout actor reads
+    let sync = sync_weights(policy, rollouts, WireDtype::F32).await?;
     Ok((mean, pg_loss, sync))
 }
 
@@ -148,8 +147,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let roles = spawn_roles(&cluster, &s, &model, Placement::Separate, &opts).await?;
     for step in 0..STEPS {
-        let (mean, pg_loss, sync) =
-            grpo_step(&cluster, &roles, &s, &prompts, &mut reward, step).await?;
+        let (mean, pg_loss, sync) = grpo_step(&roles, &s, &prompts, &mut reward, step).await?;
         println!(
             "step {:2}: mean reward {mean:.3}  pg_loss {pg_loss:+.4}  weight sync {} bytes in {:.1} ms",
             step + 1,

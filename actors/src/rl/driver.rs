@@ -15,8 +15,8 @@
 //!   separate resource pools); the weight sync crosses nodes when the groups do, fetched once per node.
 
 use super::messages::{
-    token_matrix, ComputeLogProb, ExportWeights, Generate, Generations, LoadState, LoadWeights,
-    SaveState, UpdatePolicy, WeightsSource, WireDtype,
+    token_matrix, ComputeLogProb, Generate, Generations, LoadState, LoadWeights, PublishWeights,
+    ReleaseWeights, SaveState, UpdatePolicy, WeightsSource, WireDtype,
 };
 use super::policy::{PolicyActor, PolicyArgs};
 use super::rollout::{Rollout, RolloutArgs};
@@ -168,11 +168,11 @@ pub async fn spawn_roles(
 pub struct WeightSync {
     /// Bytes of the weights blob (fetched once per node).
     pub bytes: u64,
-    /// Seconds of the whole sync: export, put, and every rollout actor's fetch and rebuild.
+    /// Seconds of the whole sync: publish, every rollout actor's read and rebuild, and the release.
     pub seconds: f64,
-    /// Seconds the policy took to export (and the reply to arrive).
+    /// Seconds the policy took to write the blob into the object store (and the reply to arrive).
     pub export_seconds: f64,
-    /// Seconds from the put until every rollout actor had rebuilt its model.
+    /// Seconds from the publish's reply until every rollout actor had rebuilt its model.
     pub load_seconds: f64,
 }
 
@@ -191,27 +191,28 @@ impl WeightSync {
     }
 }
 
-/// Moves the policy's current weights to every rollout actor: the policy exports them as one blob of `dtype`, the
-/// driver puts the blob into the object store once, and every rollout actor fetches it (once per node) and rebuilds
-/// its model. The driver's handle keeps the object until every actor has loaded it.
+/// Moves the policy's current weights to every rollout actor: the policy writes them as one blob of `dtype` into
+/// the object store itself ([`PublishWeights`]: shared memory where its host allows), every rollout actor reads it
+/// (mapping it on the policy's host, else fetched once per node) and rebuilds its model, then the policy frees it
+/// ([`ReleaseWeights`]). The weights cross no process but the readers'.
 pub async fn sync_weights(
-    cluster: &Cluster,
     policy: &ActorRef<PolicyActor>,
     rollouts: &WorkerGroup<Rollout>,
     dtype: WireDtype,
 ) -> Result<WeightSync> {
     let started = Instant::now();
-    let payload = policy.call(ExportWeights { dtype }).await?;
+    let published = policy.call(PublishWeights { dtype }).await?;
     let export_seconds = started.elapsed().as_secs_f64();
-    let bytes = payload.bytes();
+    let bytes = published.object.size();
     let loading = Instant::now();
-    let object = cluster.put(payload.data)?;
     let msg = LoadWeights {
-        header: payload.header,
-        source: WeightsSource::Object(object.clone()),
+        header: published.header,
+        source: WeightsSource::Object(published.object),
     };
-    let loaded = rollouts.call_all(msg).await?;
-    drop(object);
+    let loaded = rollouts.call_all(msg).await;
+    let released = policy.call(ReleaseWeights).await;
+    let loaded = loaded?;
+    released?;
     if let Some(bad) = loaded.iter().find(|l| l.bytes != bytes) {
         bail!("a rollout actor loaded {} of {bytes} bytes", bad.bytes);
     }
@@ -325,8 +326,8 @@ impl GrpoDriver {
         batch.advantages = Some(self.advantages(&batch, &mask)?);
         timing.insert("timing_s/adv".into(), adv_start.elapsed().as_secs_f64());
         let actor_metrics = timed(&mut timing, "update_actor", self.update(&batch)).await?;
-        let (cluster, roles) = (&self.cluster, &self.roles);
-        let sync = sync_weights(cluster, &roles.policy, &roles.rollouts, self.sync_dtype).await?;
+        let roles = &self.roles;
+        let sync = sync_weights(&roles.policy, &roles.rollouts, self.sync_dtype).await?;
         self.completed += 1;
         let s = &self.settings;
         let mut metrics = data_metrics(&batch, &mask, s.max_response_length)?;
@@ -438,14 +439,9 @@ impl GrpoDriver {
         };
         self.completed = self.roles.policy.call(msg).await?;
         let roles = &self.roles;
-        sync_weights(
-            &self.cluster,
-            &roles.policy,
-            &roles.rollouts,
-            self.sync_dtype,
-        )
-        .await
-        .context("syncing the restored weights")?;
+        sync_weights(&roles.policy, &roles.rollouts, self.sync_dtype)
+            .await
+            .context("syncing the restored weights")?;
         Ok(())
     }
 

@@ -236,7 +236,7 @@ pub struct WeightsPayload {
 pub enum WeightsSource {
     /// In the message itself.
     Inline(SharedBytes),
-    /// In the cluster's object store (fetched once per node).
+    /// In the cluster's object store (fetched once per node, or mapped on the owner's host).
     Object(ObjectRef),
 }
 
@@ -471,6 +471,29 @@ pub struct ExportWeights {
     pub dtype: WireDtype,
 }
 
+/// Policy: put its full current weights of `dtype` into the cluster's object store and reply with their header
+/// and the object ([`PublishedWeights`]). The blob is in shared memory where the host allows it, so a rollout on
+/// the policy's host maps it instead of receiving a copy. The policy keeps the object alive until
+/// [`ReleaseWeights`] or its next publish.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct PublishWeights {
+    /// The blob's element type.
+    pub dtype: WireDtype,
+}
+
+/// The reply to [`PublishWeights`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct PublishedWeights {
+    /// What the blob holds.
+    pub header: WeightsHeader,
+    /// The blob (a borrowed handle: the policy holds the owner's).
+    pub object: ObjectRef,
+}
+
+/// Policy: free the weights of its last [`PublishWeights`] (once every rollout loaded them).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ReleaseWeights;
+
 /// Policy: write the trainable weights, AdamW's state and the step counters into the folder `dir` (the files of
 /// `GrpoTrainer::save`).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
@@ -494,6 +517,8 @@ ferl_runtime::message! {
     ComputeLogProb => TokenValues;
     UpdatePolicy => Vec<(String, f64)>;
     ExportWeights => WeightsPayload;
+    PublishWeights => PublishedWeights;
+    ReleaseWeights => ();
     SaveState => ();
     LoadState => u64;
 }

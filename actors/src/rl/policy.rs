@@ -5,12 +5,13 @@
 //! state ([`SaveState`], [`LoadState`], the files of `GrpoTrainer::save`).
 
 use super::messages::{
-    token_matrix, token_values, ComputeLogProb, ExportWeights, LoadState, RowIds, SaveState,
-    TokenValues, UpdatePolicy, WeightsPayload, WireDtype,
+    token_matrix, token_values, ComputeLogProb, ExportWeights, LoadState, PublishWeights,
+    PublishedWeights, ReleaseWeights, RowIds, SaveState, TokenValues, UpdatePolicy, WeightsHeader,
+    WeightsPayload, WireDtype,
 };
 use super::{on_state, set_threads};
 use anyhow::{bail, Context as _, Result};
-use ferl_runtime::{Actor, Context, Handler};
+use ferl_runtime::{Actor, Cluster, Context, Handler, ObjectBuffer, ObjectRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::optim::{AdamWConfig, LrSchedule, ScheduleKind};
 use ferl_trainer::params::LocalParams;
@@ -122,17 +123,34 @@ impl PolicyState {
             .collect())
     }
 
-    /// The full current weights: with a [`LocalParams`] store, its fp32 master tensors in layout order.
-    pub(crate) fn export(&self, dtype: WireDtype) -> WeightsPayload {
+    /// The full current weights by name: with a [`LocalParams`] store, its fp32 master tensors in layout order.
+    fn named_weights(&self) -> Vec<(String, &Tensor)> {
         let store = self.worker.engine().store();
-        let named: Vec<(String, &Tensor)> = store
+        store
             .layout_ref()
             .tensors
             .iter()
             .map(|(name, _)| name.clone())
             .zip(store.master())
-            .collect();
-        WeightsPayload::from_tensors(&named, dtype)
+            .collect()
+    }
+
+    /// The full current weights as one payload of `dtype`.
+    pub(crate) fn export(&self, dtype: WireDtype) -> WeightsPayload {
+        WeightsPayload::from_tensors(&self.named_weights(), dtype)
+    }
+
+    /// The full current weights of `dtype` written into an object-store buffer of `cluster`, and their header.
+    fn export_into_buffer(
+        &self,
+        dtype: WireDtype,
+        cluster: &Cluster,
+    ) -> Result<(WeightsHeader, ObjectBuffer)> {
+        let named = self.named_weights();
+        let header = WeightsHeader::of(&named, dtype);
+        let mut buffer = cluster.object_buffer(header.bytes() as usize);
+        header.write(&named, &mut buffer)?;
+        Ok((header, buffer))
     }
 
     /// Writes the policy's state to `dir` (the files `GrpoTrainer::save` writes).
@@ -153,6 +171,8 @@ impl PolicyState {
 /// stage by stage) and rank 0 would reply with the whole model.
 pub struct PolicyActor {
     state: Arc<Mutex<PolicyState>>,
+    /// The owner's handle of the last [`PublishWeights`] blob, until [`ReleaseWeights`] or the next publish.
+    published: Mutex<Option<ObjectRef>>,
 }
 
 impl Actor for PolicyActor {
@@ -167,6 +187,7 @@ impl Actor for PolicyActor {
         .context("policy actor: start task")??;
         Ok(Self {
             state: Arc::new(Mutex::new(state)),
+            published: Mutex::new(None),
         })
     }
 }
@@ -191,6 +212,39 @@ impl Handler<ExportWeights> for PolicyActor {
             move |s| Ok(s.export(m.dtype)),
         )
         .await
+    }
+}
+
+impl Handler<PublishWeights> for PolicyActor {
+    async fn handle(&self, m: PublishWeights, ctx: &Context) -> Result<PublishedWeights> {
+        self.release();
+        let cluster = ctx.cluster();
+        let (header, buffer) = on_state(&self.state, "policy: publish", move |s| {
+            s.export_into_buffer(m.dtype, &cluster)
+        })
+        .await?;
+        let object = ctx.cluster().put_buffer(buffer)?;
+        *self.published.lock().expect("published weights lock") = Some(object.clone());
+        Ok(PublishedWeights { header, object })
+    }
+}
+
+impl Handler<ReleaseWeights> for PolicyActor {
+    async fn handle(&self, _: ReleaseWeights, _: &Context) -> Result<()> {
+        self.release();
+        Ok(())
+    }
+}
+
+impl PolicyActor {
+    /// Frees the last published weights (if any).
+    fn release(&self) {
+        let last = self
+            .published
+            .lock()
+            .expect("published weights lock")
+            .take();
+        drop(last);
     }
 }
 

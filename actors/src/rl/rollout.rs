@@ -8,13 +8,11 @@ use super::weights::params_in_layout;
 use super::{on_state, set_threads};
 use anyhow::{Context as _, Result};
 use ferl_runtime::{Actor, Context, Handler};
-use ferl_trainer::model::config::ModelConfig;
 use ferl_trainer::model::layout::ModelLayout;
 use ferl_trainer::rollout::{parse_device, parse_dtype, GenerationConfig, RolloutModel};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tch::{Device, Kind};
 
 /// Constructor arguments of [`Rollout`].
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone)]
@@ -29,13 +27,10 @@ pub struct RolloutArgs {
     pub threads: u64,
 }
 
-/// The model and what rebuilding it from new weights needs.
+/// The model and the layout its weight syncs are read in.
 pub(crate) struct RolloutState {
-    cfg: ModelConfig,
     layout: ModelLayout,
     model: RolloutModel,
-    device: Device,
-    kind: Kind,
 }
 
 impl RolloutState {
@@ -45,19 +40,11 @@ impl RolloutState {
         let (device, kind) = (parse_device(&args.device)?, parse_dtype(&args.dtype)?);
         let dir = Path::new(&args.model_dir);
         let loaded = ferl_trainer::model::load_model(dir)?;
-        let model = RolloutModel::from_params(
-            loaded.config.clone(),
-            &loaded.layout,
-            &loaded.params,
-            device,
-            kind,
-        )?;
+        let model =
+            RolloutModel::from_params(loaded.config, &loaded.layout, &loaded.params, device, kind)?;
         Ok(Self {
-            cfg: loaded.config,
             layout: loaded.layout,
             model,
-            device,
-            kind,
         })
     }
 
@@ -84,18 +71,13 @@ impl RolloutState {
         Ok(out)
     }
 
-    /// Rebuilds the model from `data`, a blob of `m.header`.
+    /// Writes the blob's weights into the model's own tensors (cast to its dtype and device), reading them in
+    /// place from `data` (a mapped object is not copied first).
     pub(crate) fn load_weights(&mut self, m: &LoadWeights, data: &[u8]) -> Result<()> {
-        let named = m.header.tensors(data)?;
-        let params = params_in_layout(&self.layout, named)?;
-        self.model = RolloutModel::from_params(
-            self.cfg.clone(),
-            &self.layout,
-            &params,
-            self.device,
-            self.kind,
-        )?;
-        Ok(())
+        m.header.with_views(data, |named| {
+            let params = params_in_layout(&self.layout, named)?;
+            self.model.copy_params_from(&self.layout, &params)
+        })
     }
 }
 

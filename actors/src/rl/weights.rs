@@ -1,6 +1,7 @@
-//! Weights as one byte blob: [`WeightsPayload::from_tensors`] lays every tensor's bytes back to back (fp32 or bf16,
-//! little-endian as the host holds them) behind a header of names and shapes; [`WeightsPayload::tensors`] reads
-//! them back, and [`params_in_layout`] orders them as a model's layout lists its tensors.
+//! Weights as one byte blob: [`WeightsHeader::write`] lays every tensor's bytes back to back (fp32 or bf16,
+//! little-endian as the host holds them) behind a header of names and shapes, into a [`WeightsPayload`] or an
+//! object-store buffer; [`WeightsHeader::tensors`] reads them back, and [`params_in_layout`] orders them as a
+//! model's layout lists its tensors.
 
 use super::messages::{WeightsHeader, WeightsPayload, WireDtype};
 use anyhow::{bail, Context, Result};
@@ -40,8 +41,41 @@ impl WeightsHeader {
         (self.numels().iter().sum::<usize>() * self.dtype.size()) as u64
     }
 
-    /// The tensors of `data` (a blob of this header) on the host.
-    pub fn tensors(&self, data: &[u8]) -> Result<Vec<(String, Tensor)>> {
+    /// Calls `f` with the tensors of `data` (a blob of this header) as views of its bytes, without copying them;
+    /// `f` must not keep them (it copies what it needs). Where `data` is not aligned for the dtype, `f` gets copies.
+    pub fn with_views<T>(
+        &self,
+        data: &[u8],
+        f: impl FnOnce(Vec<(String, Tensor)>) -> Result<T>,
+    ) -> Result<T> {
+        self.check(data)?;
+        if !(data.as_ptr() as usize).is_multiple_of(self.dtype.size()) {
+            return f(self.tensors(data)?);
+        }
+        let mut offset = 0;
+        let mut views = Vec::with_capacity(self.names.len());
+        for ((name, shape), numel) in self.names.iter().zip(&self.shapes).zip(self.numels()) {
+            let strides = contiguous_strides(shape);
+            // SAFETY: the view covers `numel` elements at `offset`, inside `data` (its length was checked against
+            // the header) and aligned for the dtype; `data` outlives the views, which are dropped when `f` returns
+            // (a view `f` kept would be its caller's bug, as the doc says), and nothing writes through them.
+            let view = unsafe {
+                Tensor::from_blob(
+                    data.as_ptr().add(offset),
+                    shape,
+                    &strides,
+                    self.dtype.kind(),
+                    Device::Cpu,
+                )
+            };
+            views.push((name.clone(), view));
+            offset += numel * self.dtype.size();
+        }
+        f(views)
+    }
+
+    /// Checks that `data` is a blob of this header.
+    fn check(&self, data: &[u8]) -> Result<()> {
         if self.names.len() != self.shapes.len() {
             bail!(
                 "weights header: {} names for {} shapes",
@@ -56,6 +90,12 @@ impl WeightsHeader {
                 self.bytes()
             );
         }
+        Ok(())
+    }
+
+    /// The tensors of `data` (a blob of this header) on the host.
+    pub fn tensors(&self, data: &[u8]) -> Result<Vec<(String, Tensor)>> {
+        self.check(data)?;
         let (kind, size) = (self.dtype.kind(), self.dtype.size());
         let mut offset = 0;
         let mut out = Vec::with_capacity(self.names.len());
@@ -71,30 +111,52 @@ impl WeightsHeader {
     }
 }
 
+impl WeightsHeader {
+    /// The header of `named` tensors sent as `dtype`, in the given order.
+    pub fn of(named: &[(String, &Tensor)], dtype: WireDtype) -> Self {
+        Self {
+            names: named.iter().map(|(n, _)| n.clone()).collect(),
+            shapes: named.iter().map(|(_, t)| t.size()).collect(),
+            dtype,
+        }
+    }
+
+    /// Writes `named` tensors (any device and dtype; those of [`WeightsHeader::of`]) into `out`, a blob of
+    /// [`WeightsHeader::bytes`] bytes, each cast to this header's dtype.
+    pub fn write(&self, named: &[(String, &Tensor)], out: &mut [u8]) -> Result<()> {
+        if out.len() as u64 != self.bytes() || named.len() != self.names.len() {
+            bail!(
+                "weights blob of {} bytes for {} tensors; the header describes {} bytes in {}",
+                out.len(),
+                named.len(),
+                self.bytes(),
+                self.names.len()
+            );
+        }
+        let _g = tch::no_grad_guard();
+        let (kind, size) = (self.dtype.kind(), self.dtype.size());
+        let mut offset = 0;
+        for (_, t) in named {
+            let host = t.detach().to_device(Device::Cpu).to_kind(kind).contiguous();
+            let n = host.numel();
+            let end = offset + n * size;
+            host.copy_data_u8(&mut out[offset..end], n);
+            offset = end;
+        }
+        Ok(())
+    }
+}
+
 impl WeightsPayload {
     /// The payload of `named` tensors (any device and dtype), cast to `dtype`, in the given order.
     pub fn from_tensors(named: &[(String, &Tensor)], dtype: WireDtype) -> Self {
-        let _g = tch::no_grad_guard();
-        let kind = dtype.kind();
-        let host: Vec<Tensor> = named
-            .iter()
-            .map(|(_, t)| t.detach().to_device(Device::Cpu).to_kind(kind).contiguous())
-            .collect();
-        let total: usize = host.iter().map(|t| t.numel() * dtype.size()).sum();
-        let mut data = vec![0u8; total];
-        let mut offset = 0;
-        for t in &host {
-            let n = t.numel();
-            let end = offset + n * dtype.size();
-            t.copy_data_u8(&mut data[offset..end], n);
-            offset = end;
-        }
+        let header = WeightsHeader::of(named, dtype);
+        let mut data = vec![0u8; header.bytes() as usize];
+        header
+            .write(named, &mut data)
+            .expect("a blob of the header's size");
         Self {
-            header: WeightsHeader {
-                names: named.iter().map(|(n, _)| n.clone()).collect(),
-                shapes: host.iter().map(Tensor::size).collect(),
-                dtype,
-            },
+            header,
             data: data.into(),
         }
     }
@@ -108,6 +170,15 @@ impl WeightsPayload {
     pub fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
         self.header.tensors(&self.data)
     }
+}
+
+/// The strides of a contiguous tensor of `shape`.
+fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    strides
 }
 
 /// `named` tensors in the order of `layout.tensors`: every tensor of the layout must be there once, with its

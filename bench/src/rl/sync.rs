@@ -5,10 +5,11 @@
 //! - `weight_sync_bytes_<model>`, `weight_sync_s_<model>`, `weight_sync_GBps_<model>`: a
 //!   [`PolicyActor`](ferl::actors::rl::PolicyActor) and one [`Rollout`](ferl::actors::rl::Rollout) actor on
 //!   separate resource groups ([`Placement::Separate`], one CPU bundle each, fp32, one torch thread each), built from
-//!   the same model folder; [`sync_weights`] with an fp32 payload, timed whole: the policy's export of its
-//!   parameters into one blob (and the blob's reply to the driver), the driver's put of the blob into the object
-//!   store, the rollout's fetch of it, and its load into the rollout's model. The seconds are the median of
-//!   `--sync-repeats` syncs after one untimed warm-up sync; GB/s = bytes ÷ that median (10⁹ bytes per GB).
+//!   the same model folder; [`sync_weights`] with an fp32 blob, timed whole: the policy's export of its parameters
+//!   into one object-store blob (shared memory on this host), the rollout's read of it (a mapping of the policy's
+//!   pages: both roles are on this host), its load into the rollout's model, and the policy's release of the blob.
+//!   The seconds are the median of `--sync-repeats` syncs after one untimed warm-up sync; GB/s = bytes ÷ that
+//!   median (10⁹ bytes per GB).
 //! - `transport_GBps_same_payload_<model>`: after the roles are removed, the same number of bytes as one
 //!   [`SharedBytes`] call from the driver to a testbed [`Counter`] actor's [`SinkShared`] handler (the transport
 //!   alone: no export, no object store, no load), the median of `--sync-repeats` calls after a warm-up call.
@@ -96,7 +97,7 @@ async fn measure_on(cluster: &Cluster, model: &Path, repeats: usize) -> Result<S
     let export_s = median(syncs.iter().map(|s| s.export_seconds).collect());
     let load_s = median(syncs.iter().map(|s| s.load_seconds).collect());
     eprintln!(
-        "rl: weight sync {bytes} bytes: {sync_s:.3} s (export {export_s:.3} s, put + fetch + load {load_s:.3} s)"
+        "rl: weight sync {bytes} bytes: {sync_s:.3} s (export into the store {export_s:.3} s, read + load {load_s:.3} s)"
     );
     let transport_s = median(transport(cluster, bytes, repeats).await?);
     Ok(SyncFigures {
@@ -117,7 +118,7 @@ async fn syncs(cluster: &Cluster, model: &Path, repeats: usize) -> Result<Vec<We
     let run = async {
         let mut done = Vec::with_capacity(repeats);
         for _ in 0..=repeats {
-            done.push(sync_weights(cluster, &roles.policy, &roles.rollouts, WireDtype::F32).await?);
+            done.push(sync_weights(&roles.policy, &roles.rollouts, WireDtype::F32).await?);
         }
         done.remove(0); // the warm-up
         anyhow::Ok(done)

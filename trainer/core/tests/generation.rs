@@ -418,3 +418,57 @@ fn cuda_generation_matches_cpu() {
         .iter()
         .all(|g| g.len() == 32 && g.log_probs.iter().all(|x| x.is_finite() && *x <= 0.0)));
 }
+
+/// A weight sync reloads a rollout model in place: after `copy_params_from` with another model's parameters it
+/// generates exactly what that model does (fp32, and cast into a bf16 model), and parameters of another shape are
+/// refused, naming the tensor, before anything is written.
+#[test]
+fn copy_params_from_reloads_in_place_and_refuses_another_shape() {
+    tch::set_num_threads(1);
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = ferl_model(one.path());
+    let file = two.path().join("config.json");
+    std::fs::copy(one.path().join("config.json"), &file).unwrap();
+    init_model(&file, None, &two.path().join("model"), 11).unwrap();
+    let other = load_model(&two.path().join("model")).unwrap();
+    let greedy = GenerationConfig::new(16, SamplingParams::default());
+    let want = RolloutModel::load(&two.path().join("model"), Device::Cpu, Kind::Float)
+        .unwrap()
+        .generate(&prompts(), &greedy)
+        .unwrap();
+    let mut model = RolloutModel::load(&first, Device::Cpu, Kind::Float).unwrap();
+    let before = model.generate(&prompts(), &greedy).unwrap();
+    assert_ne!(before, want, "two seeds, two models");
+    model
+        .copy_params_from(&other.layout, &other.params)
+        .unwrap();
+    assert_eq!(model.generate(&prompts(), &greedy).unwrap(), want);
+
+    let mut bf16 = RolloutModel::load(&first, Device::Cpu, Kind::BFloat16).unwrap();
+    bf16.copy_params_from(&other.layout, &other.params).unwrap();
+    let cast = RolloutModel::from_params(
+        other.config.clone(),
+        &other.layout,
+        &other.params,
+        Device::Cpu,
+        Kind::BFloat16,
+    )
+    .unwrap();
+    assert_eq!(
+        bf16.generate(&prompts(), &greedy).unwrap(),
+        cast.generate(&prompts(), &greedy).unwrap()
+    );
+
+    let mut wrong: Vec<tch::Tensor> = other.params.iter().map(|t| t.shallow_clone()).collect();
+    wrong[1] = tch::Tensor::zeros([3, 3], (Kind::Float, Device::Cpu));
+    let err = model
+        .copy_params_from(&other.layout, &wrong)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&other.layout.tensors[1].0), "{err}");
+    assert_eq!(
+        model.generate(&prompts(), &greedy).unwrap(),
+        want,
+        "nothing written"
+    );
+}

@@ -32,6 +32,7 @@
 
 pub mod cache;
 pub mod generate;
+mod reload;
 pub mod sampling;
 pub mod score;
 
