@@ -24,6 +24,7 @@
 pub mod checkpoint;
 pub mod cluster_run;
 pub mod data_loader;
+pub mod device_memory;
 pub mod driver;
 pub mod messages;
 pub mod metrics;

@@ -44,7 +44,8 @@ pub struct RankStep {
     pub tokens: i64,
     /// Targets this rank processed.
     pub targets: i64,
-    /// Peak memory of this rank's process in bytes (0 when unknown).
+    /// Peak memory of this rank in bytes (0 when unknown): its process's resident set on CPU, its device's memory
+    /// in use on CUDA ([`crate::device_memory::peak_memory_bytes`]).
     pub peak_memory_bytes: u64,
 }
 

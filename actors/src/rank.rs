@@ -170,21 +170,6 @@ pub fn sample_refs(samples: &[Sample]) -> Vec<SampleRef<'_>> {
         .collect()
 }
 
-/// Peak memory of this rank's process: the peak resident set (`VmHWM`) in bytes, 0 when unknown. (On CUDA the
-/// device memory is not included: tch exposes no allocator statistics.)
-pub fn peak_memory_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 /// Micro-batches of `n` samples at micro-batch size `micro`.
 pub fn micro_batches(n: usize, micro: usize) -> usize {
     n.div_ceil(micro.max(1))
@@ -320,7 +305,7 @@ impl RankState {
             skipped: stats.skipped,
             tokens: stats.tokens,
             targets: samples.iter().map(Sample::num_targets).sum(),
-            peak_memory_bytes: peak_memory_bytes(),
+            peak_memory_bytes: crate::device_memory::peak_memory_bytes(self.stepper.device),
         })
     }
 

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 /// Peak resident set of this process (`VmHWM`) in KiB.
 pub(super) fn vm_hwm_kib() -> Result<f64> {
-    Ok(ferl::actors::rank::peak_memory_bytes() as f64 / 1024.0)
+    Ok(ferl::actors::device_memory::peak_resident_bytes() as f64 / 1024.0)
 }
 
 /// The venv's Python (`$FERL_VENV`, else `~/.cache/ferl/venv`).

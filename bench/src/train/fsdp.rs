@@ -10,8 +10,8 @@
 //!
 //! Every rank times each step between two barriers; a group's tokens/s is the global batch's real tokens of the timed
 //! steps (all but the first) over the slowest rank's time, its peak memory the largest rank's peak resident set
-//! (`VmHWM`, from `ferl_actors::rank::peak_memory_bytes` — the figure the trainer ranks report as
-//! `perf/max_memory_gb/rank_R`). Rows, for W in {1, N}: `fsdp_wW_{ferl,pytorch}_tokens_per_s`,
+//! (`VmHWM`, from `ferl_actors::device_memory::peak_resident_bytes` — the figure CPU trainer ranks report
+//! as `perf/max_memory_gb/rank_R`). Rows, for W in {1, N}: `fsdp_wW_{ferl,pytorch}_tokens_per_s`,
 //! `fsdp_wW_{ferl,pytorch}_peak_rss_MiB`, `fsdp_wW_first_loss_rel_diff_ppm` (the two sides train the same thing),
 //! then the ratios `fsdp_wW_tokens_per_s_ratio` (ferl ÷ PyTorch, goal ≥ 1.2) and `fsdp_wW_peak_rss_ratio` (goal ≤ 1),
 //! and `fsdp_wW_{ferl,pytorch}_cpu_mfu[_6n]` over `fsdp_wW_gemm_peak_GFLOPs`, the sum of the GEMM peaks ferl's ranks

@@ -151,7 +151,7 @@ pub(super) fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
     out.row(&format!("{tag}_last_loss"), figures.last_loss, "nats");
     out.row(
         &format!("{tag}_peak_rss_MiB"),
-        ferl::actors::rank::peak_memory_bytes() as f64 / (1 << 20) as f64,
+        ferl::actors::device_memory::peak_resident_bytes() as f64 / (1 << 20) as f64,
         "MiB",
     );
     Ok(())

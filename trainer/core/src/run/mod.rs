@@ -45,7 +45,8 @@ pub struct StepOutcome {
     pub skipped: bool,
     /// Real (non-pad) tokens of the global batch.
     pub tokens: i64,
-    /// Peak resident memory of each rank's process, in bytes, rank order (0 where unknown).
+    /// Peak memory of each rank in bytes, rank order (0 where unknown): resident memory on CPU, device memory in
+    /// use on CUDA.
     pub peak_memory_bytes: Vec<u64>,
 }
 

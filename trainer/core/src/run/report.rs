@@ -18,7 +18,9 @@ pub mod metric {
     pub const TOKENS_PER_S: &str = "perf/tokens_per_s";
     /// Wall time of the step.
     pub const STEP_SECONDS: &str = "perf/step_seconds";
-    /// Prefix of each rank's peak resident memory in GiB: `perf/max_memory_gb/rank_R`.
+    /// Prefix of each rank's peak memory in GiB, `perf/max_memory_gb/rank_R`: peak resident memory on CPU; device
+    /// memory in use on CUDA (driver's total − free: torch's reservations + context, and any other process's memory
+    /// on the device), the highest of the samples taken at the end of each step.
     pub const MAX_MEMORY_GB: &str = "perf/max_memory_gb";
     /// Model FLOPs utilisation, where the device's peak is known.
     pub const MFU: &str = "perf/mfu";
