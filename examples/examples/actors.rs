@@ -1,6 +1,7 @@
 //! An actor runtime tour: embedded cluster, a typed actor with call / tell / stream, a resource group with a
 //! worker group (broadcast, one message per rank, split-and-gather, rank 0), a call with a deadline, an object put
-//! once and read by every rank, and the head's key-value store.
+//! once and read by every rank (and one filled in shared memory, which same-host ranks map), and the head's key-value
+//! store.
 //! Run: `cargo run -p ferl-examples --example actors`
 use ferl::runtime::ObjectRef;
 use ferl::{bundle, Actor, Context, Handler, SpawnOptions, Strategy, WorkerGroup};
@@ -41,7 +42,7 @@ impl Handler<Rank> for Summer {
 }
 impl Handler<SumBytes> for Summer {
     async fn handle(&self, m: SumBytes, ctx: &Context) -> anyhow::Result<u64> {
-        let bytes = ctx.cluster().get(&m.0).await?; // fetched once per node
+        let bytes = ctx.cluster().get(&m.0).await?; // fetched once per node, or mapped on the owner's host
         Ok(bytes.iter().map(|b| *b as u64).sum())
     }
 }
@@ -83,6 +84,12 @@ async fn main() -> anyhow::Result<()> {
     let batch = cluster.put(vec![1u8; 1 << 20])?; // freed when `batch` (and its clones here) drop
     let sums = workers.call_all(SumBytes(batch.clone())).await?;
     println!("object sums = {sums:?}");
+    // Filled in place in shared memory: workers on this host map it instead of receiving a copy.
+    let mut buffer = cluster.object_buffer(1 << 20);
+    buffer.fill(2);
+    let shared = cluster.put_buffer(buffer)?;
+    let sums = workers.call_all(SumBytes(shared.clone())).await?;
+    println!("shared-memory object sums = {sums:?}");
 
     cluster
         .kv_put("rendezvous", b"127.0.0.1:29500".to_vec())
