@@ -3,11 +3,14 @@
 //! venv's `nvidia/nccl/lib`, already loaded by libtorch_cuda) and `libnccl.so`, or from `FERL_NCCL_LIBRARY`. cudarc's
 //! own loader only tries unversioned or CUDA-versioned names, which miss torch's `libnccl.so.2`.
 //!
-//! Collectives run on the legacy default stream, which is the current stream of every tch operation, so they are
-//! ordered with the surrounding computation. Each call then waits for completion on the host, polling NCCL's
-//! asynchronous error state; past the timeout the communicator is aborted, so a dead peer yields an error, not a hang.
+//! Collectives run on a non-blocking stream of their own, ordered after the computation with events
+//! ([`crate::nccl_stream`]), so they overlap the default stream's work (the FSDP store's prefetched all-gathers and
+//! its reduce-scatters run on its communication thread while the compute thread goes on). The calling thread waits
+//! for the collective's completion event, polling NCCL's asynchronous error state; past the timeout the communicator
+//! is aborted, so a dead peer yields an error, not a hang.
 
 use crate::dtype::{DType, ReduceOp};
+use crate::nccl_stream::{wait_until_done, CommStream};
 use crate::rendezvous::Rendezvous;
 use crate::tensor::{check_pair, RawTensor};
 use crate::{Backend, Communicator, GroupOptions};
@@ -15,7 +18,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tch::{Device, Tensor};
 
 type Stream = *mut c_void;
@@ -228,6 +231,8 @@ unsafe impl Send for CommHandle {}
 
 struct NcclState {
     comm: CommHandle,
+    /// The stream collectives run on (dropped after the communicator, see `Drop`).
+    stream: CommStream,
     broken: Option<String>,
 }
 
@@ -277,6 +282,9 @@ impl NcclCommunicator {
             }
             id
         };
+        ctx.bind_to_thread()
+            .map_err(|e| anyhow!("rank {rank}: binding CUDA device {device}: {e:?}"))?;
+        let stream = CommStream::new()?;
         let mut comm: ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer; the device's context is current on this thread.
         let status = unsafe { (api.comm_init_rank)(&mut comm, world as c_int, id, rank as c_int) };
@@ -292,6 +300,7 @@ impl NcclCommunicator {
             ctx,
             state: Mutex::new(NcclState {
                 comm: CommHandle(comm),
+                stream,
                 broken: None,
             }),
         })
@@ -301,11 +310,12 @@ impl NcclCommunicator {
         device == Device::Cuda(self.device)
     }
 
-    /// Enqueues `launch` on the default stream, then waits for it with the timeout; any failure aborts the group.
+    /// Enqueues `launch` on the collectives' stream after the computation enqueued so far, then waits for its
+    /// completion event with the timeout; any failure aborts the group.
     fn run(
         &self,
         name: &str,
-        launch: impl FnOnce(&NcclApi, ncclComm_t) -> Result<()>,
+        launch: impl FnOnce(&NcclApi, ncclComm_t, Stream) -> Result<()>,
     ) -> Result<()> {
         let api = api()?;
         let mut state = self
@@ -326,7 +336,12 @@ impl NcclCommunicator {
             )
         })?;
         let comm = state.comm.0;
-        let result = launch(api, comm).and_then(|_| self.wait(api, comm, name));
+        let stream = &state.stream;
+        let result = stream
+            .after_compute()
+            .and_then(|_| launch(api, comm, stream.stream() as Stream))
+            .and_then(|_| stream.mark_done())
+            .and_then(|_| self.wait(api, comm, stream, name));
         if let Err(e) = &result {
             // SAFETY: `comm` is live; aborting frees its resources and unblocks pending kernels.
             unsafe { (api.comm_abort)(comm) };
@@ -336,34 +351,19 @@ impl NcclCommunicator {
         result
     }
 
-    fn wait(&self, api: &NcclApi, comm: ncclComm_t, name: &str) -> Result<()> {
-        use cudarc::driver::sys::{cuStreamQuery, cudaError_enum};
-        let start = Instant::now();
-        loop {
-            // SAFETY: the null stream is always valid while a context is current.
-            match unsafe { cuStreamQuery(std::ptr::null_mut()) } {
-                cudaError_enum::CUDA_SUCCESS => return Ok(()),
-                cudaError_enum::CUDA_ERROR_NOT_READY => {}
-                other => bail!(
-                    "rank {}: {name}: CUDA error {other:?} while waiting",
-                    self.rank
-                ),
-            }
+    /// Waits for the collective marked on `stream`, failing on NCCL's asynchronous error or past the timeout.
+    fn wait(&self, api: &NcclApi, comm: ncclComm_t, stream: &CommStream, name: &str) -> Result<()> {
+        let what = format!("rank {}: {name}", self.rank);
+        let poll = || {
             let mut async_err = ncclResult_t::ncclSuccess;
             // SAFETY: `comm` is live and `async_err` a valid out-pointer.
             api.check("ncclCommGetAsyncError", unsafe {
                 (api.comm_get_async_error)(comm, &mut async_err)
             })?;
-            api.check(&format!("rank {}: {name}", self.rank), async_err)?;
-            if start.elapsed() > self.timeout {
-                bail!(
-                    "rank {}: {name} did not complete within {:?} (a peer died or stalled)",
-                    self.rank,
-                    self.timeout
-                );
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
+            api.check(&what, async_err)?;
+            stream.is_done().map_err(|e| anyhow!("{what}: {e:#}"))
+        };
+        wait_until_done(poll, self.timeout, Duration::from_micros(50), &what)
     }
 }
 
@@ -394,7 +394,7 @@ impl Communicator for NcclCommunicator {
     fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
         let t = RawTensor::of(tensor, |d| self.on_device(d), "all_reduce")?;
         let dt = nccl_dtype(t.dtype)?;
-        self.run("all_reduce", |api, comm| {
+        self.run("all_reduce", |api, comm, stream| {
             // SAFETY: in-place on a live device buffer of `numel` elements.
             let status = unsafe {
                 (api.all_reduce)(
@@ -404,7 +404,7 @@ impl Communicator for NcclCommunicator {
                     dt,
                     nccl_op(op),
                     comm,
-                    std::ptr::null_mut(),
+                    stream,
                 )
             };
             api.check("ncclAllReduce", status)
@@ -416,17 +416,10 @@ impl Communicator for NcclCommunicator {
         let out = RawTensor::of(output, |d| self.on_device(d), "all_gather output")?;
         check_pair("all_gather", &inp, &out, inp.numel * self.world)?;
         let dt = nccl_dtype(inp.dtype)?;
-        self.run("all_gather", |api, comm| {
+        self.run("all_gather", |api, comm, stream| {
             // SAFETY: device buffers of the checked sizes.
             let status = unsafe {
-                (api.all_gather)(
-                    inp.ptr as _,
-                    out.ptr as _,
-                    inp.numel,
-                    dt,
-                    comm,
-                    std::ptr::null_mut(),
-                )
+                (api.all_gather)(inp.ptr as _, out.ptr as _, inp.numel, dt, comm, stream)
             };
             api.check("ncclAllGather", status)
         })
@@ -444,7 +437,7 @@ impl Communicator for NcclCommunicator {
         }
         check_pair("reduce_scatter", &inp, &out, inp.numel / self.world)?;
         let dt = nccl_dtype(inp.dtype)?;
-        self.run("reduce_scatter", |api, comm| {
+        self.run("reduce_scatter", |api, comm, stream| {
             // SAFETY: device buffers of the checked sizes.
             let status = unsafe {
                 (api.reduce_scatter)(
@@ -454,7 +447,7 @@ impl Communicator for NcclCommunicator {
                     dt,
                     nccl_op(op),
                     comm,
-                    std::ptr::null_mut(),
+                    stream,
                 )
             };
             api.check("ncclReduceScatter", status)
@@ -470,7 +463,7 @@ impl Communicator for NcclCommunicator {
             );
         }
         let dt = nccl_dtype(t.dtype)?;
-        self.run("broadcast", |api, comm| {
+        self.run("broadcast", |api, comm, stream| {
             // SAFETY: in-place on a live device buffer.
             let status = unsafe {
                 (api.broadcast)(
@@ -480,7 +473,7 @@ impl Communicator for NcclCommunicator {
                     dt,
                     root as c_int,
                     comm,
-                    std::ptr::null_mut(),
+                    stream,
                 )
             };
             api.check("ncclBroadcast", status)
@@ -500,7 +493,7 @@ impl Communicator for NcclCommunicator {
         check_pair("all_to_all", &inp, &out, inp.numel)?;
         let dt = nccl_dtype(inp.dtype)?;
         let (count, block) = (inp.numel / w, inp.bytes() / w);
-        self.run("all_to_all", |api, comm| {
+        self.run("all_to_all", |api, comm, stream| {
             // SAFETY: ncclGroupStart takes no arguments; it only defers this thread's next calls to ncclGroupEnd.
             api.check("ncclGroupStart", unsafe { (api.group_start)() })?;
             for peer in 0..w {
@@ -513,7 +506,7 @@ impl Communicator for NcclCommunicator {
                         dt,
                         peer as c_int,
                         comm,
-                        std::ptr::null_mut(),
+                        stream,
                     )
                 };
                 // SAFETY: block `peer` of the output (checked to match the input's size and dtype) has room for
@@ -525,14 +518,14 @@ impl Communicator for NcclCommunicator {
                         dt,
                         peer as c_int,
                         comm,
-                        std::ptr::null_mut(),
+                        stream,
                     )
                 };
                 api.check("ncclSend", s)?;
                 api.check("ncclRecv", r)?;
             }
             // SAFETY: closes the group opened above; the buffers it launches on outlive the call (`run` waits for
-            // the stream before returning).
+            // the collective's completion event before returning).
             api.check("ncclGroupEnd", unsafe { (api.group_end)() })
         })
     }

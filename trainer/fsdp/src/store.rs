@@ -180,6 +180,7 @@ impl ShardedParams {
             .collect();
         let full = (0..master.len()).map(|_| None).collect();
         let resident = vec![false; master.len()];
+        let worker = CommWorker::new(opts.device, groups.shard, groups.replicate);
         Ok(Self {
             layout,
             plan,
@@ -189,7 +190,7 @@ impl ShardedParams {
             replica,
             replicas,
             master_device,
-            worker: CommWorker::new(groups.shard, groups.replicate),
+            worker,
             master,
             grads,
             full,

@@ -7,13 +7,16 @@
 //! 2. Nothing else calls the communicators while the worker exists: all collectives of the store go through it.
 //! 3. Under HSDP a reduction is one job: the shard group's collective, then the replica group's all-reduce of its
 //!    result, so every rank of both groups sees the same order.
+//! 4. On CUDA each job carries a [`ComputeFence`] recorded at submission: its NCCL collectives wait for the
+//!    computation enqueued before the submission only, not for what the main thread enqueued since (the layer it
+//!    computes while a prefetch or a reduction is in flight).
 
 use anyhow::{anyhow, Result};
-use ferl_collective::Communicator;
+use ferl_collective::{Communicator, ComputeFence};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
 
@@ -34,6 +37,8 @@ impl Pending {
 
 /// The thread that owns the communicators' calls.
 pub(crate) struct CommWorker {
+    /// The device the collectives' tensors live on (where fences are recorded).
+    device: Device,
     replicate: Option<Arc<dyn Communicator>>,
     tx: Option<Sender<Job>>,
     handle: Option<JoinHandle<()>>,
@@ -42,6 +47,7 @@ pub(crate) struct CommWorker {
 impl CommWorker {
     /// Starts the thread for the shard group `comm` and, under HSDP, the replica group `replicate`.
     pub(crate) fn new(
+        device: Device,
         comm: Arc<dyn Communicator>,
         replicate: Option<Arc<dyn Communicator>>,
     ) -> Self {
@@ -57,6 +63,7 @@ impl CommWorker {
             })
             .expect("spawning the communication thread");
         Self {
+            device,
             replicate,
             tx: Some(tx),
             handle: Some(handle),
@@ -69,8 +76,14 @@ impl CommWorker {
         F: FnOnce(&dyn Communicator) -> Result<Tensor> + Send + 'static,
     {
         let (tx, rx) = channel();
+        let fence = ComputeFence::record(self.device).unwrap_or_else(|e| {
+            tracing::warn!(
+                "{what}: no fence at submission, the collective waits for its launch: {e:#}"
+            );
+            ComputeFence::none()
+        });
         let job: Job = Box::new(move |c| {
-            let _ = tx.send(f(c));
+            let _ = tx.send(fence.scope(|| f(c)));
         });
         if let Some(sender) = &self.tx {
             // A send error means the thread is gone; `wait` then reports it.
