@@ -213,14 +213,57 @@ pub fn linear(
     d: &DecoderParam,
     proj: Proj,
 ) -> Tensor {
-    let y = x.linear(&p[w], bias.map(|i| &p[i]));
+    let y = matmul_t(x, &p[w], bias.map(|i| &p[i]));
     match d.lora.get(proj) {
         Some((a, b)) => {
-            let update = x
-                .linear(&p[a], None::<&Tensor>)
-                .linear(&p[b], None::<&Tensor>);
+            let update = matmul_t(&matmul_t(x, &p[a], None), &p[b], None);
             y + update * d.lora.scale
         }
+        None => y,
+    }
+}
+
+/// Rows of `x` up to which [`multiplies_on_the_left`] holds.
+const FEW_ROWS: i64 = 64;
+/// Inner dimension from which [`multiplies_on_the_left`] holds.
+const LEFT_MIN_IN: i64 = 512;
+
+/// Whether [`matmul_t`] computes `x·Wᵀ` as `(W·xᵀ)ᵀ`: for at most [`FEW_ROWS`] rows of at least [`LEFT_MIN_IN`]
+/// features on the CPU, when neither tensor needs gradients (a rollout's decode step). MKL's sgemm copies (packs) a
+/// right-hand `Wᵀ` on every call, which against a few rows costs about as much as the product, while a left-hand `W`
+/// is read in place: 16 rows against one of Qwen2.5-0.5B's MLP matrices take 2.1 → 1.4 ms, against its output
+/// matrix 66 → 40 ms (2 threads). With fewer features the products gain little and the transposed result slows the ops
+/// after them.
+pub fn multiplies_on_the_left(x: &Tensor, w: &Tensor) -> bool {
+    let size = x.size();
+    let (Some(&features), 2) = (size.last(), w.dim()) else {
+        return false;
+    };
+    let rows: i64 = size[..size.len() - 1].iter().product();
+    rows <= FEW_ROWS
+        && features >= LEFT_MIN_IN
+        && x.device() == tch::Device::Cpu
+        && !x.requires_grad()
+        && !w.requires_grad()
+}
+
+/// `x·Wᵀ + b` for `x` `[.., in]` and `w` `[out, in]`, as `x.linear(w, bias)` computes it, or, where
+/// [`multiplies_on_the_left`], as `(W·xᵀ)ᵀ + b` (a transposed view: the same sums, so the same values up to
+/// rounding).
+pub fn matmul_t(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Tensor {
+    if !multiplies_on_the_left(x, w) {
+        return x.linear(w, bias);
+    }
+    let mut size = x.size();
+    let features = size.pop().expect("x has a dimension");
+    let rows: i64 = size.iter().product();
+    size.push(w.size()[0]);
+    let y = w
+        .matmul(&x.reshape([rows, features]).tr())
+        .tr()
+        .view(size.as_slice());
+    match bias {
+        Some(b) => y + b,
         None => y,
     }
 }

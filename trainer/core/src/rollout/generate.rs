@@ -5,6 +5,8 @@
 //! shape never changes and the other sequences' draws are not shifted.
 
 use super::cache::KvCache;
+use super::head::LogitBuffers;
+use super::prefill::PromptBatch;
 use super::sampling::{Sampler, SamplingParams};
 use super::RolloutModel;
 use anyhow::{Context, Result};
@@ -22,7 +24,8 @@ pub struct GenerationConfig {
     pub sampling: SamplingParams,
     /// A sequence stops after generating any of these (kept as its last token); empty: only the length stops it.
     pub eos_token_ids: Vec<i64>,
-    /// The token padding prompts on the left (never attended to); any id in the vocabulary works.
+    /// The token a finished sequence's row is fed after its EOS token (never returned); any id in the vocabulary
+    /// works.
     pub pad_token_id: i64,
 }
 
@@ -117,40 +120,6 @@ impl Generated {
     }
 }
 
-/// The left-padded prompt batch: token ids, RoPE positions and real-token flags (`[B, W]`), and prompt lengths.
-struct PromptBatch {
-    ids: Tensor,
-    positions: Tensor,
-    valid: Tensor,
-    lens: Tensor,
-}
-
-impl PromptBatch {
-    fn new(prompts: &[Vec<i64>], pad: i64, device: Device) -> Self {
-        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let (mut ids, mut pos, mut valid) = (Vec::new(), Vec::new(), Vec::new());
-        for p in prompts {
-            let skip = width - p.len();
-            ids.extend(std::iter::repeat_n(pad, skip).chain(p.iter().copied()));
-            pos.extend((0..width).map(|c| c.saturating_sub(skip) as i64));
-            valid.extend((0..width).map(|c| c >= skip));
-        }
-        let shape = [prompts.len() as i64, width as i64];
-        let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
-        let on = |t: Tensor| t.view(shape).to_device(device);
-        Self {
-            ids: on(Tensor::from_slice(&ids)),
-            positions: on(Tensor::from_slice(&pos)),
-            valid: on(Tensor::from_slice(&valid)),
-            lens: Tensor::from_slice(&lens).to_device(device),
-        }
-    }
-
-    fn width(&self) -> i64 {
-        self.ids.size()[1]
-    }
-}
-
 impl RolloutModel {
     /// Generates a response to each prompt (token ids) with `config`; see [`crate::rollout`] for the batching,
     /// stop and log-probability rules. All prompts form one batch.
@@ -182,18 +151,20 @@ impl RolloutModel {
     fn decode(&self, prompts: &[Vec<i64>], config: &GenerationConfig) -> Result<(Tensor, Tensor)> {
         let dev = self.device();
         let steps = config.max_response_length as i64;
-        let batch = PromptBatch::new(prompts, config.pad_token_id, dev);
+        let batch = PromptBatch::new(prompts, dev);
         let b = prompts.len() as i64;
         let mut cache = KvCache::new(&self.cfg, b, batch.width() + steps, self.kind, dev);
-        let h = self.forward_cached(&mut cache, &batch.ids, &batch.positions, &batch.valid)?;
-        let mut logits = self.logits(&h.select(1, -1));
+        let h = self.prefill(&mut cache, &batch)?;
+        let mut head = LogitBuffers::default();
         let mut sampler = Sampler::new(config.sampling);
+        let mut picked = self.next_tokens(&h, &mut head, &mut sampler);
         let eos = Tensor::from_slice(&config.eos_token_ids).to_device(dev);
         let pad = Tensor::full([b], config.pad_token_id, (Kind::Int64, dev));
         let mut done = Tensor::zeros([b], (Kind::Bool, dev));
+        let real = Tensor::ones([b, 1], (Kind::Bool, dev));
         let (mut tokens, mut log_probs) = (Vec::new(), Vec::new());
         for step in 0..steps {
-            let (next, lp) = sampler.pick(&logits);
+            let (next, lp) = picked;
             let next = next.where_self(&done.logical_not(), &pad);
             if !config.eos_token_ids.is_empty() {
                 done = done.logical_or(&Tensor::isin(&next, &eos, false, false));
@@ -204,9 +175,8 @@ impl RolloutModel {
                 break;
             }
             let positions = (&batch.lens + step).unsqueeze(1);
-            let real = Tensor::ones([b, 1], (Kind::Bool, dev));
             let h = self.forward_cached(&mut cache, &next.unsqueeze(1), &positions, &real)?;
-            logits = self.logits(&h.select(1, 0));
+            picked = self.next_tokens(&h.select(1, 0), &mut head, &mut sampler);
         }
         let host = |v: Vec<Tensor>| Tensor::stack(&v, 1).to_device(Device::Cpu);
         Ok((host(tokens), host(log_probs)))

@@ -9,7 +9,10 @@
 //!   host, one uniform draw per sequence and step, so the same seed gives the same tokens on any device and does not
 //!   depend on torch's global generator).
 //! - [`generate`]: prefill the batch, then decode one token per step for every sequence; a sequence stops at an EOS
-//!   token (kept in its response) or at `max_response_length`.
+//!   token (kept in its response) or at `max_response_length`. The prefill (`prefill`) runs the prompts' real tokens
+//!   packed in one row, without their padding, and scatters only the attention's inputs into the padded layout; a
+//!   decode step writes its logits into buffers kept from step to step (`head`); greedy decoding on the CPU reads its
+//!   token and log-probability straight from the output product in one pass (`greedy`).
 //! - [`score`]: per-token log-probabilities and entropies of given prompt + response tokens in one forward pass,
 //!   without a cache (verl's `compute_log_prob`).
 //!
@@ -28,13 +31,19 @@
 //!    same prompt + response in one pass (within fp32 rounding).
 //! 3. The same [`SamplingParams::seed`] and prompts give the same tokens.
 //!
-//! The layer functions are the built-in ops of [`crate::model::layers`] (kernel overrides are a training concern).
+//! The layer functions are the built-in ops of [`crate::model::layers`] (kernel overrides are a training concern). On
+//! the CPU a decode step's few rows multiply the weights from the left ([`crate::model::layers::matmul_t`]).
 
 pub mod cache;
 pub mod generate;
+mod greedy;
+mod head;
+mod prefill;
 mod reload;
 pub mod sampling;
 pub mod score;
+#[cfg(test)]
+mod tests;
 
 pub use generate::{Generated, GenerationConfig};
 pub use sampling::SamplingParams;
@@ -209,12 +218,6 @@ impl RolloutModel {
     ) -> Tensor {
         let (p, d) = (&self.layers[l], &self.decoder);
         layers::decoder_layer_with(&self.cfg, d, p, h, |x| attend(p, d, x))
-    }
-
-    /// fp32 logits (`[n, vocab]`) of final hidden rows `h` (`[n, H]`): the final norm, then the output projection.
-    fn logits(&self, h: &Tensor) -> Tensor {
-        let x = layers::rms_norm(h, &self.norm, self.cfg.rms_norm_eps);
-        layers::project(&x, &self.lm_head)
     }
 
     /// Refuses empty sequences and token ids outside the vocabulary, naming the sequence (`what` names the kind).
