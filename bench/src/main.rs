@@ -1,5 +1,9 @@
 //! `ferl-bench`: benchmarks that print one figure per line (`name value unit`, or JSON with `--json`), side by side
 //! with the peers they are compared against. One module per suite.
+//!
+//! Every process of a run, the PyTorch and transformers peers included, inherits `THP_MEM_ALLOC_ENABLE=1` (libtorch's
+//! large CPU tensors in huge pages, set by `ferl::enter_worker_mode_if_spawned` unless the caller set it), so both
+//! sides of a comparison allocate alike; run with `THP_MEM_ALLOC_ENABLE=0` to measure both without.
 
 mod chaos;
 mod collectives;

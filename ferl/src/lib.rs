@@ -14,8 +14,11 @@ pub use ferl_runtime::{
 };
 
 /// If this process was started by a node agent as a worker, host actors until told to stop, then exit; otherwise
-/// return at once. Every binary that spawns actors calls this first thing in `main`.
+/// return at once. Every binary that spawns actors calls this first thing in `main`. Before that it makes libtorch
+/// put large CPU tensors in huge pages ([`ferl_trainer::huge_pages::prefer_huge_pages`]) in this process and the
+/// workers it starts.
 pub fn enter_worker_mode_if_spawned() {
+    ferl_trainer::huge_pages::prefer_huge_pages();
     ferl_runtime::enter_worker_mode_if_spawned();
 }
 

@@ -3,6 +3,7 @@
 //! harnesses) point their cluster at it (`HeadOptions::worker_binary`).
 
 fn main() {
+    ferl_trainer::huge_pages::prefer_huge_pages();
     ferl_actors::ensure_linked();
     ferl_runtime::enter_worker_mode_if_spawned();
     eprintln!("ferl-actors-worker hosts actors for a ferl cluster; it is started by node agents, not by hand");

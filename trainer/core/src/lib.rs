@@ -6,6 +6,7 @@
 //! - [`params`]: the [`params::ParamStore`] trait — the hook where sharding (FSDP) plugs in — and the local store.
 //! - [`batch`]: micro-batch tensors from tokenized samples (padded or packed; only target rows reach the head).
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
+//! - [`huge_pages`]: libtorch's large CPU tensors in transparent huge pages (fewer page faults per step).
 //! - [`head`]: the chunked output projection + cross-entropy with a hand-written backward into one reused buffer.
 //! - [`loss`]: pluggable losses over per-token log-probabilities and entropies ([`loss::TokenLoss`]): SFT's
 //!   cross-entropy, losses written with autograd over the per-token vectors (the RL losses of [`rl`]).
@@ -30,6 +31,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod engine;
 pub mod head;
+pub mod huge_pages;
 pub mod kernels;
 pub mod loss;
 pub mod metrics;
