@@ -92,12 +92,12 @@ impl ChunkedHead {
         for (start, n) in self.chunks(x.size()[0], w.size()[0]) {
             let mut g = self.logits_into(&x.narrow(0, start, n), w);
             let t = targets.narrow(0, start, n).unsqueeze(1);
-            let lse = g.logsumexp([1], true);
-            log_probs.push((g.gather(1, &t, false) - &lse).squeeze_dim(1));
-            if entropy {
-                let _ = g.g_sub_(&lse);
-                entropies.push(-(g.exp() * &g).sum_dim_intlist(1, false, Kind::Float));
+            if !entropy {
+                log_probs.push(softmax_in_place(&mut g, &t));
+                continue;
             }
+            log_probs.push(log_softmax_in_place(&mut g, &t));
+            entropies.push(-(g.exp() * &g).sum_dim_intlist(1, false, Kind::Float));
         }
         TokenStats::from_chunks(log_probs, entropy.then_some(entropies))
     }
@@ -129,11 +129,13 @@ impl ChunkedHead {
             let xc = x.narrow(0, start, n);
             let t = targets.narrow(0, start, n).unsqueeze(1);
             let mut g = self.logits_into(&xc, w);
-            let lse = g.logsumexp([1], true);
-            log_probs.push((g.gather(1, &t, false) - &lse).squeeze_dim(1));
-            let _ = g.g_sub_(&lse); // log-softmax
-            if let Some(h) = logits_grad_in_place(&mut g, &t, &grad.narrow(start, n)) {
-                entropies.push(h);
+            let grad = grad.narrow(start, n);
+            if grad.has_entropy() {
+                log_probs.push(log_softmax_in_place(&mut g, &t));
+                entropies.push(entropy_logits_grad_in_place(&mut g, &t, &grad));
+            } else {
+                log_probs.push(softmax_in_place(&mut g, &t));
+                logits_grad_from_softmax(&mut g, &t, &grad);
             }
             if self.temperature != 1.0 {
                 let _ = g.g_div_scalar_(self.temperature); // through z = logits / T
@@ -237,38 +239,73 @@ impl TokenGrad {
     }
 }
 
-/// Turns the log-softmax `ls` (`[n, V]`, in place) into the logits' gradient for `grad`:
-/// `dlp · (onehot - p) - dH · p · (log p + H)`, with `p = exp(ls)` and `H = -Σ p log p`. Returns `H` (`[n]`) when
-/// `grad` has an entropy term.
-fn logits_grad_in_place(ls: &mut Tensor, t: &Tensor, grad: &TokenGrad) -> Option<Tensor> {
-    let n = ls.size()[0];
-    match grad {
+/// Turns the logits `z` (`[n, V]`) into their softmax in place and returns each row's log-probability of its
+/// target `t` (`[n, 1]`): `z[t] - max - ln Σ exp(z - max)`. Unlike `logsumexp`, which builds an `[n, V]` temporary
+/// (67 MB for a chunk of 110 rows of Qwen2's vocabulary, mapped afresh and zeroed by the kernel on every call), it
+/// allocates only per-row values.
+fn softmax_in_place(z: &mut Tensor, t: &Tensor) -> Tensor {
+    let target = shift_by_max(z, t);
+    let _ = z.exp_();
+    let sum = z.sum_dim_intlist(1, true, Kind::Float);
+    let _ = z.g_div_(&sum);
+    (target - sum.log()).squeeze_dim(1)
+}
+
+/// Turns the logits `z` (`[n, V]`) into their log-softmax in place and returns each row's log-probability of its
+/// target `t`, the same values as [`softmax_in_place`] returns (one `[n, V]` temporary: the exponentials).
+fn log_softmax_in_place(z: &mut Tensor, t: &Tensor) -> Tensor {
+    let target = shift_by_max(z, t);
+    let log_sum = z.exp().sum_dim_intlist(1, true, Kind::Float).log();
+    let _ = z.g_sub_(&log_sum);
+    (target - log_sum).squeeze_dim(1)
+}
+
+/// Subtracts each row's largest logit from `z` (`[n, V]`) in place, so that no exponential overflows, and returns
+/// the shifted logits of the targets `t` (`[n, 1]`).
+fn shift_by_max(z: &mut Tensor, t: &Tensor) -> Tensor {
+    let max = z.amax([1], true);
+    let _ = z.g_sub_(&max);
+    z.gather(1, t, false)
+}
+
+/// Turns the softmax `p` (`[n, V]`, in place) into the logits' gradient for `grad`, which has no entropy term:
+/// `dlp · (onehot - p)`.
+fn logits_grad_from_softmax(p: &mut Tensor, t: &Tensor, grad: &TokenGrad) {
+    let n = p.size()[0];
+    let dlp = match grad {
         TokenGrad::Uniform(c) => {
-            let _ = ls.exp_().g_mul_scalar_(-c);
-            let _ = ls.scatter_add_(1, t, &Tensor::full([n, 1], *c, (Kind::Float, ls.device())));
-            None
+            let _ = p.g_mul_scalar_(-c);
+            Tensor::full([n, 1], *c, (Kind::Float, p.device()))
         }
-        TokenGrad::PerRow { log_prob, entropy } => {
+        TokenGrad::PerRow { log_prob, .. } => {
             let dlp = log_prob.to_kind(Kind::Float).unsqueeze(1);
-            let h = match entropy {
-                None => {
-                    let _ = ls.exp_().g_mul_(&-&dlp);
-                    None
-                }
-                Some(dh) => {
-                    let p = ls.exp();
-                    let h = -(&p * &*ls).sum_dim_intlist(1, true, Kind::Float);
-                    // ls <- -dH · p · (log p + H) - dlp · p
-                    let dh = dh.to_kind(Kind::Float).unsqueeze(1);
-                    let _ = ls.g_add_(&h).g_mul_(&p).g_mul_(&-dh);
-                    let _ = ls.g_sub_(&(p * &dlp));
-                    Some(h.squeeze_dim(1))
-                }
-            };
-            let _ = ls.scatter_add_(1, t, &dlp);
-            h
+            let _ = p.g_mul_(&-&dlp);
+            dlp
         }
-    }
+    };
+    let _ = p.scatter_add_(1, t, &dlp);
+}
+
+/// Turns the log-softmax `ls` (`[n, V]`, in place) into the logits' gradient for `grad`, which has an entropy term
+/// `dH`: `dlp · (onehot - p) - dH · p · (log p + H)`, with `p = exp(ls)` and `H = -Σ p log p`, and returns `H`
+/// (`[n]`).
+fn entropy_logits_grad_in_place(ls: &mut Tensor, t: &Tensor, grad: &TokenGrad) -> Tensor {
+    let TokenGrad::PerRow {
+        log_prob,
+        entropy: Some(dh),
+    } = grad
+    else {
+        unreachable!("called only for a gradient with an entropy term");
+    };
+    let dlp = log_prob.to_kind(Kind::Float).unsqueeze(1);
+    let p = ls.exp();
+    let h = -(&p * &*ls).sum_dim_intlist(1, true, Kind::Float);
+    // ls <- -dH · p · (log p + H) - dlp · p
+    let dh = dh.to_kind(Kind::Float).unsqueeze(1);
+    let _ = ls.g_add_(&h).g_mul_(&p).g_mul_(&-dh);
+    let _ = ls.g_sub_(&(p * &dlp));
+    let _ = ls.scatter_add_(1, t, &dlp);
+    h.squeeze_dim(1)
 }
 
 /// The gradient of a chunk's rows `xc` from the logits' gradient `g` (fp32), adding `gᵀ·xc` into `grad_w` when
