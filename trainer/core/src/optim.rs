@@ -46,18 +46,47 @@ impl AdamW {
         let bc1 = 1.0 - b1.powi(self.step as i32);
         let bc2_sqrt = (1.0 - b2.powi(self.step as i32)).sqrt();
         let step_size = lr / bc1;
+        let (scratch_a, scratch_b) = (Scratch::for_params(params), Scratch::for_params(params));
         for ((p, g), (m, v)) in params
             .iter_mut()
             .zip(grads)
             .zip(self.exp_avg.iter_mut().zip(self.exp_avg_sq.iter_mut()))
         {
+            let (a, b) = (scratch_a.like(p), scratch_b.like(p));
             let _ = p.g_mul_scalar_(1.0 - lr * self.config.weight_decay);
             let _ = m.lerp_(g, 1.0 - b1);
             let _ = v.g_mul_scalar_(b2);
-            let _ = v.addcmul_(&(g * (1.0 - b2)), g);
-            let denom = (v.sqrt() / bc2_sqrt) + self.config.eps;
-            let _ = p.addcdiv_(&(&*m * -step_size), &denom);
+            let _ = v.addcmul_(&g.mul_scalar_out(&a, 1.0 - b2), g);
+            let denom = v
+                .sqrt_out(&a)
+                .g_div_scalar_(bc2_sqrt)
+                .g_add_scalar_(self.config.eps);
+            let _ = p.addcdiv_(&m.mul_scalar_out(&b, -step_size), &denom);
         }
+    }
+}
+
+/// A flat buffer as large as the largest parameter, viewed in each parameter's shape in turn: the temporaries of
+/// [`AdamW::step`] (torch's single-tensor AdamW makes five per parameter) without a fresh allocation per parameter,
+/// which the C library maps and the kernel zeroes anew for every large one.
+struct Scratch(Option<Tensor>);
+
+impl Scratch {
+    /// Room for the largest of `params` (nothing for none), in their dtype and device.
+    fn for_params(params: &[Tensor]) -> Self {
+        let largest = params.iter().map(Tensor::numel).max();
+        Self(
+            largest
+                .zip(params.first())
+                .map(|(n, p)| Tensor::empty([n as i64], (p.kind(), p.device()))),
+        )
+    }
+
+    /// The buffer's first elements viewed as `p` (same shape, dtype and device; `p` must be among the params).
+    fn like(&self, p: &Tensor) -> Tensor {
+        let flat = self.0.as_ref().expect("a scratch made for these params");
+        flat.narrow(0, 0, p.numel() as i64)
+            .view(p.size().as_slice())
     }
 }
 
