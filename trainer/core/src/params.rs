@@ -97,12 +97,7 @@ impl LocalParams {
 }
 
 fn stage_ids(layout: &ModelLayout, stage: Stage) -> &[usize] {
-    &layout
-        .stages
-        .iter()
-        .find(|(s, _)| *s == stage)
-        .expect("stage of this layout")
-        .1
+    layout.stage_ids(stage).expect("stage of this layout")
 }
 
 impl ParamStore for LocalParams {

@@ -134,13 +134,12 @@ fn tiny() -> (ModelConfig, ModelLayout, Vec<Tensor>) {
     let cfg = ModelConfig::from_value(raw, std::path::Path::new("tiny.json")).unwrap();
     let layout = ModelLayout::new(&cfg);
     let all = init_params(&cfg, &layout, 3);
-    let ids = &layout
-        .stages
-        .iter()
-        .find(|(s, _)| *s == Stage::Decoder(0))
+    let params = layout
+        .stage_ids(Stage::Decoder(0))
         .unwrap()
-        .1;
-    let params = ids.iter().map(|&i| &all[i] + 0.05).collect();
+        .iter()
+        .map(|&i| &all[i] + 0.05)
+        .collect();
     (cfg, layout, params)
 }
 

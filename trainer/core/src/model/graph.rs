@@ -585,12 +585,7 @@ mod tests {
         let cfg = ModelConfig::from_value(raw, std::path::Path::new("test.json")).unwrap();
         let layout = ModelLayout::new(&cfg);
         let all = init_params(&cfg, &layout, 5);
-        let ids = &layout
-            .stages
-            .iter()
-            .find(|(s, _)| *s == Stage::Decoder(0))
-            .unwrap()
-            .1;
+        let ids = layout.stage_ids(Stage::Decoder(0)).unwrap();
         let params = || -> Vec<Tensor> {
             ids.iter()
                 .map(|&i| (&all[i] + 0.1).detach().set_requires_grad(true))

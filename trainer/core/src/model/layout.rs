@@ -105,6 +105,16 @@ impl ModelLayout {
         }
     }
 
+    /// The indices into [`ModelLayout::tensors`] of `stage`'s tensors, in the stage's order (an error names a stage
+    /// the layout lacks).
+    pub fn stage_ids(&self, stage: Stage) -> anyhow::Result<&[usize]> {
+        self.stages
+            .iter()
+            .find(|(s, _)| *s == stage)
+            .map(|(_, ids)| ids.as_slice())
+            .ok_or_else(|| anyhow::anyhow!("the layout has no stage {stage:?}"))
+    }
+
     /// Total number of stored parameters.
     pub fn num_params(&self) -> i64 {
         self.tensors

@@ -53,7 +53,7 @@ use crate::model::config::ModelConfig;
 use crate::model::layers;
 use crate::model::layout::{DecoderParam, ModelLayout, Stage};
 use crate::params::ParamStore;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
@@ -130,12 +130,8 @@ impl RolloutModel {
         ensure_device(device)?;
         let _g = tch::no_grad_guard();
         let stage = |s: Stage| -> Result<Vec<Tensor>> {
-            let (_, ids) = layout
-                .stages
-                .iter()
-                .find(|(x, _)| *x == s)
-                .with_context(|| format!("the layout has no stage {s:?}"))?;
-            Ok(ids
+            Ok(layout
+                .stage_ids(s)?
                 .iter()
                 .map(|&i| params[i].detach().to_device(device).to_kind(kind))
                 .collect())

@@ -3,7 +3,7 @@
 
 use super::RolloutModel;
 use crate::model::layout::{ModelLayout, Stage};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use tch::Tensor;
 
 impl RolloutModel {
@@ -43,11 +43,7 @@ impl RolloutModel {
         stages.push(Stage::Head);
         let mut pairs = Vec::new();
         for stage in stages {
-            let (_, ids) = layout
-                .stages
-                .iter()
-                .find(|(s, _)| *s == stage)
-                .with_context(|| format!("the layout has no stage {stage:?}"))?;
+            let ids = layout.stage_ids(stage)?;
             let held = self.stage_len(stage);
             if ids.len() != held {
                 bail!(
