@@ -1,7 +1,8 @@
 //! Generation on a model wide enough (hidden size 512) for the decode step's left-multiplied projections
-//! ([`crate::model::layers::multiplies_on_the_left`]) and the transposed output projection of [`super::head`], with
-//! prompts of different lengths (the packed prefill of [`super::prefill`]): the rollout's log-probabilities equal
-//! one-pass scoring's, and each prompt alone gets what it gets in the batch.
+//! ([`crate::model::layers::multiplies_on_the_left`]), with prompts of different lengths (the packed prefill of
+//! [`super::prefill`]): greedy (the fused [`super::greedy`] choice) and sampled (the transposed logits of
+//! [`super::head`]), the rollout's log-probabilities equal one-pass scoring's, and under greedy decoding each prompt
+//! alone gets what it gets in the batch.
 
 use super::{GenerationConfig, RolloutModel, SamplingParams, ScoreRequest};
 use crate::model::init_model;
@@ -32,6 +33,32 @@ fn max_diff(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// Each generated response's log-probabilities equal one-pass scoring's at `temperature`, within [`TOLERANCE`].
+fn assert_rollout_equals_scoring(
+    model: &RolloutModel,
+    prompts: &[Vec<i64>],
+    generated: &[super::Generated],
+    temperature: f64,
+) {
+    let requests: Vec<ScoreRequest<'_>> = prompts
+        .iter()
+        .zip(generated)
+        .map(|(p, g)| ScoreRequest {
+            prompt: p,
+            response: &g.response,
+        })
+        .collect();
+    let scores = model.score(&requests, temperature, false).unwrap();
+    for (i, (g, s)) in generated.iter().zip(&scores).enumerate() {
+        assert_eq!(g.len(), 16);
+        let d = max_diff(&g.log_probs, &s.log_probs);
+        assert!(
+            d <= TOLERANCE,
+            "prompt {i} at T {temperature}: rollout vs scoring log-probs differ by {d}"
+        );
+    }
+}
+
 #[test]
 fn a_wide_model_generates_what_scoring_and_single_prompts_give() {
     tch::set_num_threads(1);
@@ -44,24 +71,14 @@ fn a_wide_model_generates_what_scoring_and_single_prompts_give() {
                 .collect()
         })
         .collect();
+    let sampled = GenerationConfig::new(16, SamplingParams::sample(0.7, 3));
+    let sampled_rows = model.generate(&prompts, &sampled).unwrap();
+    assert_rollout_equals_scoring(&model, &prompts, &sampled_rows, 0.7);
     let config = GenerationConfig::new(16, SamplingParams::default());
     let batched = model.generate(&prompts, &config).unwrap();
-    let requests: Vec<ScoreRequest<'_>> = prompts
-        .iter()
-        .zip(&batched)
-        .map(|(p, g)| ScoreRequest {
-            prompt: p,
-            response: &g.response,
-        })
-        .collect();
-    let scores = model.score(&requests, 1.0, false).unwrap();
-    for (i, (g, s)) in batched.iter().zip(&scores).enumerate() {
-        assert_eq!(g.len(), 16);
-        let d = max_diff(&g.log_probs, &s.log_probs);
-        assert!(
-            d <= TOLERANCE,
-            "prompt {i}: rollout vs scoring log-probs differ by {d}"
-        );
+    assert_ne!(batched, sampled_rows, "greedy and sampled decoding differ");
+    assert_rollout_equals_scoring(&model, &prompts, &batched, 1.0);
+    for (i, g) in batched.iter().enumerate() {
         let alone = model
             .generate(std::slice::from_ref(&prompts[i]), &config)
             .unwrap();
