@@ -12,6 +12,7 @@
 
 use std::io::{Error, ErrorKind, Result};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::Mutex;
 
 use crate::segment::{invalid, open_offered, random_nonce, sealable_memfd, Mapping};
@@ -63,12 +64,7 @@ impl BlobWriter {
             .checked_add(BLOB_DATA_OFFSET)
             .filter(|&n| n as u64 <= MAX_SEGMENT_BYTES)
             .ok_or_else(|| Error::new(ErrorKind::InvalidInput, format!("a blob of {len} bytes")))?;
-        let fd = sealable_memfd(c"ferl-object", total)?;
-        // SAFETY: a plain call on a descriptor we own; its result is checked.
-        let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, total as libc::off_t) };
-        if rc != 0 {
-            return Err(Error::from_raw_os_error(rc));
-        }
+        let fd = sealable_memfd(c"ferl-object", total, true)?;
         let map = Mapping::new(&fd, total, true)?;
         let header = map.at(0) as *mut BlobHeader;
         // SAFETY: the header page is inside the mapping, which nobody else has yet.
@@ -95,8 +91,9 @@ impl BlobWriter {
     /// Unmaps the writable view, seals the blob against any change, and maps it read-only.
     pub fn finish(self) -> Result<Blob> {
         let Self { fd, map, len } = self;
-        drop(map); // The write seal refuses while a writable shared mapping exists.
-                   // SAFETY: a plain call on a descriptor we own; its result is checked.
+        // The write seal refuses while a writable shared mapping exists.
+        drop(map);
+        // SAFETY: a plain call on a descriptor we own; its result is checked.
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, BLOB_SEALS) } != 0 {
             return Err(Error::last_os_error());
         }
@@ -157,21 +154,28 @@ impl Blob {
             .ok_or_else(|| invalid(format!("an offer of a {}-byte blob", offer.len)))?;
         let total = len + BLOB_DATA_OFFSET;
         let (file, path) = open_offered(offer.pid, offer.fd, false, total as u64, BLOB_SEALS)?;
+        // The header first: a descriptor number reused by another blob of the same size fails here, before its
+        // pages are mapped.
+        let mut header = [0u8; std::mem::size_of::<BlobHeader>()];
+        file.read_exact_at(&mut header, 0)
+            .map_err(|e| Error::new(e.kind(), format!("reading {path}: {e}")))?;
+        let nonce_at = BLOB_MAGIC.len();
+        let len_at = nonce_at + NONCE_LEN;
+        if header[..nonce_at] != BLOB_MAGIC
+            || header[nonce_at..len_at] != offer.nonce
+            || header[len_at..len_at + 8] != offer.len.to_ne_bytes()
+        {
+            return Err(invalid(format!("{path} is not the blob offered")));
+        }
         // Populated: a reader typically reads every byte (a weight sync), and one call maps the pages far faster
         // than a fault per page.
         let map = Mapping::with_protection(&file, total, libc::PROT_READ, true)
             .map_err(|e| Error::new(e.kind(), format!("mapping {path}: {e}")))?;
-        let blob = Self {
+        Ok(Self {
             map,
             fd: Mutex::new(None),
             len,
-        };
-        let header = blob.header();
-        if header.magic != BLOB_MAGIC || header.nonce != offer.nonce || header.len != offer.len {
-            return Err(invalid(format!("{path} is not the blob offered")));
-        }
-        debug_assert_eq!(blob.map.len(), total);
-        Ok(blob)
+        })
     }
 }
 

@@ -44,15 +44,20 @@ fn a_finished_blob_cannot_be_written_or_resized() {
     let blob = counting_blob(8192);
     let offer = blob.offer().unwrap();
     let path = format!("/proc/{}/fd/{}", offer.pid, offer.fd);
-    let file = std::fs::File::options().read(true).open(&path).unwrap();
-    // SAFETY: plain calls on a descriptor this test owns.
-    unsafe {
-        let seals = libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS);
-        assert_eq!(seals & libc::F_SEAL_WRITE, libc::F_SEAL_WRITE);
-        assert_ne!(libc::ftruncate(file.as_raw_fd(), 1), 0);
-    }
     use std::io::Write;
     let mut writable = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let fd = writable.as_raw_fd();
+    // SAFETY: plain calls on a descriptor this test owns.
+    let (seals, truncated) =
+        unsafe { (libc::fcntl(fd, libc::F_GET_SEALS), libc::ftruncate(fd, 1)) };
+    let sealed = libc::F_SEAL_WRITE | libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    assert_eq!(seals & sealed, sealed, "seals {seals:#x}");
+    // A writable descriptor: only the seals can refuse the resize (EPERM) and the write.
+    assert_eq!(truncated, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EPERM)
+    );
     assert!(writable.write_all(b"x").is_err());
 }
 

@@ -3,7 +3,7 @@
 use std::fs::File;
 use std::io::{Error, ErrorKind, Result};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -81,11 +81,6 @@ impl Mapping {
         unsafe { &*(self.base.as_ptr() as *const Header) }
     }
 
-    /// The mapping's length in bytes.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     pub(crate) fn at(&self, offset: usize) -> *mut u8 {
         debug_assert!(offset <= self.len);
         self.base.as_ptr().wrapping_add(offset)
@@ -127,7 +122,7 @@ pub(crate) fn random_nonce() -> Result<[u8; NONCE_LEN]> {
 }
 
 /// A new memfd named `name` (for `/proc/<pid>/fd` listings) of `len` bytes, close-on-exec, that accepts seals.
-pub(crate) fn sealable_memfd(name: &std::ffi::CStr, len: usize) -> Result<OwnedFd> {
+pub(crate) fn sealable_memfd(name: &std::ffi::CStr, len: usize, reserve: bool) -> Result<OwnedFd> {
     // SAFETY: a NUL-terminated name and valid flags.
     let raw =
         unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -139,6 +134,13 @@ pub(crate) fn sealable_memfd(name: &std::ffi::CStr, len: usize) -> Result<OwnedF
     // SAFETY: a plain call on a descriptor we own; its result is checked.
     if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
         return Err(Error::last_os_error());
+    }
+    if reserve {
+        // SAFETY: a plain call on a descriptor we own; its result is checked.
+        let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t) };
+        if rc != 0 {
+            return Err(Error::from_raw_os_error(rc));
+        }
     }
     Ok(fd)
 }
@@ -153,9 +155,11 @@ pub(crate) fn open_offered(
     seals: libc::c_int,
 ) -> Result<(File, String)> {
     let path = format!("/proc/{pid}/fd/{fd}");
+    // Non-blocking and never a controlling terminal: a stale number may name a FIFO or a device now.
     let file = File::options()
         .read(true)
         .write(write)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(&path)
         .map_err(|e| {
             Error::new(
@@ -218,20 +222,12 @@ impl Segment {
             .and_then(|n| n.checked_add(DATA_OFFSET))
             .filter(|&n| n as u64 <= MAX_SEGMENT_BYTES)
             .ok_or_else(|| Error::new(ErrorKind::InvalidInput, "segment too large"))?;
-        let fd = sealable_memfd(c"ferl-shm", len)?;
-        // SAFETY: plain calls on a descriptor we own; each result is checked.
-        unsafe {
-            if reserve {
-                let rc = libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t);
-                if rc != 0 {
-                    return Err(Error::from_raw_os_error(rc));
-                }
-            }
-            // The peer checks these seals: the segment can never shrink under its mapping.
-            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
-            if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
-                return Err(Error::last_os_error());
-            }
+        let fd = sealable_memfd(c"ferl-shm", len, reserve)?;
+        // The peer checks these seals: the segment can never shrink under its mapping.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: a plain call on a descriptor we own; its result is checked.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(Error::last_os_error());
         }
         let map = Mapping::new(&fd, len, reserve)?;
         let nonce = random_nonce()?;

@@ -382,7 +382,10 @@ async fn read(process: &Arc<Process>, obj: &ObjectRef) -> Result<SharedBytes> {
     if obj.owner == process.addr.to_string() {
         return owned_copy(process, obj.id).map_err(Error::Cluster);
     }
-    if let Some(bytes) = map_shared(process, obj) {
+    // Mapping populates every page (2 GB for a 0.5B model's weights): off the async workers.
+    let (owner, wanted) = (Arc::clone(process), obj.clone());
+    let mapped = tokio::task::spawn_blocking(move || map_shared(&owner, &wanted)).await;
+    if let Ok(Some(bytes)) = mapped {
         return Ok(bytes);
     }
     match process.node.get() {
