@@ -5,8 +5,8 @@
 //! all-gather prefetched for the next layer or a reduce-scatter of a gradient runs while the default stream computes.
 //! Order is kept with two events:
 //! 1. an event recorded on the default stream and waited for by the comm stream: the collective starts after every
-//!    kernel enqueued before that point (the producers of its input, and the last users of any memory the caching
-//!    allocator hands its output), whatever thread enqueued them. The point is the collective's submission when the
+//!    kernel enqueued before that point (the producers of its input, and the last users of its output's memory when
+//!    the output is allocated before that point, as the FSDP store does), whatever thread enqueued them. The point is the collective's submission when the
 //!    submitting thread recorded a [`ComputeFence`] (the FSDP store does, so that a prefetch launched later by its
 //!    communication thread does not also wait for the layer the compute thread enqueued meanwhile), else its launch;
 //! 2. after the launch, an event recorded on the comm stream, which the calling thread polls

@@ -10,6 +10,9 @@
 //! 4. On CUDA each job carries a [`ComputeFence`] recorded at submission: its NCCL collectives wait for the
 //!    computation enqueued before the submission only, not for what the main thread enqueued since (the layer it
 //!    computes while a prefetch or a reduction is in flight).
+//! 5. Every tensor a collective writes is allocated by the submitting (compute) thread before the fence is recorded.
+//!    The caching allocator may hand out a block that the compute thread freed while kernels queued before the free
+//!    still read it; allocated after the fence, NCCL (which waits for the fence only) could write it under them.
 
 use anyhow::{anyhow, Result};
 use ferl_collective::{Communicator, ComputeFence};
@@ -39,6 +42,8 @@ impl Pending {
 pub(crate) struct CommWorker {
     /// The device the collectives' tensors live on (where fences are recorded).
     device: Device,
+    /// Ranks of the shard group.
+    world: usize,
     replicate: Option<Arc<dyn Communicator>>,
     tx: Option<Sender<Job>>,
     handle: Option<JoinHandle<()>>,
@@ -53,7 +58,7 @@ impl CommWorker {
     ) -> Self {
         let replicate = replicate.filter(|r| r.world_size() > 1);
         let (tx, rx) = channel::<Job>();
-        let rank = comm.rank();
+        let (rank, world) = (comm.rank(), comm.world_size());
         let handle = std::thread::Builder::new()
             .name(format!("ferl-fsdp-comm-{rank}"))
             .spawn(move || {
@@ -64,6 +69,7 @@ impl CommWorker {
             .expect("spawning the communication thread");
         Self {
             device,
+            world,
             replicate,
             tx: Some(tx),
             handle: Some(handle),
@@ -94,11 +100,16 @@ impl CommWorker {
 
     /// All-gathers the 1-D `shard` into a new tensor of `world * shard.numel()` elements.
     pub(crate) fn all_gather(&self, shard: Tensor) -> Pending {
+        if self.world == 1 {
+            return self.submit("all_gather", move |_| Ok(shard));
+        }
+        // Invariant 5: the output (and a contiguous input) are allocated here, before the fence.
+        let shard = shard.contiguous();
+        let n = shard.numel() as i64 * self.world as i64;
+        let mut out = Tensor::empty([n], (shard.kind(), shard.device()));
         self.submit("all_gather", move |c| {
-            if c.world_size() == 1 {
-                return Ok(shard);
-            }
-            c.all_gather_flat(&shard)
+            c.all_gather(&mut out, &shard)?;
+            Ok(out)
         })
     }
 
@@ -106,10 +117,23 @@ impl CommWorker {
     /// within the shard group, then (HSDP) an all-reduce of the block across the replica group.
     pub(crate) fn reduce_scatter(&self, full: Tensor) -> Pending {
         let replicate = self.replicate.clone();
+        // Invariant 5: the output (and a contiguous input) are allocated here, before the fence.
+        let (full, out) = match self.world {
+            1 => (full, None),
+            world => {
+                let full = full.contiguous();
+                let n = full.numel() as i64 / world as i64;
+                let out = Tensor::empty([n], (full.kind(), full.device()));
+                (full, Some(out))
+            }
+        };
         self.submit("reduce_scatter", move |c| {
-            let mut block = match c.world_size() {
-                1 => full,
-                _ => c.reduce_scatter_flat(&full, ferl_collective::ReduceOp::Sum)?,
+            let mut block = match out {
+                None => full,
+                Some(mut out) => {
+                    c.reduce_scatter(&mut out, &full, ferl_collective::ReduceOp::Sum)?;
+                    out
+                }
             };
             if let Some(r) = replicate {
                 r.all_reduce(&mut block, ferl_collective::ReduceOp::Sum)?;
