@@ -16,8 +16,10 @@ ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);
 ferl_runtime::register_actor!(Rollout, calls: [Generate, LoadWeights]);
 ferl_runtime::register_actor!(PolicyActor, calls: [ComputeLogProb, UpdatePolicy, ExportWeights, PublishWeights, ReleaseWeights, SaveState, LoadState]);
 
-/// Keeps these registrations linked into the calling binary; call it before
-/// `ferl_runtime::enter_worker_mode_if_spawned` in every binary that spawns the standard actors.
+/// Keeps these registrations linked into the calling binary; call it before `ferl::enter_worker_mode_if_spawned`
+/// (or, without the facade, `ferl_trainer::huge_pages::prefer_huge_pages` and then
+/// `ferl_runtime::enter_worker_mode_if_spawned`, as the `ferl-actors-worker` binary does) in every binary that spawns
+/// the standard actors.
 #[inline(never)]
 pub fn ensure_linked() -> [&'static str; 6] {
     use ferl_runtime::Actor;
