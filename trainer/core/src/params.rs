@@ -24,7 +24,8 @@ pub trait ParamStore {
     /// (FSDP: all-gather the shards).
     fn gather(&mut self, stage: Stage) -> Result<StageParams>;
     /// Adds `grads` (same order as `gather`; undefined tensors mean zero) into the stored gradients
-    /// (FSDP: reduce-scatter into the local shard's gradient).
+    /// (FSDP: reduce-scatter into the local shard's gradient). The caller hands the gradients over: a store may
+    /// reduce one in place instead of copying it, so they must not be read afterwards.
     fn accumulate_grads(&mut self, stage: Stage, grads: &[Tensor]) -> Result<()>;
     /// The stage's full parameters are no longer needed (FSDP FULL_SHARD: free the gathered copy's bytes, even where
     /// an autograd graph still refers to them). The tensors `gather` handed out for the stage must not be read again

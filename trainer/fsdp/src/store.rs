@@ -601,13 +601,13 @@ impl ParamStore for ShardedParams {
             }
             if self.sharded() {
                 let flat =
-                    unit.flatten(&parts, self.world, self.opts.reduce_kind, self.opts.device);
+                    unit.flatten_grads(&parts, self.world, self.opts.reduce_kind, self.opts.device);
                 self.stats.reductions += 1;
                 let p = self.worker.reduce_scatter(flat);
                 self.pending_reductions.push_back((u, p));
                 self.note_peak();
             } else {
-                let flat = unit.flatten(&parts, self.world, Kind::Float, self.master_device);
+                let flat = unit.flatten_grads(&parts, self.world, Kind::Float, self.master_device);
                 let _g = tch::no_grad_guard();
                 let _ = self.grads[u].g_add_(&flat);
             }

@@ -100,6 +100,30 @@ impl FlatUnit {
         out
     }
 
+    /// [`FlatUnit::flatten`] for gradients the caller hands over: a unit of one entry that needs no padding, given a
+    /// contiguous gradient of `kind` on `device`, is reduced in place of a copy (the tied embedding's `[V, H]`
+    /// gradient is the largest single buffer of a step: its copy was the head's peak).
+    pub fn flatten_grads(
+        &self,
+        parts: &[Option<&Tensor>],
+        world: usize,
+        kind: Kind,
+        device: tch::Device,
+    ) -> Tensor {
+        if let [Some(t)] = parts {
+            let as_is = t.defined()
+                && self.entries.len() == 1
+                && self.padded(world) == t.numel() as i64
+                && t.kind() == kind
+                && t.device() == device
+                && t.is_contiguous();
+            if as_is {
+                return t.detach().reshape([-1]);
+            }
+        }
+        self.flatten(parts, world, kind, device)
+    }
+
     /// The view of entry `i` inside `flat` (a full, possibly padded flat buffer of this unit).
     pub fn view(&self, flat: &Tensor, i: usize) -> Tensor {
         let e = &self.entries[i];
@@ -280,5 +304,44 @@ mod tests {
         for (a, b) in full.iter().zip(&back) {
             assert!(a.equal(b));
         }
+    }
+
+    #[test]
+    fn a_lone_unpadded_gradient_is_reduced_in_place_and_anything_else_is_copied() {
+        let l = layout(true);
+        let plan = UnitPlan::new(&l);
+        let emb = &plan.units[0]; // the tied embedding unit: one [11, 8] entry
+        assert_eq!(emb.entries.len(), 1);
+        let cpu = tch::Device::Cpu;
+        let g = Tensor::randn([11, 8], (Kind::Float, cpu));
+        let same = emb.flatten_grads(&[Some(&g)], 2, Kind::Float, cpu);
+        assert_eq!(
+            same.data_ptr(),
+            g.data_ptr(),
+            "88 elements need no padding at 2 ranks"
+        );
+        let padded = emb.flatten_grads(&[Some(&g)], 3, Kind::Float, cpu);
+        assert_ne!(padded.data_ptr(), g.data_ptr());
+        assert_eq!(padded.numel(), 90);
+        assert!(padded.narrow(0, 0, 88).equal(&g.reshape([-1])));
+        let cast = emb.flatten_grads(&[Some(&g)], 2, Kind::BFloat16, cpu);
+        assert_eq!(cast.kind(), Kind::BFloat16);
+        let strided = g.tr().contiguous().tr();
+        let copied = emb.flatten_grads(&[Some(&strided)], 2, Kind::Float, cpu);
+        assert_ne!(copied.data_ptr(), strided.data_ptr());
+        assert!(
+            copied.equal(&g.reshape([-1])),
+            "a transposed view is copied in row order"
+        );
+        let layer = &plan.units[1]; // several entries: always one new buffer
+        let parts: Vec<Tensor> = layer
+            .entries
+            .iter()
+            .map(|e| Tensor::ones(e.shape.as_slice(), (Kind::Float, cpu)))
+            .collect();
+        let refs: Vec<Option<&Tensor>> = parts.iter().map(Some).collect();
+        let flat = layer.flatten_grads(&refs, 1, Kind::Float, cpu);
+        assert_eq!(flat.numel() as i64, layer.numel);
+        assert_eq!(flat.sum(Kind::Float).double_value(&[]), layer.numel as f64);
     }
 }
