@@ -2,11 +2,19 @@
 //! (`generation_peer.py`), on the same model folder, prompts and threads; each side warms up with a short generation
 //! ([`WARMUP_TOKENS`] tokens of the first two prompts) and times only its `--repeats` generations (model loading is
 //! not timed). Tokens/s = batch × new tokens × repeats ÷ the repeats' wall time (prefill included).
+//!
+//! Beside them, the rate no fp32 decoder can pass on this machine, measured in the same run ([`Ceiling`]): each
+//! decode step reads every weight once (the tied `[V, H]` matrix as the head), so a step takes at least the weights'
+//! bytes ÷ the memory read bandwidth of these threads (a sum over 1 GiB). With ferl's own prefill time (a generation
+//! of one new token) added, `gen_ceiling_tokens_per_s_<model>` = batch × new tokens ÷ (prefill + (new tokens − 1) ×
+//! that step); `gen_goal_tokens_per_s_<model>` is twice transformers' rate. Where the goal is above the ceiling, no
+//! fp32 kernel work reaches it here.
 
 use super::{Prompt, RlArgs};
 use crate::report::Report;
 use crate::train::python;
 use anyhow::{bail, Context, Result};
+use ferl::trainer::model::layout::ModelLayout;
 use ferl::trainer::rollout::{GenerationConfig, RolloutModel, SamplingParams};
 use std::path::Path;
 use std::process::Command;
@@ -24,6 +32,14 @@ struct GenRecord {
     gen_s: Vec<f64>,
     /// The new tokens of each prompt (last repeat).
     tokens: Vec<Vec<i64>>,
+}
+
+/// What bounds ferl's decoding from above on this machine (see the module docs).
+struct Ceiling {
+    /// Seconds of a generation of one new token for the whole batch (its prefill, and one step).
+    prefill_s: f64,
+    /// Bytes of the fp32 weights one decode step reads.
+    weight_bytes: f64,
 }
 
 impl GenRecord {
@@ -53,7 +69,7 @@ pub(crate) fn run(
         lens.iter().min().unwrap_or(&0),
         lens.iter().max().unwrap_or(&0)
     );
-    let ferl = ferl_side(a, model, &ids)?;
+    let (ferl, ceiling) = ferl_side(a, model, &ids)?;
     let prompts_file = model.join("bench_prompts.json");
     std::fs::write(&prompts_file, serde_json::to_string(&ids)?)?;
     let peer = peer_side(a, model, &prompts_file)?;
@@ -76,6 +92,7 @@ pub(crate) fn run(
         "tokens/s",
     );
     out.row(&format!("gen_speedup_vs_transformers_{name}"), speedup, "x");
+    ceiling_rows(a, name, &ceiling, peer_rate, out);
     let met = if speedup >= GOAL { "met" } else { "not met" };
     eprintln!("rl: {name}: speedup {speedup:.2}x, goal >= {GOAL}x: {met}");
     let equal = agreement(name, &ferl.tokens, &peer.tokens);
@@ -87,12 +104,61 @@ pub(crate) fn run(
     Ok(())
 }
 
-/// ferl's side, in this process: loads the folder, warms up, times `--repeats` greedy generations without a stop
-/// token (so exactly `--new-tokens` each).
-fn ferl_side(a: &RlArgs, model: &Path, prompts: &[Vec<i64>]) -> Result<GenRecord> {
+/// Prints the ceiling rows beside the goal (`peer_rate`: transformers' tokens/s).
+fn ceiling_rows(a: &RlArgs, name: &str, c: &Ceiling, peer_rate: f64, out: &mut Report) {
+    let bandwidth = memory_read_bytes_per_s();
+    let step_s = c.weight_bytes / bandwidth;
+    let floor_s = c.prefill_s + a.new_tokens.saturating_sub(1) as f64 * step_s;
+    let ceiling = (a.batch * a.new_tokens) as f64 / floor_s;
+    out.row(
+        &format!("gen_memory_read_GBps_{name}"),
+        bandwidth / 1e9,
+        "GB/s",
+    );
+    out.row(
+        &format!("gen_weight_MB_per_step_{name}"),
+        c.weight_bytes / 1e6,
+        "MB",
+    );
+    out.row(&format!("gen_prefill_s_{name}"), c.prefill_s, "s");
+    out.row(
+        &format!("gen_ceiling_tokens_per_s_{name}"),
+        ceiling,
+        "tokens/s",
+    );
+    out.row(
+        &format!("gen_goal_tokens_per_s_{name}"),
+        GOAL * peer_rate,
+        "tokens/s",
+    );
+}
+
+/// This process's memory read bandwidth on its intra-op threads: the best of three sums over 1 GiB of fp32.
+fn memory_read_bytes_per_s() -> f64 {
+    let x = tch::Tensor::ones([1 << 28], (Kind::Float, Device::Cpu));
+    let _ = x.sum(Kind::Float); // faults the pages in
+    let best = (0..3)
+        .map(|_| {
+            let started = Instant::now();
+            let _ = x.sum(Kind::Float).double_value(&[]);
+            started.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min);
+    (x.numel() * 4) as f64 / best
+}
+
+/// ferl's side, in this process: loads the folder, warms up, times a one-token generation (the [`Ceiling`]'s
+/// prefill), then `--repeats` greedy generations without a stop token (so exactly `--new-tokens` each).
+fn ferl_side(a: &RlArgs, model: &Path, prompts: &[Vec<i64>]) -> Result<(GenRecord, Ceiling)> {
     let rollout = RolloutModel::load(model, Device::Cpu, Kind::Float)?;
     let config = |n| GenerationConfig::new(n, SamplingParams::default());
     rollout.generate(&prompts[..prompts.len().min(2)], &config(WARMUP_TOKENS))?;
+    let started = Instant::now();
+    rollout.generate(prompts, &config(1))?;
+    let ceiling = Ceiling {
+        prefill_s: started.elapsed().as_secs_f64(),
+        weight_bytes: (ModelLayout::new(rollout.config()).num_params() * 4) as f64,
+    };
     let (mut gen_s, mut tokens) = (Vec::new(), Vec::new());
     for _ in 0..a.repeats {
         let started = Instant::now();
@@ -100,7 +166,7 @@ fn ferl_side(a: &RlArgs, model: &Path, prompts: &[Vec<i64>]) -> Result<GenRecord
         gen_s.push(started.elapsed().as_secs_f64());
         tokens = generated.into_iter().map(|g| g.response).collect();
     }
-    Ok(GenRecord { gen_s, tokens })
+    Ok((GenRecord { gen_s, tokens }, ceiling))
 }
 
 /// The transformers peer (`generation_peer.py`) on the same folder and prompts, in a private network namespace.
