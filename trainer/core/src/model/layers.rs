@@ -232,8 +232,8 @@ const LEFT_MIN_IN: i64 = 512;
 /// features on the CPU, when neither tensor needs gradients (a rollout's decode step). MKL's sgemm copies (packs) a
 /// right-hand `Wᵀ` on every call, which against a few rows costs about as much as the product, while a left-hand `W`
 /// is read in place: 16 rows against one of Qwen2.5-0.5B's MLP matrices take 2.1 → 1.4 ms, against its output
-/// matrix 66 → 40 ms (2 threads). With fewer features the products gain little and the transposed result slows the ops
-/// after them.
+/// matrix 66 → 40 ms (2 threads); with AVX-512 the product runs [`super::skinny`]'s kernel instead of sgemm. With fewer
+/// features the products gain little and the transposed result slows the ops after them.
 pub fn multiplies_on_the_left(x: &Tensor, w: &Tensor) -> bool {
     let size = x.size();
     let (Some(&features), 2) = (size.last(), w.dim()) else {
@@ -258,8 +258,7 @@ pub fn matmul_t(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Tensor {
     let features = size.pop().expect("x has a dimension");
     let rows: i64 = size.iter().product();
     size.push(w.size()[0]);
-    let y = w
-        .matmul(&x.reshape([rows, features]).tr())
+    let y = super::skinny::w_xt(w, &x.reshape([rows, features]))
         .tr()
         .view(size.as_slice());
     match bias {

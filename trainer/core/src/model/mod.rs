@@ -10,6 +10,7 @@ pub mod layers;
 pub mod layout;
 pub mod lora;
 pub mod rope;
+pub mod skinny;
 pub mod ulysses;
 pub mod varlen;
 pub mod weights;

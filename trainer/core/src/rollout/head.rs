@@ -12,7 +12,7 @@
 use super::greedy;
 use super::sampling::Sampler;
 use super::RolloutModel;
-use crate::model::layers;
+use crate::model::{layers, skinny};
 use tch::{Device, Kind, Tensor};
 
 /// Columns of the logits transposed at once (see the module docs).
@@ -61,7 +61,7 @@ impl RolloutModel {
         let x = layers::rms_norm(h, &self.norm, self.cfg.rms_norm_eps);
         let (n, vocab) = (x.size()[0], self.lm_head.size()[0]);
         let columns = reuse(&mut buffers.columns, [vocab, n], &x);
-        let columns = self.lm_head.mm_out(&columns, &x.tr());
+        let columns = skinny::w_xt_out(&columns, &self.lm_head, &x);
         let picks = greedy::pick(&columns, params.log_prob_temperature());
         (picks.tokens, picks.log_probs)
     }
@@ -80,7 +80,7 @@ impl RolloutModel {
         let rows = reuse(&mut buffers.rows, [n, vocab], &x);
         if layers::multiplies_on_the_left(&x, &self.lm_head) {
             let columns = reuse(&mut buffers.columns, [vocab, n], &x);
-            let _ = self.lm_head.mm_out(&columns, &x.tr());
+            let _ = skinny::w_xt_out(&columns, &self.lm_head, &x);
             for start in (0..vocab).step_by(VOCAB_BLOCK as usize) {
                 let len = VOCAB_BLOCK.min(vocab - start);
                 rows.narrow(1, start, len)
