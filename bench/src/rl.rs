@@ -9,7 +9,8 @@
 //!   and `gen_greedy_tokens_equal_<model>` (how many of the batch's tokens the two greedy decodings share, position by
 //!   position: the comparison is like for like when they agree). Beside them, what bounds any fp32 decoder here: the
 //!   memory read bandwidth measured in the same run, the weights' bytes per decode step, ferl's prefill time, and
-//!   from them `gen_ceiling_tokens_per_s_<model>` beside `gen_goal_tokens_per_s_<model>` (twice transformers).
+//!   from them `gen_ceiling_tokens_per_s_<model>` beside `gen_goal_tokens_per_s_<model>` (twice transformers); and
+//!   [`products`]: one decode step's weight products, sgemm beside ferl's kernel.
 //! - [`grpo`]: one [`GrpoTrainer::step`](ferl::trainer::rl::GrpoTrainer::step) of the tiny Qwen2, its `timing_s/*`
 //!   averaged over `--grpo-steps` steps after a warm-up step, rows `grpo_step_<phase>_s` and `grpo_step_total_s`.
 //!
@@ -30,6 +31,7 @@
 
 mod generation;
 mod grpo;
+mod products;
 mod sync;
 
 use crate::report::Report;

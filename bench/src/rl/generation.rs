@@ -14,6 +14,7 @@ use super::{Prompt, RlArgs};
 use crate::report::Report;
 use crate::train::python;
 use anyhow::{bail, Context, Result};
+use ferl::trainer::model::config::ModelConfig;
 use ferl::trainer::model::layout::ModelLayout;
 use ferl::trainer::rollout::{GenerationConfig, RolloutModel, SamplingParams};
 use std::path::Path;
@@ -40,6 +41,8 @@ struct Ceiling {
     prefill_s: f64,
     /// Bytes of the fp32 weights one decode step reads.
     weight_bytes: f64,
+    /// The model's shapes.
+    cfg: ModelConfig,
 }
 
 impl GenRecord {
@@ -93,6 +96,7 @@ pub(crate) fn run(
     );
     out.row(&format!("gen_speedup_vs_transformers_{name}"), speedup, "x");
     ceiling_rows(a, name, &ceiling, peer_rate, out);
+    super::products::run(name, &ceiling.cfg, a.batch as i64, out);
     let met = if speedup >= GOAL { "met" } else { "not met" };
     eprintln!("rl: {name}: speedup {speedup:.2}x, goal >= {GOAL}x: {met}");
     let equal = agreement(name, &ferl.tokens, &peer.tokens);
@@ -158,6 +162,7 @@ fn ferl_side(a: &RlArgs, model: &Path, prompts: &[Vec<i64>]) -> Result<(GenRecor
     let ceiling = Ceiling {
         prefill_s: started.elapsed().as_secs_f64(),
         weight_bytes: (ModelLayout::new(rollout.config()).num_params() * 4) as f64,
+        cfg: rollout.config().clone(),
     };
     let (mut gen_s, mut tokens) = (Vec::new(), Vec::new());
     for _ in 0..a.repeats {
