@@ -134,16 +134,20 @@ char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out)
         const float *wp = w->const_data_ptr<float>();
         const float *xp = x->const_data_ptr<float>();
         float *yp = out->mutable_data_ptr<float>();
-        // xᵀ, padded with zero columns to a multiple of 16.
+        // xᵀ, padded with zero columns to a multiple of 16, in this thread's buffer (kept: a decode step makes a few
+        // hundred of these calls, and a fresh buffer of 100s of KB each time would fault in new pages).
         const int64_t np = (n + 15) / 16 * 16;
-        std::vector<float> xt(static_cast<size_t>(k * np), 0.0f);
+        thread_local std::vector<float> xt;
+        xt.assign(static_cast<size_t>(k * np), 0.0f);
         for (int64_t c = 0; c < n; ++c) {
             for (int64_t i = 0; i < k; ++i) {
                 xt[i * np + c] = xp[c * k + i];
             }
         }
         const int64_t grain = std::max<int64_t>(1, kMinShare / std::max<int64_t>(k, 1));
-        at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) { rows(wp, k, xt.data(), np, yp, n, r0, r1); });
+        // The pointer, not the name: inside the lambda `xt` would be each worker thread's own (empty) buffer.
+        const float *xtp = xt.data();
+        at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) { rows(wp, k, xtp, np, yp, n, r0, r1); });
 #endif
         return nullptr;
     } catch (const std::exception &e) {
