@@ -209,3 +209,13 @@ fn gsm8k_prompts(a: &RlArgs, count: usize) -> Result<Vec<Prompt>> {
     }
     Ok(prompts)
 }
+
+/// The median of `v` (the mean of the two middle values for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    match v.len() % 2 {
+        0 => (v[mid - 1] + v[mid]) / 2.0,
+        _ => v[mid],
+    }
+}

@@ -203,22 +203,6 @@ pub fn job_secret_hex() -> String {
         .to_hex()
 }
 
-/// A free TCP port on 127.0.0.1, outside the ephemeral range.
-pub fn free_port() -> u16 {
-    // Below the kernel's ephemeral range (32768-60999 by default): a port picked by binding port 0 comes from that
-    // range, so another test's outgoing connection can take it between this check and the ranks' bind.
-    const FIRST: u32 = 20_000;
-    const SPAN: u32 = 12_000;
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos())
-        ^ std::process::id().wrapping_mul(2_654_435_761);
-    (0..SPAN)
-        .map(|i| (FIRST + (seed.wrapping_add(i.wrapping_mul(7_919))) % SPAN) as u16)
-        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
-        .expect("a free port below the ephemeral range")
-}
-
 /// Runs the driver binary `exe` on `path` with `overrides`; the summary (rank 0's on the launcher path), or the
 /// error the run printed (from its `Error:` line on).
 pub fn run_path(
@@ -241,7 +225,7 @@ pub fn run_path(
             children.push(cmd);
         }
         LaunchPath::Launcher(n) => {
-            let port = free_port().to_string();
+            let port = ferl_collective::free_local_port().to_string();
             let secret = job_secret_hex();
             for r in 0..n {
                 let mut cmd = driver_command(exe);

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use ferl_tests::{ferl_binary, free_port, job_secret_hex, Fixture};
+use ferl_tests::{ferl_binary, job_secret_hex, Fixture};
 use rows::{Cmd, Row, LAUNCH_ENV, ROWS};
 use setup::{start_peer, Head};
 
@@ -82,7 +82,7 @@ impl Vars {
             ),
             ("{d}", d.display().to_string()),
             ("{head}", ctx.head.address.clone()),
-            ("{port}", free_port().to_string()),
+            ("{port}", ferl_collective::free_local_port().to_string()),
             ("{secret}", job_secret_hex()),
             ("{secret2}", job_secret_hex()),
         ])

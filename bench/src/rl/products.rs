@@ -5,6 +5,7 @@
 //! `gen_step_products_ms_{sgemm,kernel}_<model>` and the kernel's `gen_step_products_GBps_kernel_<model>` (weight bytes
 //! read ÷ time); on a CPU without AVX-512F the kernel row is sgemm again.
 
+use super::median;
 use crate::report::Report;
 use ferl::trainer::model::config::ModelConfig;
 use ferl::trainer::model::skinny;
@@ -79,9 +80,4 @@ fn step_products(cfg: &ModelConfig, batch: i64) -> Vec<Product> {
             out: Tensor::empty([rows, batch], (Kind::Float, Device::Cpu)),
         })
         .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }

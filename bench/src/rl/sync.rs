@@ -15,6 +15,7 @@
 //!   alone: no export, no object store, no load), the median of `--sync-repeats` calls after a warm-up call.
 //! - `weight_sync_share_of_transport_<model>`: the sync's GB/s ÷ the transport's (goal ≥ [`GOAL`]).
 
+use super::median;
 use super::RlArgs;
 use crate::report::Report;
 use anyhow::{bail, Result};
@@ -144,14 +145,4 @@ async fn transport(cluster: &Cluster, bytes: u64, repeats: usize) -> Result<Vec<
         }
     }
     Ok(seconds)
-}
-
-/// The median of `v` (the mean of the middle two when its length is even); `v` is not empty.
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let mid = v.len() / 2;
-    match v.len() % 2 {
-        0 => (v[mid - 1] + v[mid]) / 2.0,
-        _ => v[mid],
-    }
 }

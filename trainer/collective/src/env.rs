@@ -131,6 +131,23 @@ pub fn init_groups_from_env(device: Device) -> Result<(Arc<dyn Communicator>, Su
     Ok((world, Subgroups::new(device, store, options)))
 }
 
+/// A `MASTER_PORT` for ranks started on this machine: a TCP port free on 127.0.0.1 now, below the kernel's ephemeral
+/// range (32768-60999 by default). A port picked by binding port 0 comes from that range, so an outgoing connection
+/// could take it before rank 0's store binds it; ports 20000-31999 are probed from a start that differs per process
+/// and per call.
+pub fn free_local_port() -> u16 {
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().wrapping_mul(2_654_435_761);
+    (0..SPAN)
+        .map(|i| (FIRST + (seed.wrapping_add(i.wrapping_mul(7_919))) % SPAN) as u16)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port below the ephemeral range")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,7 +26,7 @@ mod tensor;
 
 pub use auth::{JobSecret, HANDSHAKE_TIMEOUT, JOB_SECRET_ENV, MAX_HANDSHAKING};
 pub use dtype::{DType, ReduceOp};
-pub use env::{init_from_env, init_groups_from_env, LaunchEnv};
+pub use env::{free_local_port, init_from_env, init_groups_from_env, LaunchEnv};
 pub use nccl::{load_torch_cuda, nccl_available, NcclCommunicator};
 pub use nccl_stream::ComputeFence;
 pub use rendezvous::{MemoryRendezvous, Rendezvous};

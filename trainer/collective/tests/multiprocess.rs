@@ -235,7 +235,7 @@ fn collective_until_failure(all_to_all: bool) {
 
 /// Starts a group running [`all_reduce_until_failure`], every rank on TCP when `tcp` (else on shared memory).
 fn spawn_failure_group(test: &str, world: usize, timeout_s: u64, tcp: bool) -> Vec<RankProcess> {
-    let port = free_port();
+    let port = ferl_collective::free_local_port();
     let tcp_ranks: Vec<usize> = if tcp { (0..world).collect() } else { vec![] };
     spawn_ranks(test, world, |r| {
         let mut env = torchrun_env(r, world, port);
@@ -363,7 +363,7 @@ fn torchrun_environment_with_rank0_hosting_the_store() {
     if is_rank() {
         return join_and_sum();
     }
-    let port = free_port();
+    let port = ferl_collective::free_local_port();
     let mut ranks = spawn_ranks(
         "torchrun_environment_with_rank0_hosting_the_store",
         3,
@@ -383,7 +383,7 @@ fn slurm_environment_forms_the_group() {
     if is_rank() {
         return join_and_sum();
     }
-    let port = free_port();
+    let port = ferl_collective::free_local_port();
     let mut ranks = spawn_ranks("slurm_environment_forms_the_group", 2, |r| {
         vec![
             ("FERL_JOB_SECRET".into(), job_secret_hex()),
@@ -413,7 +413,7 @@ fn launcher_ranks_without_the_job_secret_are_refused_naming_it() {
         println!("REFUSED {err:#}");
         return;
     }
-    let port = free_port();
+    let port = ferl_collective::free_local_port();
     let mut ranks = spawn_ranks(
         "launcher_ranks_without_the_job_secret_are_refused_naming_it",
         2,

@@ -127,19 +127,3 @@ pub(crate) fn torchrun_env(rank: usize, world: usize, port: u16) -> Vec<(String,
         ("MASTER_PORT".into(), port.to_string()),
     ]
 }
-
-/// A port that was free a moment ago on 127.0.0.1.
-pub(crate) fn free_port() -> u16 {
-    // Below the kernel's ephemeral range (32768-60999 by default): a port picked by binding port 0 comes from that
-    // range, so another test's outgoing connection can take it between this check and the ranks' bind.
-    const FIRST: u32 = 20_000;
-    const SPAN: u32 = 12_000;
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos())
-        ^ std::process::id().wrapping_mul(2_654_435_761);
-    (0..SPAN)
-        .map(|i| (FIRST + (seed.wrapping_add(i.wrapping_mul(7_919))) % SPAN) as u16)
-        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
-        .expect("a free port below the ephemeral range")
-}
