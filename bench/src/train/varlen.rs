@@ -18,8 +18,9 @@
 //!
 //! Rows: `packed_attn_{varlen,dense}_ms` and `packed_attn_speedup` (dense ms ÷ varlen ms);
 //! `packed_attn_{varlen,dense}_peak_MiB` and `packed_attn_memory_ratio` (dense ÷ varlen);
-//! `packed_attn_{varlen,dense}_work_MiB` and `packed_attn_work_ratio` (the same less the op's results, which every
-//! form allocates: the output and the gradients of q, k, v, `(2·14 + 2·2)·T·64` floats — goal ≥ 5);
+//! `packed_attn_{varlen,dense}_work_MiB` and `packed_attn_work_ratio` (the same less the tensors every form has: the
+//! output, the output's gradient as the backward pass hands it in, and the gradients of q, k, v,
+//! `(3·14 + 2·2)·T·64` floats — goal ≥ 5);
 //! `packed_attn_sdpa_calls` (SDPA calls per layer where no variable-length kernel runs); `packed_attn_max_abs_diff`
 //! (in millionths), the largest difference between the two forms' outputs and input gradients on the first 1,024
 //! tokens of the layout in the bench's dtype on its device (on CUDA: torch's variable-length kernel against the
@@ -83,9 +84,10 @@ pub(super) fn run(a: &TrainArgs, out: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// MiB of the op's results, which any form allocates: the output and the gradients of `q`, `k` and `v`.
+/// MiB of the tensors any form has over a pass: the output, its gradient (the backward pass's input) and the
+/// gradients of `q`, `k` and `v`.
 fn results_mib(t: i64, kind: Kind) -> f64 {
-    ((2 * HEADS + 2 * KV_HEADS) * t * HEAD_DIM * kind.elt_size_in_bytes() as i64) as f64
+    ((3 * HEADS + 2 * KV_HEADS) * t * HEAD_DIM * kind.elt_size_in_bytes() as i64) as f64
         / (1 << 20) as f64
 }
 
@@ -201,7 +203,9 @@ fn pass(form: &str, lens: &[i64], x: &[Tensor; 4]) -> Result<[Tensor; 4]> {
         }
         other => bail!("--packed-attention-child {other}: expected varlen or dense"),
     };
-    let g = Tensor::run_backward(&[(&o * dy).sum(Kind::Float)], &[q, k, v], false, false);
+    // The product is freed before the backward pass (it is no part of either form's memory).
+    let loss = (&o * dy).sum(Kind::Float);
+    let g = Tensor::run_backward(&[loss], &[q, k, v], false, false);
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }

@@ -8,10 +8,12 @@
 //!   these aten ops, so `csrc/varlen_attention.cpp` calls them (through the dispatcher: autograd records them with
 //!   their backward formulas). Dtypes and head sizes the kernels do not take use the per-sequence path below, as does a
 //!   kernel that fails (e.g. flash on a GPU older than Ampere: warned once, not tried again).
-//! - Elsewhere (the CPU), the row is split at the sequence boundaries (one `split_with_sizes`, whose backward is one
-//!   `cat`), each sequence runs causal SDPA (a run of consecutive sequences of equal length runs as one batched call,
-//!   `[n, heads, L, head_dim]`), and the outputs are concatenated. Nothing but the results and the per-sequence
-//!   kernels' buffers is allocated: no index copies, no `T × T` anything.
+//! - On the CPU, one autograd op (`csrc/packed_attention.cpp`) runs torch's CPU flash-attention kernel on each run of
+//!   consecutive sequences of equal length (batched, `[n, heads, L, head_dim]`) and writes its output, and in backward
+//!   the gradients of q, k and v, into row-sized tensors in place: autograd keeps the output once, and nothing but the
+//!   results and one run's buffers is allocated — no index copies, no `T × T` anything.
+//! - Elsewhere (a CUDA dtype or head size no kernel takes), the row is split at the same runs (one
+//!   `split_with_sizes`, whose backward is one `cat`), each runs causal SDPA, and the outputs are concatenated.
 //!
 //! Both are autograd ops only, so gradients and checkpointed recomputation flow as through any other op.
 
@@ -66,6 +68,14 @@ extern "C" {
         cu: *const C_tensor,
         max_len: i64,
         flash: c_int,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
+    fn ferl_packed_attention_cpu(
+        q: *const C_tensor,
+        k: *const C_tensor,
+        v: *const C_tensor,
+        runs: *const i64,
+        n_runs: i64,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
     fn ferl_varlen_free(message: *mut c_char);
@@ -171,6 +181,15 @@ impl Varlen {
         if let Some(o) = self.on_kernel(q, k, v) {
             return o;
         }
+        match q.device() {
+            Device::Cpu => self.on_cpu(q, k, v),
+            _ => self.per_run(q, k, v, gqa),
+        }
+    }
+
+    /// [`Varlen::attend`] by tch ops (any device): the row split at the runs, causal SDPA on each, the outputs
+    /// concatenated.
+    fn per_run(&self, q: &Tensor, k: &Tensor, v: &Tensor, gqa: bool) -> Tensor {
         let sizes: Vec<i64> = self.runs.iter().map(|(l, n)| l * n).collect();
         let (qs, ks, vs) = (
             q.split_with_sizes(&sizes, 2),
@@ -207,6 +226,32 @@ impl Varlen {
         match outs.len() {
             1 => outs.pop().expect("one run"),
             _ => Tensor::cat(&outs, 2),
+        }
+    }
+
+    /// [`Varlen::attend`] on the CPU: one autograd op (`csrc/packed_attention.cpp`) that runs torch's CPU flash kernel
+    /// per run and writes the output, and in backward the input gradients, into row-sized tensors in place.
+    fn on_cpu(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        let runs: Vec<i64> = self.runs.iter().flat_map(|&(l, n)| [l, n]).collect();
+        let mut out: *mut C_tensor = std::ptr::null_mut();
+        // SAFETY: the tensors are live tch tensors (`at::Tensor*`) and `runs` holds `2 · runs.len()` integers for the
+        // duration of the call; on success `out` is a new `at::Tensor*` whose ownership passes to the returned
+        // `Tensor`; a returned message is freed here.
+        unsafe {
+            let err = ferl_packed_attention_cpu(
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                runs.as_ptr(),
+                self.runs.len() as i64,
+                &mut out,
+            );
+            if !err.is_null() {
+                let message = CStr::from_ptr(err).to_string_lossy().into_owned();
+                ferl_varlen_free(err);
+                panic!("packed attention on the CPU: {message}");
+            }
+            Tensor::from_ptr(out)
         }
     }
 
@@ -311,6 +356,37 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(op), "{kernel:?}: {e}");
+        }
+    }
+
+    /// The CPU op and the per-run tch path (what CUDA falls back to) agree: outputs and input gradients, GQA.
+    #[test]
+    fn the_cpu_op_equals_the_per_run_path() {
+        tch::manual_seed(1);
+        let varlen = Varlen::new(&[3, 3, 5, 1, 1, 7], Device::Cpu).unwrap();
+        let t = 20;
+        let leaf =
+            |h| Tensor::randn([1, h, t, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let (q, k, v) = (leaf(4), leaf(2), leaf(2));
+        let dy = Tensor::randn([1, 4, t, 8], (Kind::Float, Device::Cpu));
+        let run = |o: Tensor| {
+            let g =
+                Tensor::run_backward(&[(&o * &dy).sum(Kind::Float)], &[&q, &k, &v], false, false);
+            [
+                o.detach(),
+                g[0].shallow_clone(),
+                g[1].shallow_clone(),
+                g[2].shallow_clone(),
+            ]
+        };
+        let ours = run(varlen.on_cpu(&q, &k, &v));
+        let theirs = run(varlen.per_run(&q, &k, &v, true));
+        for (name, (a, b)) in ["output", "dq", "dk", "dv"]
+            .iter()
+            .zip(ours.iter().zip(&theirs))
+        {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "{name} differs by {d}");
         }
     }
 
