@@ -116,7 +116,8 @@ int ferl_w_xt_supported() {
 #endif
 }
 
-// `out = w · xᵀ` for contiguous fp32 CPU tensors `w` `[m, k]`, `x` `[n, k]` and `out` `[m, n]`. Returns null on
+// `out = w · xᵀ` for fp32 CPU tensors `w` `[m, k]` and `out` `[m, n]`, contiguous, and `x` `[n, k]`, any strides (a
+// decode step's activations are often transposed views). Returns null on
 // success or a malloc'd message (freed by ferl_storage_message_free).
 char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out) {
     try {
@@ -124,8 +125,8 @@ char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out)
 #if defined(__x86_64__)
         for (const at::Tensor *t : {w, x, out}) {
             TORCH_CHECK(t->defined() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->device().is_cpu() &&
-                            t->is_contiguous(),
-                        "w_xt: tensors must be contiguous 2-D fp32 CPU tensors");
+                            (t == x || t->is_contiguous()),
+                        "w_xt: tensors must be 2-D fp32 CPU tensors, W and out contiguous");
         }
         const int64_t m = w->size(0), k = w->size(1), n = x->size(0);
         TORCH_CHECK(x->size(1) == k, "w_xt: x has ", x->size(1), " features, W ", k);
@@ -133,6 +134,7 @@ char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out)
                     "]");
         const float *wp = w->const_data_ptr<float>();
         const float *xp = x->const_data_ptr<float>();
+        const int64_t row_stride = x->stride(0), col_stride = x->stride(1);
         float *yp = out->mutable_data_ptr<float>();
         // xᵀ, padded with zero columns to a multiple of 16, in this thread's buffer (kept: a decode step makes a few
         // hundred of these calls, and a fresh buffer of 100s of KB each time would fault in new pages).
@@ -141,7 +143,7 @@ char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out)
         xt.assign(static_cast<size_t>(k * np), 0.0f);
         for (int64_t c = 0; c < n; ++c) {
             for (int64_t i = 0; i < k; ++i) {
-                xt[i * np + c] = xp[c * k + i];
+                xt[i * np + c] = xp[c * row_stride + i * col_stride];
             }
         }
         const int64_t grain = std::max<int64_t>(1, kMinShare / std::max<int64_t>(k, 1));

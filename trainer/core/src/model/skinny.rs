@@ -26,13 +26,12 @@ pub fn kernel_available() -> bool {
     *AVAILABLE.get_or_init(|| unsafe { ferl_w_xt_supported() } == 1)
 }
 
-/// Whether [`w_xt_out`] takes the kernel for these operands: contiguous 2-D fp32 CPU tensors, `x` of at most
-/// [`MAX_ROWS`] rows, on a CPU that has it.
+/// Whether [`w_xt_out`] takes the kernel for these operands: 2-D fp32 CPU tensors, `w` contiguous, `x` of at most
+/// [`MAX_ROWS`] rows and any strides (a decode step's activations are often transposed views), on a CPU that has it.
 pub fn takes_kernel(w: &Tensor, x: &Tensor) -> bool {
-    let fits = |t: &Tensor| {
-        t.dim() == 2 && t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous()
-    };
+    let fits = |t: &Tensor| t.dim() == 2 && t.kind() == Kind::Float && t.device() == Device::Cpu;
     fits(w)
+        && w.is_contiguous()
         && fits(x)
         && w.size()[1] == x.size()[1]
         && x.size()[0] <= MAX_ROWS
@@ -81,29 +80,35 @@ mod tests {
             (517, 128, 64),
         ] {
             let w = Tensor::randn([m, k], cpu);
-            let x = Tensor::randn([n, k], cpu);
-            let want = w.to_kind(Kind::Double).mm(&x.to_kind(Kind::Double).tr());
-            let got = w_xt(&w, &x);
-            assert_eq!(got.size(), [m, n]);
-            let err = (got.to_kind(Kind::Double) - &want)
-                .abs()
-                .max()
-                .double_value(&[]);
-            let scale = want.abs().max().double_value(&[]).max(1.0);
-            assert!(
-                err <= 1e-5 * scale,
-                "[{m}, {k}] x [{n}, {k}]: max error {err} (scale {scale})"
-            );
+            // Rows of x contiguous, and the same values as a transposed view (a decode step's usual layout).
+            let rows = Tensor::randn([n, k], cpu);
+            let transposed = rows.tr().contiguous().tr();
+            let want = w.to_kind(Kind::Double).mm(&rows.to_kind(Kind::Double).tr());
+            for x in [&rows, &transposed] {
+                let got = w_xt(&w, x);
+                assert_eq!(got.size(), [m, n]);
+                let err = (got.to_kind(Kind::Double) - &want)
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                let scale = want.abs().max().double_value(&[]).max(1.0);
+                assert!(
+                    err <= 1e-5 * scale,
+                    "[{m}, {k}] x [{n}, {k}] (strides {:?}): max error {err} (scale {scale})",
+                    x.stride()
+                );
+            }
         }
     }
 
     #[test]
     fn other_operands_fall_back_to_sgemm() {
-        let w = Tensor::randn([40, 24], (Kind::Float, Device::Cpu));
-        let x = Tensor::randn([24, 3], (Kind::Float, Device::Cpu)).tr(); // not contiguous
+        let w = Tensor::randn([24, 40], (Kind::Float, Device::Cpu)).tr(); // not contiguous
+        let x = Tensor::randn([3, 24], (Kind::Float, Device::Cpu));
         assert!(!takes_kernel(&w, &x));
         let got = w_xt(&w, &x);
         assert!(got.allclose(&w.mm(&x.tr()), 1e-5, 1e-5, false));
+        let w = w.contiguous();
         let (wd, xd) = (
             w.to_kind(Kind::Double),
             x.contiguous().to_kind(Kind::Double),
@@ -117,9 +122,12 @@ mod tests {
     fn an_avx512_cpu_takes_the_kernel() {
         let w = Tensor::randn([64, 32], (Kind::Float, Device::Cpu));
         let x = Tensor::randn([4, 32], (Kind::Float, Device::Cpu));
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+        assert_eq!(takes_kernel(&w, &x), avx512);
         assert_eq!(
-            takes_kernel(&w, &x),
-            std::arch::is_x86_feature_detected!("avx512f")
+            takes_kernel(&w, &x.tr().contiguous().tr()),
+            avx512,
+            "any strides of x"
         );
     }
 }
