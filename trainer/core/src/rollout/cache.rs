@@ -24,6 +24,8 @@ pub struct KvCache {
     len: i64,
     capacity: i64,
     gqa: bool,
+    /// The dtype of the keys, values and attention masks.
+    kind: Kind,
 }
 
 impl KvCache {
@@ -42,6 +44,7 @@ impl KvCache {
             len: 0,
             capacity,
             gqa: cfg.num_kv_heads != cfg.num_heads,
+            kind,
         }
     }
 
@@ -56,7 +59,8 @@ impl KvCache {
     }
 
     /// Claims the next `t` columns for a step whose tokens are real where `valid` (`[B, t]` bool) is true, and
-    /// returns the step's attention mask, `[B, 1, t, len + t]` bool (true = attend).
+    /// returns the step's attention mask, `[B, 1, t, len + t]` in the cache's dtype: 0 where a token attends, −∞
+    /// elsewhere (additive, as SDPA applies it; a boolean mask would be converted in every layer's call).
     pub(super) fn begin(&mut self, valid: &Tensor) -> Result<Tensor> {
         let t = valid.size()[1];
         if self.len + t > self.capacity {
@@ -75,7 +79,9 @@ impl KvCache {
         let causal = keys.le_tensor(&queries); // [t, L]
         let own = keys.eq_tensor(&queries);
         let real = self.valid.narrow(1, 0, end).unsqueeze(1).unsqueeze(1); // [B, 1, 1, L]
-        Ok(real.logical_and(&causal).logical_or(&own))
+        let attends = real.logical_and(&causal).logical_or(&own);
+        Ok(Tensor::zeros(attends.size(), (self.kind, dev))
+            .masked_fill(&attends.logical_not(), f64::NEG_INFINITY))
     }
 
     /// Writes layer `l`'s keys and values of the current step (`[B, kv_heads, t, head_dim]`, the last `t` columns
