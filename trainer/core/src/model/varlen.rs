@@ -106,12 +106,26 @@ pub fn kernel_attend(
             flash,
             &mut out,
         );
-        if !err.is_null() {
-            let message = CStr::from_ptr(err).to_string_lossy().into_owned();
-            ferl_varlen_free(err);
+        if let Some(message) = take_message(err) {
             bail!("{kernel:?} variable-length attention: {message}");
         }
         Ok(Tensor::from_ptr(out))
+    }
+}
+
+/// The message a shim call returned on failure (copied, and the C string freed), or `None` on success (null).
+///
+/// # Safety
+/// `err` is null or a string the shim malloc'd and nothing else frees.
+unsafe fn take_message(err: *mut c_char) -> Option<String> {
+    if err.is_null() {
+        return None;
+    }
+    // SAFETY: as the caller promises, `err` is a live NUL-terminated string owned by nobody else.
+    unsafe {
+        let message = CStr::from_ptr(err).to_string_lossy().into_owned();
+        ferl_varlen_free(err);
+        Some(message)
     }
 }
 
@@ -246,9 +260,7 @@ impl Varlen {
                 self.runs.len() as i64,
                 &mut out,
             );
-            if !err.is_null() {
-                let message = CStr::from_ptr(err).to_string_lossy().into_owned();
-                ferl_varlen_free(err);
+            if let Some(message) = take_message(err) {
                 panic!("packed attention on the CPU: {message}");
             }
             Tensor::from_ptr(out)
