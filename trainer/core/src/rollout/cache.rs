@@ -63,16 +63,8 @@ impl KvCache {
     /// elsewhere (additive, as SDPA applies it; a boolean mask would be converted in every layer's call).
     pub(super) fn begin(&mut self, valid: &Tensor) -> Result<Tensor> {
         let t = valid.size()[1];
-        if self.len + t > self.capacity {
-            bail!(
-                "KV cache full: {} + {t} columns exceed its capacity {}",
-                self.len,
-                self.capacity
-            );
-        }
-        let (start, end) = (self.len, self.len + t);
-        self.valid.narrow(1, start, t).copy_(valid);
-        self.len = end;
+        self.claim(valid)?;
+        let (start, end) = (self.len - t, self.len);
         let dev = valid.device();
         let keys = Tensor::arange(end, (Kind::Int64, dev)).unsqueeze(0); // [1, L]
         let queries = Tensor::arange_start(start, end, (Kind::Int64, dev)).unsqueeze(1); // [t, 1]
@@ -82,6 +74,30 @@ impl KvCache {
         let attends = real.logical_and(&causal).logical_or(&own);
         Ok(Tensor::zeros(attends.size(), (self.kind, dev))
             .masked_fill(&attends.logical_not(), f64::NEG_INFINITY))
+    }
+
+    /// Claims the next `t` columns for tokens that are real where `valid` (`[B, t]` bool) is true (what
+    /// [`KvCache::begin`] does, without the mask: the prefill attends packed).
+    pub(super) fn claim(&mut self, valid: &Tensor) -> Result<()> {
+        let t = valid.size()[1];
+        if self.len + t > self.capacity {
+            bail!(
+                "KV cache full: {} + {t} columns exceed its capacity {}",
+                self.len,
+                self.capacity
+            );
+        }
+        self.valid.narrow(1, self.len, t).copy_(valid);
+        self.len += t;
+        Ok(())
+    }
+
+    /// Writes layer `l`'s keys and values (`[B, kv_heads, t, head_dim]`) into the last `t` columns claimed.
+    pub(super) fn write(&mut self, l: usize, k: &Tensor, v: &Tensor) {
+        let t = k.size()[2];
+        let start = self.len - t;
+        self.keys[l].narrow(2, start, t).copy_(k);
+        self.values[l].narrow(2, start, t).copy_(v);
     }
 
     /// Writes layer `l`'s keys and values of the current step (`[B, kv_heads, t, head_dim]`, the last `t` columns
@@ -102,9 +118,7 @@ impl KvCache {
     ) -> Tensor {
         let q = q.contiguous();
         let t = k.size()[2];
-        let start = self.len - t;
-        self.keys[l].narrow(2, start, t).copy_(k);
-        self.values[l].narrow(2, start, t).copy_(v);
+        self.write(l, k, v);
         let keys = self.keys[l].narrow(2, 0, self.len);
         let values = self.values[l].narrow(2, 0, self.len);
         let sdpa = |q: &Tensor, gqa| {

@@ -151,7 +151,7 @@ impl RolloutModel {
     fn decode(&self, prompts: &[Vec<i64>], config: &GenerationConfig) -> Result<(Tensor, Tensor)> {
         let dev = self.device();
         let steps = config.max_response_length as i64;
-        let batch = PromptBatch::new(prompts, dev);
+        let batch = PromptBatch::new(prompts, dev)?;
         let b = prompts.len() as i64;
         let mut cache = KvCache::new(&self.cfg, b, batch.width() + steps, self.kind, dev);
         let h = self.prefill(&mut cache, &batch)?;

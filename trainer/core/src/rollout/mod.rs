@@ -10,9 +10,9 @@
 //!   depend on torch's global generator).
 //! - [`generate`]: prefill the batch, then decode one token per step for every sequence; a sequence stops at an EOS
 //!   token (kept in its response) or at `max_response_length`. The prefill (`prefill`) runs the prompts' real tokens
-//!   packed in one row, without their padding, and scatters only the attention's inputs into the padded layout; a
-//!   decode step writes its logits into buffers kept from step to step (`head`); greedy decoding on the CPU reads its
-//!   token and log-probability straight from the output product in one pass (`greedy`).
+//!   packed in one row, without their padding, attends packed, and scatters only the keys and values into the padded
+//!   cache; a decode step writes its logits into buffers kept from step to step (`head`); greedy decoding on the CPU
+//!   reads its token and log-probability straight from the output product in one pass (`greedy`).
 //! - [`score`]: per-token log-probabilities and entropies of given prompt + response tokens in one forward pass,
 //!   without a cache (verl's `compute_log_prob`).
 //!

@@ -1,15 +1,16 @@
 //! The prefill of a generation batch: the prompts' tokens run through the model packed, without their padding, and
 //! their keys and values land in the left-padded KV cache.
 //!
-//! The cache is left-padded (see [`super::cache`]), but only the attention needs that layout: the projections and
-//! the MLP work row by row, so they run on the prompts' real tokens only, packed in one row (`[1, S]`, S the sum of
-//! the prompt lengths; 1,368 of the 2,128 padded tokens of `ferl-bench rl`'s 16 GSM8K prompts). Each layer scatters
-//! its packed queries, keys and values into the padded layout, attends through the cache as a decode step does, and
-//! gathers the real rows of the result back.
+//! The cache is left-padded (see [`super::cache`]), but only the decode steps' attention needs that layout: the
+//! projections and the MLP work row by row, so they run on the prompts' real tokens only, packed in one row (`[1, S]`,
+//! S the sum of the prompt lengths; 1,368 of the 2,128 padded tokens of `ferl-bench rl`'s 16 GSM8K prompts). Each
+//! layer scatters its packed keys and values into the padded cache, and its queries attend packed, each prompt
+//! causally to itself ([`Varlen`], as training's remove-padding does), without padding or a mask.
 
 use super::cache::KvCache;
 use super::RolloutModel;
 use crate::model::layers::{self, Rope};
+use crate::model::varlen::Varlen;
 use anyhow::Result;
 use tch::{Device, Tensor};
 
@@ -27,12 +28,14 @@ pub(crate) struct PromptBatch {
     slots: Tensor,
     /// Each prompt's last token in the packed row (`[B]`).
     last: Tensor,
+    /// The prompts' layout in the packed row, for the prefill's attention.
+    packed: Varlen,
     width: i64,
 }
 
 impl PromptBatch {
     /// `prompts` left-padded to the longest (the padding is never attended to, so its token is irrelevant).
-    pub(crate) fn new(prompts: &[Vec<i64>], device: Device) -> Self {
+    pub(crate) fn new(prompts: &[Vec<i64>], device: Device) -> Result<Self> {
         let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let (mut ids, mut positions, mut slots, mut last, mut valid) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -46,15 +49,16 @@ impl PromptBatch {
         }
         let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
         let on = |t: Tensor| t.to_device(device);
-        Self {
+        Ok(Self {
             valid: on(Tensor::from_slice(&valid).view([prompts.len() as i64, width as i64])),
             lens: on(Tensor::from_slice(&lens)),
             packed_ids: on(Tensor::from_slice(&ids).unsqueeze(0)),
             packed_positions: on(Tensor::from_slice(&positions).unsqueeze(0)),
             slots: on(Tensor::from_slice(&slots)),
             last: on(Tensor::from_slice(&last)),
+            packed: Varlen::new(&lens, device)?,
             width: width as i64,
-        }
+        })
     }
 
     /// Columns of the padded layout: the longest prompt's length.
@@ -73,7 +77,8 @@ impl PromptBatch {
             .transpose(1, 2)
     }
 
-    /// The real rows of `[B, heads, W, D]`, packed: `[1, heads, S, D]`.
+    /// The real rows of `[B, heads, W, D]`, packed: `[1, heads, S, D]` (the inverse of `unpack`).
+    #[cfg(test)]
     fn pack(&self, x: &Tensor) -> Tensor {
         let (heads, d) = (x.size()[1], x.size()[3]);
         x.transpose(1, 2)
@@ -89,15 +94,16 @@ impl RolloutModel {
     /// (`[B, H]`).
     pub(crate) fn prefill(&self, cache: &mut KvCache, batch: &PromptBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
-        let mask = cache.begin(&batch.valid)?;
+        cache.claim(&batch.valid)?;
         let rope = Rope::new(&self.cfg, &batch.packed_positions, self.kind);
+        let gqa = self.cfg.num_kv_heads != self.cfg.num_heads;
         let mut h = self.embed(&batch.packed_ids);
         for l in 0..self.cfg.num_layers {
             h = self.layer(l, &h, |p, d, x| {
                 let (q, k, v) = layers::qkv(&self.cfg, d, p, x, &rope);
-                let [q, k, v] = [&q, &k, &v].map(|t| batch.unpack(t));
-                let o = cache.attend(l, &q, &k, &v, &mask);
-                layers::attention_out(&self.cfg, d, p, &batch.pack(&o))
+                cache.write(l, &batch.unpack(&k), &batch.unpack(&v));
+                let o = batch.packed.attend(&q, &k, &v, gqa);
+                layers::attention_out(&self.cfg, d, p, &o)
             });
         }
         Ok(h.squeeze_dim(0).index_select(0, &batch.last))
@@ -112,7 +118,7 @@ mod tests {
 
     #[test]
     fn packing_round_trips_through_the_padded_layout() {
-        let batch = PromptBatch::new(&[vec![5, 6], vec![7, 8, 9], vec![4]], Device::Cpu);
+        let batch = PromptBatch::new(&[vec![5, 6], vec![7, 8, 9], vec![4]], Device::Cpu).unwrap();
         assert_eq!(batch.width(), 3);
         assert_eq!(
             Vec::<i64>::try_from(&batch.slots).unwrap(),
