@@ -108,7 +108,7 @@ extern "C" {
 // Packed causal attention of `q` `[1, h, T, D]` to `k`/`v` `[1, hk, T, D]` (CPU tensors, `h` a multiple of `hk`) over
 // the `n_runs` runs `runs[2i]` (length) × `runs[2i + 1]` (count) that tile `T` in order. On success stores a new tensor
 // `[1, h, T, D]` in `*out` (recorded by autograd when an input requires grad) and returns null; on failure returns a
-// malloc'd message (free it with `ferl_varlen_free`).
+// malloc'd message (freed by `ferl_storage_message_free`).
 char *ferl_packed_attention_cpu(const at::Tensor *q, const at::Tensor *k, const at::Tensor *v, const int64_t *runs,
                                 int64_t n_runs, at::Tensor **out) {
     try {

@@ -76,6 +76,7 @@ char *ferl_storage_refill(const at::Tensor *dst, const at::Tensor *src, int *sto
     }
 }
 
-// Frees a message returned by ferl_storage_refill.
+// Frees a message returned by any of the crate's shims (ferl_storage_refill, ferl_w_xt, ferl_varlen_attention,
+// ferl_packed_attention_cpu).
 void ferl_storage_message_free(char *message) { free(message); }
 }

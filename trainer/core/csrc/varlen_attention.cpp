@@ -33,7 +33,4 @@ char *ferl_varlen_attention(const at::Tensor *q, const at::Tensor *k, const at::
         return strdup(e.what());
     }
 }
-
-// Frees a message returned by ferl_varlen_attention.
-void ferl_varlen_free(char *message) { free(message); }
 }

@@ -31,6 +31,23 @@ extern "C" {
     fn ferl_storage_message_free(message: *mut c_char);
 }
 
+/// The message a C++ shim of this crate returned on failure (copied, and the C string freed), or `None` on success
+/// (null). Every shim (`csrc/*.cpp`) returns its failures as a `malloc`'d string.
+///
+/// # Safety
+/// `err` is null or a string a shim returned that nothing else frees.
+pub(crate) unsafe fn take_shim_message(err: *mut c_char) -> Option<String> {
+    if err.is_null() {
+        return None;
+    }
+    // SAFETY: as the caller promises, `err` is a live NUL-terminated string owned by nobody else.
+    unsafe {
+        let message = CStr::from_ptr(err).to_string_lossy().into_owned();
+        ferl_storage_message_free(err);
+        Some(message)
+    }
+}
+
 /// Bytes `t`'s storage holds now (0 for a freed storage or an undefined tensor).
 pub fn storage_nbytes(t: &Tensor) -> i64 {
     // SAFETY: `t` is a live tch tensor (`at::Tensor*`) for the duration of the call.
@@ -58,9 +75,7 @@ pub fn refill_storage(dst: &Tensor, src: Tensor) -> Result<bool> {
     // callee and freed here.
     unsafe {
         let err = ferl_storage_refill(dst.as_ptr(), src.as_ptr(), &mut stolen);
-        if !err.is_null() {
-            let message = CStr::from_ptr(err).to_string_lossy().into_owned();
-            ferl_storage_message_free(err);
+        if let Some(message) = take_shim_message(err) {
             bail!("refilling a freed parameter buffer: {message}");
         }
     }

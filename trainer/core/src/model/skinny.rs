@@ -5,7 +5,7 @@
 //! few rows at a time, with the batch in the AVX-512 lanes, on torch's intra-op threads. Without AVX-512F, for more
 //! than [`MAX_ROWS`] rows, or for other dtypes, devices or layouts, MKL runs as before.
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int};
 use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
@@ -13,7 +13,6 @@ use torch_sys::C_tensor;
 extern "C" {
     fn ferl_w_xt_supported() -> c_int;
     fn ferl_w_xt(w: *const C_tensor, x: *const C_tensor, out: *const C_tensor) -> *mut c_char;
-    fn ferl_storage_message_free(message: *mut c_char);
 }
 
 /// Rows of `x` up to which the kernel runs (it keeps 16 to 64 columns of sums in registers per pass over `W`).
@@ -48,10 +47,8 @@ pub fn w_xt_out(out: &Tensor, w: &Tensor, x: &Tensor) -> Tensor {
     // dtypes and layouts); a returned message is malloc'd by the callee and freed here.
     unsafe {
         let err = ferl_w_xt(w.as_ptr(), x.as_ptr(), out.as_ptr());
-        if !err.is_null() {
-            let msg = CStr::from_ptr(err).to_string_lossy().into_owned();
-            ferl_storage_message_free(err);
-            panic!("w_xt_out: {msg}");
+        if let Some(message) = crate::storage::take_shim_message(err) {
+            panic!("w_xt_out: {message}");
         }
     }
     out.shallow_clone()

@@ -18,7 +18,7 @@
 //! Both are autograd ops only, so gradients and checkpointed recomputation flow as through any other op.
 
 use anyhow::{bail, Context, Result};
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
@@ -78,7 +78,6 @@ extern "C" {
         n_runs: i64,
         out: *mut *mut C_tensor,
     ) -> *mut c_char;
-    fn ferl_varlen_free(message: *mut c_char);
 }
 
 /// Runs `kernel` on `q` `[T, heads, D]`, `k`/`v` `[T, kv_heads, D]` (kv heads equal to heads for
@@ -106,26 +105,10 @@ pub fn kernel_attend(
             flash,
             &mut out,
         );
-        if let Some(message) = take_message(err) {
+        if let Some(message) = crate::storage::take_shim_message(err) {
             bail!("{kernel:?} variable-length attention: {message}");
         }
         Ok(Tensor::from_ptr(out))
-    }
-}
-
-/// The message a shim call returned on failure (copied, and the C string freed), or `None` on success (null).
-///
-/// # Safety
-/// `err` is null or a string the shim malloc'd and nothing else frees.
-unsafe fn take_message(err: *mut c_char) -> Option<String> {
-    if err.is_null() {
-        return None;
-    }
-    // SAFETY: as the caller promises, `err` is a live NUL-terminated string owned by nobody else.
-    unsafe {
-        let message = CStr::from_ptr(err).to_string_lossy().into_owned();
-        ferl_varlen_free(err);
-        Some(message)
     }
 }
 
@@ -260,7 +243,7 @@ impl Varlen {
                 self.runs.len() as i64,
                 &mut out,
             );
-            if let Some(message) = take_message(err) {
+            if let Some(message) = crate::storage::take_shim_message(err) {
                 panic!("packed attention on the CPU: {message}");
             }
             Tensor::from_ptr(out)
