@@ -17,8 +17,12 @@
 # Knobs (environment): STEPS (default 20), BATCH (samples per step, default 16), MICRO (micro-batch, default 8),
 # CKPT=1 (gradient checkpointing; off by default — 80 GB+ of HBM fits micro-batch 8 x 2048 without it), SEQ (2048),
 # PEAK_TFLOPS (989), PYTHON (an interpreter with torch), SKIP_FSDP=1, PACKED_LEN (8192: the packed attention rows,
-# GSM8K sequences in one row, ms of forward + backward by torch's variable-length kernel beside the dense mask).
-# A dry run on a CPU machine: DEVICE=cpu SHAPE=test SEQ=64 STEPS=2 BATCH=2 MICRO=1 PACKED_LEN=512 bench/gpu/h200_sft.sh
+# GSM8K sequences in one row, ms of forward + backward by torch's variable-length kernel beside the dense mask),
+# SP_SEQ (4096: the sequence-parallel rows, peak device memory per rank of ulysses_sequence_parallel_size=2 beside one
+# rank and 2-way data parallelism, tiny model, one GPU per rank over NCCL; skipped with a line saying so on a machine
+# with fewer than 2 GPUs).
+# A dry run on a CPU machine: DEVICE=cpu SHAPE=test SEQ=64 STEPS=2 BATCH=2 MICRO=1 PACKED_LEN=512 SP_SEQ=64 \
+#   bench/gpu/h200_sft.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -75,4 +79,13 @@ fi
 echo "== packed attention (use_remove_padding): varlen kernel beside the dense T x T mask it replaced =="
 timeout 120 "$BIN" train --packed-attention --packed-len "${PACKED_LEN:-8192}" --device "$DEVICE" --dtype bf16 \
     || fail "the packed attention run failed (exit $?)"
+echo "== sequence parallelism (ulysses_sequence_parallel_size=2): peak memory per rank beside one rank and 2-way DP =="
+GPUS=2
+[ "$DEVICE" = cuda ] && GPUS=$(nvidia-smi -L | grep -c '^GPU' || true)
+if [ "$GPUS" -lt 2 ]; then
+    echo "sequence parallelism skipped: it needs 2 GPUs (one per rank, NCCL), this machine has $GPUS"
+else
+    timeout 300 "$BIN" train --sequence-parallel 2 --seq-len "${SP_SEQ:-4096}" --steps 3 --device "$DEVICE" \
+        --dtype bf16 || fail "the sequence-parallel run failed (exit $?)"
+fi
 echo "H200 SFT BENCH DONE"

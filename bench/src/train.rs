@@ -98,13 +98,14 @@ pub(crate) struct TrainArgs {
     /// LoRA alpha of --lora-rank runs (updates scaled by alpha / rank).
     #[arg(long, default_value_t = 16.0)]
     lora_alpha: f64,
-    /// Device of --model-shape runs: cpu or cuda.
+    /// Device of --model-shape, --packed-attention and --sequence-parallel runs: cpu or cuda.
     #[arg(long)]
     device: Option<String>,
-    /// Tokens per sample of --model-shape runs.
+    /// Tokens per sample of --model-shape and --sequence-parallel runs.
     #[arg(long, default_value_t = 2048)]
     seq_len: usize,
-    /// Compute dtype of --model-shape runs: bf16 or fp32 (fp32 masters either way).
+    /// Compute dtype of --model-shape runs and of CUDA --packed-attention and --sequence-parallel runs: bf16 or fp32
+    /// (fp32 masters either way).
     #[arg(long, default_value = "bf16")]
     dtype: String,
     /// Parameter store of --model-shape runs and of the comparison's ferl sides: local (`LocalParams`) or fsdp

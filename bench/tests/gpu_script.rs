@@ -1,5 +1,5 @@
 //! The prepared GPU benchmark, checked on any machine: `bench/gpu/h200_sft.sh` runs end to end on its CPU dry path
-//! (same binary, same code as on the H200, a small shape), and `ferl-bench train --device cuda` either trains on a GPU
+//! (same binary, same code as on the H200, a small shape; its sequence-parallel rows included), and `ferl-bench train --device cuda` either trains on a GPU
 //! or, where there is none, fails with a message saying why (printed as the test's skip reason).
 
 use std::path::Path;
@@ -24,6 +24,7 @@ fn h200_script_dry_run_on_the_cpu_prints_the_rows_of_both_stores() {
             ("STEPS", "2"),
             ("BATCH", "2"),
             ("MICRO", "1"),
+            ("SP_SEQ", "64"),
         ])
         .output()
         .expect("running bench/gpu/h200_sft.sh");
@@ -56,6 +57,18 @@ fn h200_script_dry_run_on_the_cpu_prints_the_rows_of_both_stores() {
         losses[0], losses[1],
         "both stores train the same model on the same tokens"
     );
+    let row = |name: &str| -> f64 {
+        let line = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {name} row:\n{stdout}"));
+        line.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    for group in ["sp1_w1", "dp_w2", "sp_w2"] {
+        assert!(row(&format!("sp_{group}_peak_rss_MiB")) > 0.0);
+        assert!(row(&format!("sp_{group}_tokens_per_s")) > 0.0);
+    }
+    assert!(row("sp_peak_rss_vs_one_rank") > 0.0);
 }
 
 #[test]

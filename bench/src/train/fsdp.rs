@@ -84,16 +84,18 @@ pub(super) fn run(a: &TrainArgs, world: usize, dir: &Path, out: &mut Report) -> 
 
 /// Starts `world` ferl ranks (this binary, launcher environment) and reads their records.
 fn run_ferl(a: &TrainArgs, dir: &Path, world: usize, threads: usize) -> Result<Vec<SideRecord>> {
-    run_ranks(a, dir, world, threads, None)
+    run_ranks(a, dir, world, threads, None, "cpu")
 }
 
-/// [`run_ferl`], with `sp` the ranks' `ulysses_sequence_parallel_size` (and remove-padding) when given.
+/// [`run_ferl`], with `sp` the ranks' `ulysses_sequence_parallel_size` (and remove-padding) when given, on `device`
+/// (`cpu`, or `cuda`: rank `r` sees only GPU `r`, through `CUDA_VISIBLE_DEVICES`, and the group talks over NCCL).
 pub(super) fn run_ranks(
     a: &TrainArgs,
     dir: &Path,
     world: usize,
     threads: usize,
     sp: Option<usize>,
+    device: &str,
 ) -> Result<Vec<SideRecord>> {
     let out = dir.join(format!("ferl_w{world}"));
     std::fs::create_dir_all(&out)?;
@@ -122,6 +124,10 @@ pub(super) fn run_ranks(
         }
         if let Some(k) = sp {
             cmd.args(["--rank-sp", &k.to_string()]);
+        }
+        cmd.args(["--device", device, "--dtype", &a.dtype]);
+        if device == "cuda" {
+            cmd.env("CUDA_VISIBLE_DEVICES", rank.to_string());
         }
         children.push(cmd.spawn().context("starting a ferl rank")?);
     }
@@ -177,45 +183,56 @@ fn run_pytorch(dir: &Path, world: usize, threads: usize) -> Result<Vec<SideRecor
         .collect()
 }
 
-/// The config a ferl rank trains with: the same loop as the PyTorch peer (see `common::settings`).
-fn rank_config(a: &TrainArgs, dir: &Path) -> Result<SftConfig> {
-    SftConfig::load(
-        None,
-        &[
-            format!("model.partial_pretrain={}", dir.join("model").display()),
-            format!(
-                "model.enable_gradient_checkpointing={}",
-                a.gradient_checkpointing
-            ),
-            "model.fsdp_config.model_dtype=fp32".into(),
-            "optim.lr=1e-4".into(),
-            "optim.lr_scheduler=constant".into(),
-            "optim.lr_warmup_steps_ratio=0.0".into(),
-            "optim.weight_decay=0.01".into(),
-            "optim.betas=[0.9,0.95]".into(),
-            "optim.clip_grad=1.0".into(),
-            format!("data.train_batch_size={}", a.batch),
-            format!("data.micro_batch_size_per_gpu={}", a.micro_batch),
-            format!("use_remove_padding={}", a.rank_sp.is_some()),
-            format!("ulysses_sequence_parallel_size={}", a.rank_sp.unwrap_or(1)),
-            "trainer.device=cpu".into(),
-        ],
-    )
+/// The config a ferl rank trains with: the same loop as the PyTorch peer (see `common::settings`); fp32 on the CPU,
+/// `--dtype` compute (fp32 masters) on CUDA.
+fn rank_config(a: &TrainArgs, dir: &Path, device: Device) -> Result<SftConfig> {
+    let mut keys = vec![
+        format!(
+            "trainer.device={}",
+            if device.is_cuda() { "cuda" } else { "cpu" }
+        ),
+        "model.fsdp_config.model_dtype=fp32".into(),
+    ];
+    if device.is_cuda() {
+        keys.push(format!(
+            "model.fsdp_config.mixed_precision.param_dtype={}",
+            a.dtype
+        ));
+    }
+    keys.extend([
+        format!("model.partial_pretrain={}", dir.join("model").display()),
+        format!(
+            "model.enable_gradient_checkpointing={}",
+            a.gradient_checkpointing
+        ),
+        "optim.lr=1e-4".into(),
+        "optim.lr_scheduler=constant".into(),
+        "optim.lr_warmup_steps_ratio=0.0".into(),
+        "optim.weight_decay=0.01".into(),
+        "optim.betas=[0.9,0.95]".into(),
+        "optim.clip_grad=1.0".into(),
+        format!("data.train_batch_size={}", a.batch),
+        format!("data.micro_batch_size_per_gpu={}", a.micro_batch),
+        format!("use_remove_padding={}", a.rank_sp.is_some()),
+        format!("ulysses_sequence_parallel_size={}", a.rank_sp.unwrap_or(1)),
+    ]);
+    SftConfig::load(None, &keys)
 }
 
 /// One ferl rank (`--rank-child DIR`): joins the group from the environment and trains its share of each global
 /// batch of `DIR/data.json`, writing `DIR/ferl_wW/rank_R.json`.
 pub(super) fn rank_child(a: &TrainArgs, dir: &Path) -> Result<()> {
     tch::set_num_threads(a.threads.unwrap_or(1) as i32);
+    let device = super::shape::resolve_device(a.device.as_deref().unwrap_or("cpu"))?;
     let samples = read_samples(dir)?;
-    let cfg = rank_config(a, dir)?;
-    let (comm, subgroups) = init_groups_from_env(Device::Cpu).context("joining the ferl group")?;
+    let cfg = rank_config(a, dir, device)?;
+    let (comm, subgroups) = init_groups_from_env(device).context("joining the ferl group")?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let mut state = RankState::build(cfg, comm, Device::Cpu, a.steps as u64)?;
+    let mut state = RankState::build(cfg, comm, device, a.steps as u64)?;
     state.join_sequence_parallel(|name, r, size| subgroups.connect(name, r, size))?;
     let (dp_rank, dp_world) = state.data_rank_and_world();
     state.sum_over_ranks(&[0.0]).context("barrier")?;
-    let gemm_flops_per_s = super::mfu::gemm_peak_flops();
+    let gemm_flops_per_s = (device == Device::Cpu).then(super::mfu::gemm_peak_flops);
     let (mut tokens, mut secs, mut losses, mut peak) = (Vec::new(), Vec::new(), Vec::new(), 0u64);
     for step in 0..a.steps {
         let indices: Vec<usize> = (step * a.batch..(step + 1) * a.batch).collect();
