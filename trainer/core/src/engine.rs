@@ -33,6 +33,7 @@
 
 use crate::batch::MicroBatch;
 use crate::head::{ChunkedHead, TokenGrad, TokenStats};
+use crate::head_share::{shared_head_loss, HeadShare};
 use crate::kernels::KernelRegistry;
 use crate::loss::{CrossEntropy, TokenLoss};
 use crate::model::config::ModelConfig;
@@ -270,11 +271,13 @@ impl<P: ParamStore> Engine<P> {
         loss: &dyn TokenLoss,
     ) -> Result<(f64, Tensor)> {
         let hidden = self.cfg.hidden_size;
+        let share = self.head_share(mb, h.device())?;
         let p = self.store.gather(Stage::Head)?;
         let (norm_w, out_w) = (&p.tensors[0], &p.tensors[1]);
-        if mb.num_targets == 0 {
-            // No targets (e.g. the prompt filled `max_length`): the gradient is zero, but it is still accumulated so
-            // that a sharded store runs the same collectives on every rank.
+        if share.as_ref().map_or(mb.num_targets, HeadShare::total) == 0 {
+            // No targets (e.g. the prompt filled `max_length`; in the whole sequence-parallel group when it shares
+            // them): the gradient is zero, but it is still accumulated so that a sharded store runs the same
+            // collectives on every rank.
             let zeros = [norm_w.zeros_like(), out_w.zeros_like()];
             self.store.accumulate_grads(Stage::Head, &zeros)?;
             self.store.release(Stage::Head);
@@ -286,7 +289,17 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let norm = NormGraph::build(&self.kernels, &rows, norm_w, self.cfg.rms_norm_eps)?;
         let normed_d = norm.output();
-        let (value, grad_normed, grad_w) = self.head_loss(&normed_d, out_w, mb, loss)?;
+        let (value, grad_normed, grad_w) = match &share {
+            Some(share) => shared_head_loss(
+                share,
+                &mut self.head,
+                &normed_d,
+                out_w,
+                &mb.target_ids,
+                loss,
+            )?,
+            None => self.head_loss(&normed_d, out_w, mb, loss)?,
+        };
         let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
         // The gradient of the row selection: the target rows' gradients, zeros elsewhere.
         let grad_h = Tensor::zeros([h.size()[0] * h.size()[1], hidden], (h.kind(), h.device()))
@@ -296,6 +309,16 @@ impl<P: ParamStore> Engine<P> {
             .accumulate_grads(Stage::Head, &[grad_norm_w, grad_w])?;
         self.store.release(Stage::Head);
         Ok((value, grad_h))
+    }
+
+    /// How the head's rows are dealt out over `mb`'s sequence-parallel group, when it has one (`head_share`): not
+    /// with a head kernel, which works on the rows it is given.
+    fn head_share(&self, mb: &MicroBatch, device: tch::Device) -> Result<Option<HeadShare>> {
+        let kernel = self.kernels.head.is_some() && self.head.temperature() == 1.0;
+        match mb.attention.sequence_parallel() {
+            Some(sp) if !kernel => Ok(Some(HeadShare::new(&sp.group, mb.num_targets, device)?)),
+            _ => Ok(None),
+        }
     }
 
     /// The loss of the normalised target rows and its gradients with respect to them and to the output matrix

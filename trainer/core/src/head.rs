@@ -99,7 +99,7 @@ impl ChunkedHead {
             log_probs.push(log_softmax_in_place(&mut g, &t));
             entropies.push(-(g.exp() * &g).sum_dim_intlist(1, false, Kind::Float));
         }
-        TokenStats::from_chunks(log_probs, entropy.then_some(entropies))
+        TokenStats::from_chunks(log_probs, entropy.then_some(entropies), x.device())
     }
 
     /// Back-propagates `grad` (a loss's gradient with respect to each target row's log-probability and entropy)
@@ -143,8 +143,12 @@ impl ChunkedHead {
             grad_x.push(project_back(&g, &xc, &w_c, grad_w.as_mut()));
         }
         let entropy = grad.has_entropy().then_some(entropies);
-        let stats = TokenStats::from_chunks(log_probs, entropy);
-        (stats, Tensor::cat(&grad_x, 0), grad_w)
+        let stats = TokenStats::from_chunks(log_probs, entropy, x.device());
+        let grad_x = match grad_x.is_empty() {
+            true => x.zeros_like(), // no rows
+            false => Tensor::cat(&grad_x, 0),
+        };
+        (stats, grad_x, grad_w)
     }
 
     /// Summed cross-entropy of `x` against `w` for `targets`, and the gradients of `scale * loss` (see
@@ -186,9 +190,9 @@ pub struct TokenStats {
 }
 
 impl TokenStats {
-    fn from_chunks(log_probs: Vec<Tensor>, entropies: Option<Vec<Tensor>>) -> Self {
+    fn from_chunks(log_probs: Vec<Tensor>, entropies: Option<Vec<Tensor>>, device: Device) -> Self {
         let cat = |v: Vec<Tensor>| match v.is_empty() {
-            true => Tensor::zeros([0], (Kind::Float, tch::Device::Cpu)),
+            true => Tensor::zeros([0], (Kind::Float, device)),
             false => Tensor::cat(&v, 0),
         };
         Self {

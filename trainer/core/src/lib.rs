@@ -8,6 +8,7 @@
 //! - [`engine`]: the layer-wise forward/backward schedule with optional gradient checkpointing.
 //! - [`huge_pages`]: libtorch's large CPU tensors in transparent huge pages (fewer page faults per step).
 //! - [`head`]: the chunked output projection + cross-entropy with a hand-written backward into one reused buffer.
+//! - [`head_share`]: a sequence-parallel group's target rows dealt out evenly over its ranks for the head.
 //! - [`loss`]: pluggable losses over per-token log-probabilities and entropies ([`loss::TokenLoss`]): SFT's
 //!   cross-entropy, losses written with autograd over the per-token vectors (the RL losses of [`rl`]).
 //! - [`kernels`]: the op-override hook ([`kernels::KernelRegistry`]): RMSNorm, SwiGLU and the head replaced by
@@ -31,6 +32,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod engine;
 pub mod head;
+pub mod head_share;
 pub mod huge_pages;
 pub mod kernels;
 pub mod loss;

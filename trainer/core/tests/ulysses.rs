@@ -293,3 +293,122 @@ fn an_engine_step_over_the_group_sums_to_the_whole_sequence_step() {
         }
     }
 }
+
+/// A per-row loss with an entropy term: `Σ wᵢ · (−log pᵢ) − 0.1 · Σ Hᵢ` over a rank's own rows.
+struct WeightedWithEntropy {
+    weights: Tensor,
+}
+
+impl ferl_trainer::loss::TokenLoss for WeightedWithEntropy {
+    fn needs_entropy(&self) -> bool {
+        true
+    }
+
+    fn evaluate(
+        &self,
+        stats: &ferl_trainer::head::TokenStats,
+    ) -> anyhow::Result<ferl_trainer::loss::TokenLossValue> {
+        let entropy = stats.entropy.as_ref().expect("entropy asked for");
+        let value = (-(&stats.log_prob * &self.weights).sum(Kind::Double)
+            - entropy.sum(Kind::Double) * 0.1)
+            .double_value(&[]);
+        Ok(ferl_trainer::loss::TokenLossValue {
+            value,
+            grad: ferl_trainer::head::TokenGrad::PerRow {
+                log_prob: -&self.weights,
+                entropy: Some(entropy.full_like(-0.1)),
+            },
+        })
+    }
+}
+
+/// Rank `rank`'s rows of the share test: `counts[rank]` rows of width 8, their targets among 50 words, loss weights;
+/// and the output matrix `[50, 8]`, the same on every rank.
+fn head_rows(counts: &[i64], rank: usize) -> (Tensor, Tensor, Tensor, Tensor) {
+    let _seeded = SEEDED.lock().unwrap(); // ranks are threads of one process: one generator
+    tch::manual_seed(99);
+    let w = Tensor::randn([50, 8], CPU).set_requires_grad(true);
+    tch::manual_seed(rank as i64 + 7);
+    let n = counts[rank];
+    let x = Tensor::randn([n, 8], CPU);
+    let t = Tensor::randint(50, [n], (Kind::Int64, Device::Cpu));
+    (x, t, Tensor::rand([n], CPU), w)
+}
+
+#[test]
+fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
+    use ferl_trainer::head::ChunkedHead;
+    use ferl_trainer::head_share::{shared_head_loss, HeadShare};
+    use ferl_trainer::loss::{CrossEntropy, TokenLoss};
+    for counts in [
+        vec![0i64, 7, 2],
+        vec![5, 0],
+        vec![3, 3, 3, 1],
+        vec![0, 1, 0],
+    ] {
+        for per_row in [false, true] {
+            let counts_here = counts.clone();
+            let ranks = with_group(counts.len(), move |g| {
+                let (x, t, weights, w) = head_rows(&counts_here, g.rank() as usize);
+                let loss: Box<dyn TokenLoss> = match per_row {
+                    true => Box::new(WeightedWithEntropy { weights }),
+                    false => Box::new(CrossEntropy::token_mean(13)),
+                };
+                // Reference: this rank's own rows through a head of its own (chunks of 3 rows in both).
+                let mut head = ChunkedHead::new(3 * 50);
+                let grad = match loss.uniform_grad() {
+                    Some(c) => ferl_trainer::head::TokenGrad::Uniform(c),
+                    None => {
+                        loss.evaluate(&head.token_stats(&x, &w, &t, true))
+                            .unwrap()
+                            .grad
+                    }
+                };
+                let (stats, gx, gw) = head.backward(&x, &w, &t, &grad, true);
+                let value = loss.evaluate(&stats).unwrap().value;
+                let share = HeadShare::new(&g, x.size()[0], Device::Cpu).unwrap();
+                let mut head = ChunkedHead::new(3 * 50);
+                let shared =
+                    shared_head_loss(&share, &mut head, &x, &w, &t, loss.as_ref()).unwrap();
+                (value, gx, gw.unwrap(), shared, share.share_rows())
+            });
+            let ctx = format!("counts {counts:?}, per-row loss {per_row}");
+            let total: i64 = counts.iter().sum();
+            let shares: Vec<i64> = ranks.iter().map(|r| r.4).collect();
+            assert_eq!(
+                shares.iter().sum::<i64>(),
+                total,
+                "{ctx}: shares {shares:?}"
+            );
+            assert!(
+                shares
+                    .iter()
+                    .all(|&s| (s - total / counts.len() as i64).abs() <= 1),
+                "{ctx}: {shares:?}"
+            );
+            let (mut gw_ref, mut gw_shared) = (ranks[0].2.zeros_like(), ranks[0].2.zeros_like());
+            for (r, (value, gx, gw, (v, sgx, sgw), _)) in ranks.iter().enumerate() {
+                let own = if counts[r] > 0 { *value } else { 0.0 };
+                assert!(
+                    (v - own).abs() <= 1e-5 * own.abs().max(1.0),
+                    "{ctx}, rank {r}: value {v} vs {own}"
+                );
+                assert_eq!(sgx.size(), gx.size(), "{ctx}, rank {r}");
+                if counts[r] > 0 {
+                    let diff = (sgx - gx).abs().max().double_value(&[]);
+                    assert!(
+                        diff < 1e-5,
+                        "{ctx}, rank {r}: row gradients differ by {diff}"
+                    );
+                }
+                gw_ref += gw;
+                gw_shared += sgw;
+            }
+            let diff = (&gw_shared - &gw_ref).abs().max().double_value(&[]);
+            assert!(
+                diff < 1e-5,
+                "{ctx}: the group's output gradients differ by {diff}"
+            );
+        }
+    }
+}

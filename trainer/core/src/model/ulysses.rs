@@ -43,6 +43,11 @@ impl SpGroup {
         self.comm.rank() as i64
     }
 
+    /// The group's communicator (the head's exchanges, `crate::head_share`).
+    pub fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+
     /// Refuses a model whose heads do not split over the group ([`check_heads`]).
     pub fn check_heads(&self, num_heads: i64, num_kv_heads: i64) -> Result<()> {
         check_heads(self.size(), num_heads, num_kv_heads)

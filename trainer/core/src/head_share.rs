@@ -1,0 +1,221 @@
+//! The head's target rows dealt out evenly over a sequence-parallel group.
+//!
+//! Under Ulysses sequence parallelism each rank of a group holds a contiguous slice of every sequence, and SFT's
+//! targets (the response) come at the end of each sequence, so the last ranks of a group hold most of them: in
+//! `ferl-bench train --sequence-parallel 2` (loss on each sequence's second half) one rank held every target and the
+//! other waited for it through the head, the largest single cost of a step for a vocabulary of 151,936.
+//! [`HeadShare`] deals the group's target rows out evenly before the head and hands the results back after it: of the
+//! group's `N` rows, in rank order, rank `j` of `K` takes rows `⌊jN/K⌋ .. ⌊(j+1)N/K⌋`. Each rank's loss is still
+//! evaluated on its own rows (per-row inputs of a loss, such as RL advantages, stay where they are); only the head's
+//! projections and softmaxes move ([`shared_head_loss`]).
+//!
+//! Exchanges, on the group's communicator: an all-gather of every rank's rows (padded to the largest count) before,
+//! and a reduce-scatter (sum) of the results placed at their owners' positions, every other entry zero, after — so
+//! the sum is exact. Rows are `[n, hidden]`, small beside the head's `[vocab, hidden]`.
+
+use crate::head::{ChunkedHead, TokenGrad, TokenStats};
+use crate::loss::TokenLoss;
+use crate::model::ulysses::SpGroup;
+use anyhow::{Context, Result};
+use ferl_collective::ReduceOp;
+use tch::{Device, Kind, Tensor};
+
+/// Where a sequence-parallel group's target rows go for the head (see the module docs).
+pub struct HeadShare {
+    group: SpGroup,
+    /// This rank's own rows.
+    local: i64,
+    /// Every rank's row count, in rank order.
+    counts: Vec<i64>,
+    /// The largest count (at least 1): the exchanges' rows per rank.
+    padded: i64,
+    /// The padded positions (`rank · padded + i`) of this rank's share, in the group's row order.
+    share: Tensor,
+}
+
+impl HeadShare {
+    /// Learns every rank's row count (`local` here; every rank of `group` calls it) and this rank's share.
+    pub fn new(group: &SpGroup, local: i64, device: Device) -> Result<Self> {
+        let counts = group
+            .comm()
+            .all_gather_flat(&Tensor::from_slice(&[local]).to_device(device))
+            .context("dealing the head's rows: exchanging the counts")?;
+        let counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu))?;
+        let padded = counts.iter().copied().max().unwrap_or(0).max(1);
+        let share =
+            Tensor::from_slice(&share_positions(&counts, group.rank(), padded)).to_device(device);
+        Ok(Self {
+            group: group.clone(),
+            local,
+            counts,
+            padded,
+            share,
+        })
+    }
+
+    /// The group's rows.
+    pub fn total(&self) -> i64 {
+        self.counts.iter().sum()
+    }
+
+    /// The rows of this rank's share.
+    pub fn share_rows(&self) -> i64 {
+        self.share.size()[0]
+    }
+
+    /// This rank's share of the group's `local` rows (`[n, ...]`, `n` this rank's own count): `[share, ...]`.
+    pub fn deal(&self, local: &Tensor) -> Result<Tensor> {
+        let mut shape = local.size();
+        shape[0] = self.padded;
+        let padded = Tensor::zeros(shape.as_slice(), (local.kind(), local.device()));
+        padded.narrow(0, 0, self.local).copy_(local);
+        let all = self
+            .group
+            .comm()
+            .all_gather_flat(&padded)
+            .context("dealing the head's rows")?;
+        shape[0] = self.padded * self.counts.len() as i64;
+        Ok(all.view(shape.as_slice()).index_select(0, &self.share))
+    }
+
+    /// The inverse of [`Self::deal`]: this rank's own rows of the results `share` (`[share, ...]`): `[n, ...]`.
+    pub fn give_back(&self, share: &Tensor) -> Result<Tensor> {
+        let mut shape = share.size();
+        shape[0] = self.padded * self.counts.len() as i64;
+        let mut placed = Tensor::zeros(shape.as_slice(), (share.kind(), share.device()));
+        let _ = placed.index_copy_(0, &self.share, share);
+        let mine = self
+            .group
+            .comm()
+            .reduce_scatter_flat(&placed.view([-1]), ReduceOp::Sum)
+            .context("handing the head's results back")?;
+        shape[0] = self.padded;
+        Ok(mine.view(shape.as_slice()).narrow(0, 0, self.local))
+    }
+
+    /// `Some(c)` when every rank's loss has the uniform gradient `c` ([`TokenLoss::uniform_grad`]): the share then
+    /// takes one pass.
+    fn common_uniform_grad(&self, loss: &dyn TokenLoss) -> Result<Option<f64>> {
+        let mine = loss.uniform_grad().unwrap_or(f64::NAN);
+        let all = self
+            .group
+            .comm()
+            .all_gather_flat(&Tensor::from_slice(&[mine]).to_device(self.share.device()))
+            .context("dealing the head's rows: comparing the losses")?;
+        let all = Vec::<f64>::try_from(&all.to_device(Device::Cpu))?;
+        Ok(all.iter().all(|&c| c == mine).then_some(mine))
+    }
+
+    fn give_back_stats(&self, s: &TokenStats) -> Result<TokenStats> {
+        Ok(TokenStats {
+            log_prob: self.give_back(&s.log_prob)?,
+            entropy: s.entropy.as_ref().map(|e| self.give_back(e)).transpose()?,
+        })
+    }
+
+    /// Deals out this rank's per-row loss gradients for its share's backward. Every rank takes part in the same
+    /// exchanges: a uniform gradient goes as per-row values, and when any rank's has an entropy term, a rank without
+    /// one sends zeros for it.
+    fn deal_grad(&self, g: TokenGrad, device: Device) -> Result<TokenGrad> {
+        let (log_prob, entropy) = match g {
+            TokenGrad::Uniform(c) => (Tensor::full([self.local], c, (Kind::Float, device)), None),
+            TokenGrad::PerRow { log_prob, entropy } => (log_prob, entropy),
+        };
+        let vote = match (self.local, &entropy) {
+            (0, _) => -1.0,
+            (_, Some(_)) => 1.0,
+            (_, None) => 0.0,
+        };
+        let votes = self
+            .group
+            .comm()
+            .all_gather_flat(&Tensor::from_slice(&[vote]).to_device(device))
+            .context("dealing the head's rows: comparing the loss gradients")?;
+        let any_entropy = Vec::<f64>::try_from(&votes.to_device(Device::Cpu))?.contains(&1.0);
+        let entropy = any_entropy
+            .then(|| entropy.unwrap_or_else(|| Tensor::zeros([self.local], (Kind::Float, device))));
+        Ok(TokenGrad::PerRow {
+            log_prob: self.deal(&log_prob)?,
+            entropy: entropy.map(|e| self.deal(&e)).transpose()?,
+        })
+    }
+}
+
+/// The padded positions of rank `me`'s share of the rows `counts` (see the module docs).
+fn share_positions(counts: &[i64], me: i64, padded: i64) -> Vec<i64> {
+    let (k, total): (i64, i64) = (counts.len() as i64, counts.iter().sum());
+    let (lo, hi) = (total * me / k, total * (me + 1) / k);
+    let mut positions = Vec::with_capacity((hi - lo) as usize);
+    let mut first = 0;
+    for (rank, &count) in counts.iter().enumerate() {
+        let rows = (lo.max(first)..hi.min(first + count)).map(|g| rank as i64 * padded + g - first);
+        positions.extend(rows);
+        first += count;
+    }
+    positions
+}
+
+/// [`TokenLoss`] of this rank's normalised target rows `normed` (`[n, hidden]`) against the output matrix `w`, the
+/// head's work done on this rank's share of the group's rows: returns the loss's value on this rank's rows, the
+/// gradient of `normed`, and the gradient of `w` from the share (undefined when `w` is frozen; summed over the group,
+/// as the parameter store's reduction sums it, it is the group's). A loss with a uniform gradient on every rank takes
+/// one pass over the share; any other two: the statistics, handed back for each rank's loss, then its per-row
+/// gradients dealt out for the backward. A rank with no rows of its own evaluates no loss (value 0).
+pub fn shared_head_loss(
+    share: &HeadShare,
+    head: &mut ChunkedHead,
+    normed: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    loss: &dyn TokenLoss,
+) -> Result<(f64, Tensor, Tensor)> {
+    let x = share.deal(&normed.detach())?;
+    let t = share.deal(targets)?;
+    let uniform = share.common_uniform_grad(loss)?;
+    let (value, grad) = match uniform {
+        Some(c) => (None, TokenGrad::Uniform(c)),
+        None => {
+            let stats = head.token_stats(&x, w, &t, loss.needs_entropy());
+            let (value, grad) = own_loss(share, loss, &share.give_back_stats(&stats)?)?;
+            (Some(value), share.deal_grad(grad, normed.device())?)
+        }
+    };
+    let (stats, gx, gw) = head.backward(&x, w, &t, &grad, w.requires_grad());
+    let value = match value {
+        Some(v) => v,
+        None => own_loss(share, loss, &share.give_back_stats(&stats)?)?.0,
+    };
+    Ok((value, share.give_back(&gx)?, gw.unwrap_or_default()))
+}
+
+/// The loss of this rank's own rows' statistics, or (no rows) 0 and an empty gradient.
+fn own_loss(
+    share: &HeadShare,
+    loss: &dyn TokenLoss,
+    stats: &TokenStats,
+) -> Result<(f64, TokenGrad)> {
+    if share.local > 0 {
+        let evaluated = loss.evaluate(stats)?;
+        return Ok((evaluated.value, evaluated.grad));
+    }
+    let grad = TokenGrad::PerRow {
+        log_prob: stats.log_prob.zeros_like(),
+        entropy: None,
+    };
+    Ok((0.0, grad))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share_positions;
+
+    #[test]
+    fn shares_split_the_group_rows_evenly_in_rank_order() {
+        // Counts 0, 5, 2 (7 rows, padded 5): shares of 2, 2, 3 rows.
+        let counts = [0, 5, 2];
+        assert_eq!(share_positions(&counts, 0, 5), vec![5, 6]);
+        assert_eq!(share_positions(&counts, 1, 5), vec![7, 8]);
+        assert_eq!(share_positions(&counts, 2, 5), vec![9, 10, 11]);
+        assert!(share_positions(&[0, 0], 1, 1).is_empty());
+    }
+}
