@@ -373,9 +373,17 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let normed =
             graph::norm_forward(&self.kernels, &rows, &p.tensors[0], self.cfg.rms_norm_eps)?;
-        let stats = self
-            .head
-            .token_stats(&normed, &p.tensors[1], &mb.target_ids, entropy);
+        let (w, targets) = (&p.tensors[1], &mb.target_ids);
+        let stats = match mb.attention.sequence_parallel() {
+            Some(sp) => HeadShare::new(&sp.group, mb.num_targets, h.device())?.token_stats(
+                &mut self.head,
+                &normed,
+                w,
+                targets,
+                entropy,
+            )?,
+            None => self.head.token_stats(&normed, w, targets, entropy),
+        };
         self.store.release(Stage::Head);
         Ok(stats)
     }

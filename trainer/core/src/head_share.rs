@@ -7,7 +7,7 @@
 //! [`HeadShare`] deals the group's target rows out evenly before the head and hands the results back after it: of the
 //! group's `N` rows, in rank order, rank `j` of `K` takes rows `⌊jN/K⌋ .. ⌊(j+1)N/K⌋`. Each rank's loss is still
 //! evaluated on its own rows (per-row inputs of a loss, such as RL advantages, stay where they are); only the head's
-//! projections and softmaxes move ([`shared_head_loss`]).
+//! projections and softmaxes move ([`shared_head_loss`]; [`HeadShare::token_stats`] without gradients, validation).
 //!
 //! Exchanges, on the group's communicator: an all-gather of every rank's rows (padded to the largest count) before,
 //! and a reduce-scatter (sum) of the results placed at their owners' positions, every other entry zero, after — so
@@ -91,6 +91,19 @@ impl HeadShare {
             .context("handing the head's results back")?;
         shape[0] = self.padded;
         Ok(mine.view(shape.as_slice()).narrow(0, 0, self.local))
+    }
+
+    /// [`ChunkedHead::token_stats`] of this rank's rows `x` (`[n, hidden]`), computed on its share of the group's.
+    pub fn token_stats(
+        &self,
+        head: &mut ChunkedHead,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+        entropy: bool,
+    ) -> Result<TokenStats> {
+        let stats = head.token_stats(&self.deal(x)?, w, &self.deal(targets)?, entropy);
+        self.give_back_stats(&stats)
     }
 
     /// `Some(c)` when every rank's loss has the uniform gradient `c` ([`TokenLoss::uniform_grad`]): the share then

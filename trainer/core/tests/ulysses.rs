@@ -2,7 +2,9 @@
 //! rank's slice of the output and of the q/k/v gradients equals the same slice of plain single-process attention
 //! over the whole sequence (forward and autograd backward) within 1e-5 — causal rows and packed sequences, GQA with
 //! more KV heads than ranks and with fewer (repeated), at group sizes 2, 3 and 4. The exchanges are each other's
-//! inverse, and heads that do not split over the group are refused naming both numbers.
+//! inverse, and heads that do not split over the group are refused naming both numbers. The head's rows dealt out
+//! over the group (`head_share`, uneven counts, ranks without rows, fewer rows than ranks) give each rank the loss,
+//! row gradients and statistics of its own rows, and the group's output-matrix gradient, within 1e-5.
 
 use ferl_collective::{GroupOptions, MemoryRendezvous, Rendezvous, TcpCommunicator};
 use ferl_trainer::model::layers::{self, Attention};
@@ -370,6 +372,18 @@ fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
                 let mut head = ChunkedHead::new(3 * 50);
                 let shared =
                     shared_head_loss(&share, &mut head, &x, &w, &t, loss.as_ref()).unwrap();
+                // Without gradients (validation): the same statistics as this rank's own head.
+                let own = head.token_stats(&x, &w, &t, true);
+                let got = share.token_stats(&mut head, &x, &w, &t, true).unwrap();
+                let diff =
+                    |a: &Tensor, b: &Tensor| (a - b).abs().sum(Kind::Double).double_value(&[]);
+                let stats_diff = diff(&got.log_prob, &own.log_prob)
+                    + diff(&got.entropy.unwrap(), &own.entropy.unwrap());
+                assert!(
+                    stats_diff < 1e-5,
+                    "rank {}: statistics differ by {stats_diff}",
+                    g.rank()
+                );
                 (value, gx, gw.unwrap(), shared, share.share_rows())
             });
             let ctx = format!("counts {counts:?}, per-row loss {per_row}");
