@@ -337,11 +337,49 @@ fn head_rows(counts: &[i64], rank: usize) -> (Tensor, Tensor, Tensor, Tensor) {
     (x, t, Tensor::rand([n], CPU), w)
 }
 
-#[test]
-fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
-    use ferl_trainer::head::ChunkedHead;
+/// One rank of the share test: the reference (its own rows through a head of its own: value, row gradients, output
+/// gradient), the shared head's, and the rows of its share; the statistics without gradients are checked here.
+type ShareRank = (f64, Tensor, Tensor, (f64, Tensor, Tensor), i64);
+
+fn share_rank(g: &SpGroup, counts: &[i64], per_row: bool) -> ShareRank {
+    use ferl_trainer::head::{ChunkedHead, TokenGrad};
     use ferl_trainer::head_share::{shared_head_loss, HeadShare};
     use ferl_trainer::loss::{CrossEntropy, TokenLoss};
+    let (x, t, weights, w) = head_rows(counts, g.rank() as usize);
+    let loss: Box<dyn TokenLoss> = match per_row {
+        true => Box::new(WeightedWithEntropy { weights }),
+        false => Box::new(CrossEntropy::token_mean(13)),
+    };
+    let mut head = ChunkedHead::new(3 * 50); // chunks of 3 rows
+    let grad = match loss.uniform_grad() {
+        Some(c) => TokenGrad::Uniform(c),
+        None => {
+            loss.evaluate(&head.token_stats(&x, &w, &t, true))
+                .unwrap()
+                .grad
+        }
+    };
+    let (stats, gx, gw) = head.backward(&x, &w, &t, &grad, true);
+    let value = loss.evaluate(&stats).unwrap().value;
+    let share = HeadShare::new(g, x.size()[0], Device::Cpu).unwrap();
+    let mut head = ChunkedHead::new(3 * 50);
+    let shared = shared_head_loss(&share, &mut head, &x, &w, &t, loss.as_ref()).unwrap();
+    // Without gradients (validation): the same statistics as this rank's own head.
+    let own = head.token_stats(&x, &w, &t, true);
+    let got = share.token_stats(&mut head, &x, &w, &t, true).unwrap();
+    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().sum(Kind::Double).double_value(&[]);
+    let stats_diff =
+        diff(&got.log_prob, &own.log_prob) + diff(&got.entropy.unwrap(), &own.entropy.unwrap());
+    assert!(
+        stats_diff < 1e-5,
+        "rank {}: statistics differ by {stats_diff}",
+        g.rank()
+    );
+    (value, gx, gw.unwrap(), shared, share.share_rows())
+}
+
+#[test]
+fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
     for counts in [
         vec![0i64, 7, 2],
         vec![5, 0],
@@ -350,42 +388,7 @@ fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
     ] {
         for per_row in [false, true] {
             let counts_here = counts.clone();
-            let ranks = with_group(counts.len(), move |g| {
-                let (x, t, weights, w) = head_rows(&counts_here, g.rank() as usize);
-                let loss: Box<dyn TokenLoss> = match per_row {
-                    true => Box::new(WeightedWithEntropy { weights }),
-                    false => Box::new(CrossEntropy::token_mean(13)),
-                };
-                // Reference: this rank's own rows through a head of its own (chunks of 3 rows in both).
-                let mut head = ChunkedHead::new(3 * 50);
-                let grad = match loss.uniform_grad() {
-                    Some(c) => ferl_trainer::head::TokenGrad::Uniform(c),
-                    None => {
-                        loss.evaluate(&head.token_stats(&x, &w, &t, true))
-                            .unwrap()
-                            .grad
-                    }
-                };
-                let (stats, gx, gw) = head.backward(&x, &w, &t, &grad, true);
-                let value = loss.evaluate(&stats).unwrap().value;
-                let share = HeadShare::new(&g, x.size()[0], Device::Cpu).unwrap();
-                let mut head = ChunkedHead::new(3 * 50);
-                let shared =
-                    shared_head_loss(&share, &mut head, &x, &w, &t, loss.as_ref()).unwrap();
-                // Without gradients (validation): the same statistics as this rank's own head.
-                let own = head.token_stats(&x, &w, &t, true);
-                let got = share.token_stats(&mut head, &x, &w, &t, true).unwrap();
-                let diff =
-                    |a: &Tensor, b: &Tensor| (a - b).abs().sum(Kind::Double).double_value(&[]);
-                let stats_diff = diff(&got.log_prob, &own.log_prob)
-                    + diff(&got.entropy.unwrap(), &own.entropy.unwrap());
-                assert!(
-                    stats_diff < 1e-5,
-                    "rank {}: statistics differ by {stats_diff}",
-                    g.rank()
-                );
-                (value, gx, gw.unwrap(), shared, share.share_rows())
-            });
+            let ranks = with_group(counts.len(), move |g| share_rank(&g, &counts_here, per_row));
             let ctx = format!("counts {counts:?}, per-row loss {per_row}");
             let total: i64 = counts.iter().sum();
             let shares: Vec<i64> = ranks.iter().map(|r| r.4).collect();
