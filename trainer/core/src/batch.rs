@@ -148,6 +148,10 @@ impl MicroBatch {
             .zip(&ids_in)
             .filter_map(|(&r, &id)| local(r).map(|l| (l, id)))
             .unzip();
+        let mut targets_per_rank = vec![0; k as usize];
+        for &r in &rows_in {
+            targets_per_rank[((r % width) / span) as usize] += 1;
+        }
         let device = self.input_ids.device();
         Ok(Self {
             input_ids: group.local_slice(&pad(&self.input_ids), 1)?,
@@ -159,6 +163,7 @@ impl MicroBatch {
             attention: Attention::SequenceParallel(Box::new(SequenceParallel {
                 group: group.clone(),
                 whole,
+                targets_per_rank,
             })),
             num_targets: target_rows.len() as i64,
             target_rows: Tensor::from_slice(&target_rows).to_device(device),

@@ -316,7 +316,11 @@ impl<P: ParamStore> Engine<P> {
     fn head_share(&self, mb: &MicroBatch, device: tch::Device) -> Result<Option<HeadShare>> {
         let kernel = self.kernels.head.is_some() && self.head.temperature() == 1.0;
         match mb.attention.sequence_parallel() {
-            Some(sp) if !kernel => Ok(Some(HeadShare::new(&sp.group, mb.num_targets, device)?)),
+            Some(sp) if !kernel => Ok(Some(HeadShare::new(
+                &sp.group,
+                &sp.targets_per_rank,
+                device,
+            )?)),
             _ => Ok(None),
         }
     }
@@ -374,16 +378,12 @@ impl<P: ParamStore> Engine<P> {
         let normed =
             graph::norm_forward(&self.kernels, &rows, &p.tensors[0], self.cfg.rms_norm_eps)?;
         let (w, targets) = (&p.tensors[1], &mb.target_ids);
-        let stats = match mb.attention.sequence_parallel() {
-            Some(sp) => HeadShare::new(&sp.group, mb.num_targets, h.device())?.token_stats(
-                &mut self.head,
-                &normed,
-                w,
-                targets,
-                entropy,
-            )?,
-            None => self.head.token_stats(&normed, w, targets, entropy),
-        };
+        let stats =
+            match mb.attention.sequence_parallel() {
+                Some(sp) => HeadShare::new(&sp.group, &sp.targets_per_rank, h.device())?
+                    .token_stats(&mut self.head, &normed, w, targets, entropy)?,
+                None => self.head.token_stats(&normed, w, targets, entropy),
+            };
         self.store.release(Stage::Head);
         Ok(stats)
     }

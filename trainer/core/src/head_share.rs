@@ -11,12 +11,13 @@
 //!
 //! Exchanges, on the group's communicator: an all-gather of every rank's rows (padded to the largest count) before,
 //! and a reduce-scatter (sum) of the results placed at their owners' positions, every other entry zero, after — so
-//! the sum is exact. Rows are `[n, hidden]`, small beside the head's `[vocab, hidden]`.
+//! the sum is exact. Rows are `[n, hidden]`, small beside the head's `[vocab, hidden]`. The counts need no exchange:
+//! every rank of the group holds the whole micro-batch before taking its slice.
 
 use crate::head::{ChunkedHead, TokenGrad, TokenStats};
 use crate::loss::TokenLoss;
 use crate::model::ulysses::SpGroup;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use ferl_collective::ReduceOp;
 use tch::{Device, Kind, Tensor};
 
@@ -34,13 +35,18 @@ pub struct HeadShare {
 }
 
 impl HeadShare {
-    /// Learns every rank's row count (`local` here; every rank of `group` calls it) and this rank's share.
-    pub fn new(group: &SpGroup, local: i64, device: Device) -> Result<Self> {
-        let counts = group
-            .comm()
-            .all_gather_flat(&Tensor::from_slice(&[local]).to_device(device))
-            .context("dealing the head's rows: exchanging the counts")?;
-        let counts = Vec::<i64>::try_from(&counts.to_device(Device::Cpu))?;
+    /// The share of this rank of `group`, whose ranks hold `counts` rows each (in rank order; every rank of a
+    /// sequence-parallel group knows them from the whole micro-batch, `SequenceParallel::targets_per_rank`).
+    pub fn new(group: &SpGroup, counts: &[i64], device: Device) -> Result<Self> {
+        if counts.len() as i64 != group.size() {
+            bail!(
+                "{} row counts for a sequence-parallel group of {}",
+                counts.len(),
+                group.size()
+            );
+        }
+        let counts = counts.to_vec();
+        let local = counts[group.rank() as usize];
         let padded = counts.iter().copied().max().unwrap_or(0).max(1);
         let share =
             Tensor::from_slice(&share_positions(&counts, group.rank(), padded)).to_device(device);

@@ -252,7 +252,12 @@ fn engine_step(
         .collect();
     let mut mb = MicroBatch::new(&refs, layout, Device::Cpu).unwrap();
     if let Some(group) = sp {
+        let whole_targets = mb.num_targets;
         mb = mb.sequence_parallel(group).unwrap();
+        // Every rank knows every rank's target count (the head deals the rows out by them).
+        let counts = &mb.attention.sequence_parallel().unwrap().targets_per_rank;
+        assert_eq!(counts.iter().sum::<i64>(), whole_targets, "{counts:?}");
+        assert_eq!(counts[group.rank() as usize], mb.num_targets, "{counts:?}");
     }
     let mut e = engine();
     e.options_mut().gradient_checkpointing = checkpointing;
@@ -361,7 +366,7 @@ fn share_rank(g: &SpGroup, counts: &[i64], per_row: bool) -> ShareRank {
     };
     let (stats, gx, gw) = head.backward(&x, &w, &t, &grad, true);
     let value = loss.evaluate(&stats).unwrap().value;
-    let share = HeadShare::new(g, x.size()[0], Device::Cpu).unwrap();
+    let share = HeadShare::new(g, counts, Device::Cpu).unwrap();
     let mut head = ChunkedHead::new(3 * 50);
     let shared = shared_head_loss(&share, &mut head, &x, &w, &t, loss.as_ref()).unwrap();
     // Without gradients (validation): the same statistics as this rank's own head.

@@ -29,6 +29,8 @@ pub struct SequenceParallel {
     pub group: SpGroup,
     /// How the group's whole sequence attends (causal rows, or packed sequences over all its tokens).
     pub whole: Attention,
+    /// Each rank's count of target rows, in rank order (the head deals them out evenly: `crate::head_share`).
+    pub targets_per_rank: Vec<i64>,
 }
 
 impl Attention {
