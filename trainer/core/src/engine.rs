@@ -289,10 +289,13 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let norm = NormGraph::build(&self.kernels, &rows, norm_w, self.cfg.rms_norm_eps)?;
         let normed_d = norm.output();
+        // The head kernel knows no temperature: it serves `T = 1` only.
+        let untempered = self.head.temperature() == 1.0;
         let (value, grad_normed, grad_w) = match &share {
             Some(share) => shared_head_loss(
                 share,
                 &mut self.head,
+                self.kernels.head.as_deref().filter(|_| untempered),
                 &normed_d,
                 out_w,
                 &mb.target_ids,
@@ -311,12 +314,10 @@ impl<P: ParamStore> Engine<P> {
         Ok((value, grad_h))
     }
 
-    /// How the head's rows are dealt out over `mb`'s sequence-parallel group, when it has one (`head_share`): not
-    /// with a head kernel, which works on the rows it is given.
+    /// How the head's rows are dealt out over `mb`'s sequence-parallel group, when it has one (`head_share`).
     fn head_share(&self, mb: &MicroBatch, device: tch::Device) -> Result<Option<HeadShare>> {
-        let kernel = self.kernels.head.is_some() && self.head.temperature() == 1.0;
         match mb.attention.sequence_parallel() {
-            Some(sp) if !kernel => Ok(Some(HeadShare::new(
+            Some(sp) => Ok(Some(HeadShare::new(
                 &sp.group,
                 &sp.targets_per_rank,
                 device,

@@ -15,6 +15,7 @@
 //! every rank of the group holds the whole micro-batch before taking its slice.
 
 use crate::head::{ChunkedHead, TokenGrad, TokenStats};
+use crate::kernels::HeadLoss;
 use crate::loss::TokenLoss;
 use crate::model::ulysses::SpGroup;
 use anyhow::{bail, Context, Result};
@@ -178,11 +179,13 @@ fn share_positions(counts: &[i64], me: i64, padded: i64) -> Vec<i64> {
 /// head's work done on this rank's share of the group's rows: returns the loss's value on this rank's rows, the
 /// gradient of `normed`, and the gradient of `w` from the share (undefined when `w` is frozen; summed over the group,
 /// as the parameter store's reduction sums it, it is the group's). A loss with a uniform gradient on every rank takes
-/// one pass over the share; any other two: the statistics, handed back for each rank's loss, then its per-row
-/// gradients dealt out for the backward. A rank with no rows of its own evaluates no loss (value 0).
+/// one pass over the share, through the head `kernel` when there is one ([`HeadLoss`]: then the value is the
+/// share's); any other two: the statistics, handed back for each rank's loss, then its per-row gradients dealt out
+/// for the backward. A rank with no rows of its own evaluates no loss (value 0).
 pub fn shared_head_loss(
     share: &HeadShare,
     head: &mut ChunkedHead,
+    kernel: Option<&dyn HeadLoss>,
     normed: &Tensor,
     w: &Tensor,
     targets: &Tensor,
@@ -191,6 +194,10 @@ pub fn shared_head_loss(
     let x = share.deal(&normed.detach())?;
     let t = share.deal(targets)?;
     let uniform = share.common_uniform_grad(loss)?;
+    if let (Some(c), Some(kernel)) = (uniform, kernel) {
+        let (value, gx, gw) = kernel_loss(kernel, &x, w, &t, c)?;
+        return Ok((value, share.give_back(&gx)?, gw));
+    }
     let (value, grad) = match uniform {
         Some(c) => (None, TokenGrad::Uniform(c)),
         None => {
@@ -205,6 +212,30 @@ pub fn shared_head_loss(
         None => own_loss(share, loss, &share.give_back_stats(&stats)?)?.0,
     };
     Ok((value, share.give_back(&gx)?, gw.unwrap_or_default()))
+}
+
+/// A head kernel's loss of the share `x` with the uniform gradient `c`: `(value, d/dx, d/dw)`, `d/dw` undefined when
+/// `w` is frozen. A kernel gives no per-row statistics, so the value is the share's summed cross-entropy, not this
+/// rank's own rows' (summed over the group, as every launch path sums the ranks' values, it is the group's). An empty
+/// share skips the kernel.
+fn kernel_loss(
+    kernel: &dyn HeadLoss,
+    x: &Tensor,
+    w: &Tensor,
+    t: &Tensor,
+    c: f64,
+) -> Result<(f64, Tensor, Tensor)> {
+    let want_grad_w = w.requires_grad();
+    if x.size()[0] == 0 {
+        let gw = match want_grad_w {
+            true => Tensor::zeros(w.size(), (Kind::Float, w.device())),
+            false => Tensor::new(),
+        };
+        return Ok((0.0, x.zeros_like(), gw));
+    }
+    let (ce, gx, gw) = kernel.sum_loss_and_grads(x, w, t)?;
+    let gw = if want_grad_w { gw * -c } else { Tensor::new() };
+    Ok((ce.double_value(&[]), gx * -c, gw))
 }
 
 /// The loss of this rank's own rows' statistics, or (no rows) 0 and an empty gradient.

@@ -342,18 +342,44 @@ fn head_rows(counts: &[i64], rank: usize) -> (Tensor, Tensor, Tensor, Tensor) {
     (x, t, Tensor::rand([n], CPU), w)
 }
 
+/// The losses of the share test.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum ShareLoss {
+    CrossEntropy,
+    /// Cross-entropy through a head kernel ([`ChunkedKernel`]).
+    KernelCrossEntropy,
+    /// [`WeightedWithEntropy`].
+    PerRow,
+}
+
+/// A head kernel made of the built-in chunked head (the share's kernel path).
+struct ChunkedKernel;
+
+impl ferl_trainer::kernels::HeadLoss for ChunkedKernel {
+    fn sum_loss_and_grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        targets: &Tensor,
+    ) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+        let mut head = ferl_trainer::head::ChunkedHead::new(3 * 50);
+        let (ce, gx, gw) = head.loss_and_grads(x, w, targets, 1.0, true);
+        Ok((ce, gx, gw.unwrap()))
+    }
+}
+
 /// One rank of the share test: the reference (its own rows through a head of its own: value, row gradients, output
 /// gradient), the shared head's, and the rows of its share; the statistics without gradients are checked here.
 type ShareRank = (f64, Tensor, Tensor, (f64, Tensor, Tensor), i64);
 
-fn share_rank(g: &SpGroup, counts: &[i64], per_row: bool) -> ShareRank {
+fn share_rank(g: &SpGroup, counts: &[i64], which: ShareLoss) -> ShareRank {
     use ferl_trainer::head::{ChunkedHead, TokenGrad};
     use ferl_trainer::head_share::{shared_head_loss, HeadShare};
     use ferl_trainer::loss::{CrossEntropy, TokenLoss};
     let (x, t, weights, w) = head_rows(counts, g.rank() as usize);
-    let loss: Box<dyn TokenLoss> = match per_row {
-        true => Box::new(WeightedWithEntropy { weights }),
-        false => Box::new(CrossEntropy::token_mean(13)),
+    let loss: Box<dyn TokenLoss> = match which {
+        ShareLoss::PerRow => Box::new(WeightedWithEntropy { weights }),
+        _ => Box::new(CrossEntropy::token_mean(13)),
     };
     let mut head = ChunkedHead::new(3 * 50); // chunks of 3 rows
     let grad = match loss.uniform_grad() {
@@ -368,7 +394,9 @@ fn share_rank(g: &SpGroup, counts: &[i64], per_row: bool) -> ShareRank {
     let value = loss.evaluate(&stats).unwrap().value;
     let share = HeadShare::new(g, counts, Device::Cpu).unwrap();
     let mut head = ChunkedHead::new(3 * 50);
-    let shared = shared_head_loss(&share, &mut head, &x, &w, &t, loss.as_ref()).unwrap();
+    let kernel = (which == ShareLoss::KernelCrossEntropy)
+        .then_some(&ChunkedKernel as &dyn ferl_trainer::kernels::HeadLoss);
+    let shared = shared_head_loss(&share, &mut head, kernel, &x, &w, &t, loss.as_ref()).unwrap();
     // Without gradients (validation): the same statistics as this rank's own head.
     let own = head.token_stats(&x, &w, &t, true);
     let got = share.token_stats(&mut head, &x, &w, &t, true).unwrap();
@@ -383,6 +411,42 @@ fn share_rank(g: &SpGroup, counts: &[i64], per_row: bool) -> ShareRank {
     (value, gx, gw.unwrap(), shared, share.share_rows())
 }
 
+/// Each rank's row gradients against its reference, values per rank (or, through a kernel, which gives the share's
+/// value, summed over the group), and the group's output-matrix gradient.
+fn check_share_ranks(ctx: &str, counts: &[i64], ranks: &[ShareRank], per_rank_values: bool) {
+    let (mut gw_ref, mut gw_shared) = (ranks[0].2.zeros_like(), ranks[0].2.zeros_like());
+    let (mut own_sum, mut shared_sum) = (0.0, 0.0);
+    for (r, (value, gx, gw, (v, sgx, sgw), _)) in ranks.iter().enumerate() {
+        let own = if counts[r] > 0 { *value } else { 0.0 };
+        own_sum += own;
+        shared_sum += v;
+        assert!(
+            !per_rank_values || (v - own).abs() <= 1e-5 * own.abs().max(1.0),
+            "{ctx}, rank {r}: value {v} vs {own}"
+        );
+        assert_eq!(sgx.size(), gx.size(), "{ctx}, rank {r}");
+        if counts[r] > 0 {
+            let diff = (sgx - gx).abs().max().double_value(&[]);
+            assert!(
+                diff < 1e-5,
+                "{ctx}, rank {r}: row gradients differ by {diff}"
+            );
+        }
+        gw_ref += gw;
+        gw_shared += sgw;
+    }
+    let rel = (shared_sum - own_sum).abs() / own_sum.abs().max(1.0);
+    assert!(
+        rel < 1e-5,
+        "{ctx}: the group's value {shared_sum} vs {own_sum}"
+    );
+    let diff = (&gw_shared - &gw_ref).abs().max().double_value(&[]);
+    assert!(
+        diff < 1e-5,
+        "{ctx}: the group's output gradients differ by {diff}"
+    );
+}
+
 #[test]
 fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
     for counts in [
@@ -391,10 +455,14 @@ fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
         vec![3, 3, 3, 1],
         vec![0, 1, 0],
     ] {
-        for per_row in [false, true] {
+        for which in [
+            ShareLoss::CrossEntropy,
+            ShareLoss::KernelCrossEntropy,
+            ShareLoss::PerRow,
+        ] {
             let counts_here = counts.clone();
-            let ranks = with_group(counts.len(), move |g| share_rank(&g, &counts_here, per_row));
-            let ctx = format!("counts {counts:?}, per-row loss {per_row}");
+            let ranks = with_group(counts.len(), move |g| share_rank(&g, &counts_here, which));
+            let ctx = format!("counts {counts:?}, {which:?}");
             let total: i64 = counts.iter().sum();
             let shares: Vec<i64> = ranks.iter().map(|r| r.4).collect();
             assert_eq!(
@@ -408,28 +476,11 @@ fn a_shared_head_gives_each_rank_the_loss_and_gradients_of_its_own_rows() {
                     .all(|&s| (s - total / counts.len() as i64).abs() <= 1),
                 "{ctx}: {shares:?}"
             );
-            let (mut gw_ref, mut gw_shared) = (ranks[0].2.zeros_like(), ranks[0].2.zeros_like());
-            for (r, (value, gx, gw, (v, sgx, sgw), _)) in ranks.iter().enumerate() {
-                let own = if counts[r] > 0 { *value } else { 0.0 };
-                assert!(
-                    (v - own).abs() <= 1e-5 * own.abs().max(1.0),
-                    "{ctx}, rank {r}: value {v} vs {own}"
-                );
-                assert_eq!(sgx.size(), gx.size(), "{ctx}, rank {r}");
-                if counts[r] > 0 {
-                    let diff = (sgx - gx).abs().max().double_value(&[]);
-                    assert!(
-                        diff < 1e-5,
-                        "{ctx}, rank {r}: row gradients differ by {diff}"
-                    );
-                }
-                gw_ref += gw;
-                gw_shared += sgw;
-            }
-            let diff = (&gw_shared - &gw_ref).abs().max().double_value(&[]);
-            assert!(
-                diff < 1e-5,
-                "{ctx}: the group's output gradients differ by {diff}"
+            check_share_ranks(
+                &ctx,
+                &counts,
+                &ranks,
+                which != ShareLoss::KernelCrossEntropy,
             );
         }
     }
