@@ -9,7 +9,8 @@
 //!    the vocabulary in chunks of rows; the loss is a function of each target's log-probability (and entropy), a
 //!    [`TokenLoss`] (design note 13: SFT's cross-entropy divided by the target count of the *global* batch, or an RL
 //!    actor loss), and its gradient is back-propagated chunk by chunk, so neither `[tokens, vocab]` logits nor their
-//!    gradient ever exist whole.
+//!    gradient ever exist whole. Under sequence parallelism the group's target rows are dealt out evenly over its
+//!    ranks for this ([`crate::head_share`]).
 //! 3. **Backward**, stage by stage in reverse: `gather` again and recompute the layer from its saved input with grad
 //!    enabled (checkpointing), or `regather` and reuse the kept graph (without checkpointing: a FULL_SHARD store freed
 //!    the graph's parameter bytes at `release` after forward and fills them again here), take the vector-Jacobian
@@ -32,8 +33,8 @@
 //! 2. Gradients of a tied output matrix from the head are accumulated into the embedding's gradient.
 
 use crate::batch::MicroBatch;
-use crate::head::{ChunkedHead, TokenGrad, TokenStats};
-use crate::head_share::{shared_head_loss, HeadShare};
+use crate::head::{ChunkedHead, TokenStats};
+use crate::head_share::{self, HeadShare};
 use crate::kernels::KernelRegistry;
 use crate::loss::{CrossEntropy, TokenLoss};
 use crate::model::config::ModelConfig;
@@ -271,10 +272,10 @@ impl<P: ParamStore> Engine<P> {
         loss: &dyn TokenLoss,
     ) -> Result<(f64, Tensor)> {
         let hidden = self.cfg.hidden_size;
-        let share = self.head_share(mb, h.device())?;
+        let share = Self::head_share(mb, h.device())?;
         let p = self.store.gather(Stage::Head)?;
         let (norm_w, out_w) = (&p.tensors[0], &p.tensors[1]);
-        if share.as_ref().map_or(mb.num_targets, HeadShare::total) == 0 {
+        if share.total() == 0 {
             // No targets (e.g. the prompt filled `max_length`; in the whole sequence-parallel group when it shares
             // them): the gradient is zero, but it is still accumulated so that a sharded store runs the same
             // collectives on every rank.
@@ -291,18 +292,15 @@ impl<P: ParamStore> Engine<P> {
         let normed_d = norm.output();
         // The head kernel knows no temperature: it serves `T = 1` only.
         let untempered = self.head.temperature() == 1.0;
-        let (value, grad_normed, grad_w) = match &share {
-            Some(share) => shared_head_loss(
-                share,
-                &mut self.head,
-                self.kernels.head.as_deref().filter(|_| untempered),
-                &normed_d,
-                out_w,
-                &mb.target_ids,
-                loss,
-            )?,
-            None => self.head_loss(&normed_d, out_w, mb, loss)?,
-        };
+        let (value, grad_normed, grad_w) = head_share::head_loss(
+            &share,
+            &mut self.head,
+            self.kernels.head.as_deref().filter(|_| untempered),
+            &normed_d,
+            out_w,
+            &mb.target_ids,
+            loss,
+        )?;
         let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
         // The gradient of the row selection: the target rows' gradients, zeros elsewhere.
         let grad_h = Tensor::zeros([h.size()[0] * h.size()[1], hidden], (h.kind(), h.device()))
@@ -314,57 +312,13 @@ impl<P: ParamStore> Engine<P> {
         Ok((value, grad_h))
     }
 
-    /// How the head's rows are dealt out over `mb`'s sequence-parallel group, when it has one (`head_share`).
-    fn head_share(&self, mb: &MicroBatch, device: tch::Device) -> Result<Option<HeadShare>> {
+    /// Where `mb`'s target rows go for the head: dealt out over its sequence-parallel group when it has one
+    /// (`head_share`), else this rank's own head.
+    fn head_share(mb: &MicroBatch, device: tch::Device) -> Result<HeadShare> {
         match mb.attention.sequence_parallel() {
-            Some(sp) => Ok(Some(HeadShare::new(
-                &sp.group,
-                &sp.targets_per_rank,
-                device,
-            )?)),
-            _ => Ok(None),
+            Some(sp) => HeadShare::new(&sp.group, &sp.targets_per_rank, device),
+            None => Ok(HeadShare::own(mb.num_targets)),
         }
-    }
-
-    /// The loss of the normalised target rows and its gradients with respect to them and to the output matrix
-    /// (undefined when it is frozen, LoRA's base). Cross-entropy takes one pass (or the `head` kernel); any other
-    /// loss two: the rows' statistics, then the gradients from the loss's per-token gradients.
-    fn head_loss(
-        &mut self,
-        normed: &Tensor,
-        out_w: &Tensor,
-        mb: &MicroBatch,
-        loss: &dyn TokenLoss,
-    ) -> Result<(f64, Tensor, Tensor)> {
-        let want_grad_w = out_w.requires_grad();
-        let targets = &mb.target_ids;
-        if let Some(c) = loss.uniform_grad() {
-            // The head kernel knows no temperature: it serves `T = 1` only.
-            let kernel = self
-                .kernels
-                .head
-                .as_ref()
-                .filter(|_| self.head.temperature() == 1.0);
-            if let Some(kernel) = kernel {
-                let (ce, gx, gw) = kernel.sum_loss_and_grads(normed, out_w, targets)?;
-                let gw = if want_grad_w { gw * -c } else { Tensor::new() };
-                return Ok((ce.double_value(&[]), gx * -c, gw));
-            }
-            let grad = TokenGrad::Uniform(c);
-            let (stats, gx, gw) = self
-                .head
-                .backward(normed, out_w, targets, &grad, want_grad_w);
-            let value = loss.evaluate(&stats)?.value;
-            return Ok((value, gx, gw.unwrap_or_default()));
-        }
-        let stats = self
-            .head
-            .token_stats(normed, out_w, targets, loss.needs_entropy());
-        let evaluated = loss.evaluate(&stats)?;
-        let (_, gx, gw) = self
-            .head
-            .backward(normed, out_w, targets, &evaluated.grad, want_grad_w);
-        Ok((evaluated.value, gx, gw.unwrap_or_default()))
     }
 
     /// Per-token statistics of `mb`'s target rows without gradients: the log-probability of each target and, with
@@ -378,13 +332,13 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let normed =
             graph::norm_forward(&self.kernels, &rows, &p.tensors[0], self.cfg.rms_norm_eps)?;
-        let (w, targets) = (&p.tensors[1], &mb.target_ids);
-        let stats =
-            match mb.attention.sequence_parallel() {
-                Some(sp) => HeadShare::new(&sp.group, &sp.targets_per_rank, h.device())?
-                    .token_stats(&mut self.head, &normed, w, targets, entropy)?,
-                None => self.head.token_stats(&normed, w, targets, entropy),
-            };
+        let stats = Self::head_share(mb, h.device())?.token_stats(
+            &mut self.head,
+            &normed,
+            &p.tensors[1],
+            &mb.target_ids,
+            entropy,
+        )?;
         self.store.release(Stage::Head);
         Ok(stats)
     }

@@ -1,4 +1,7 @@
-//! The head's target rows dealt out evenly over a sequence-parallel group.
+//! Where the head's target rows are computed: on the rank that holds them, or dealt out evenly over a
+//! sequence-parallel group. Every head of the engine (training's loss and gradients, [`head_loss`]; the statistics
+//! of validation and scoring, [`HeadShare::token_stats`]) goes through a [`HeadShare`]; without a group
+//! ([`HeadShare::own`]) each exchange is the identity.
 //!
 //! Under Ulysses sequence parallelism each rank of a group holds a contiguous slice of every sequence, and SFT's
 //! targets (the response) come at the end of each sequence, so the last ranks of a group hold most of them: in
@@ -7,7 +10,7 @@
 //! [`HeadShare`] deals the group's target rows out evenly before the head and hands the results back after it: of the
 //! group's `N` rows, in rank order, rank `j` of `K` takes rows `⌊jN/K⌋ .. ⌊(j+1)N/K⌋`. Each rank's loss is still
 //! evaluated on its own rows (per-row inputs of a loss, such as RL advantages, stay where they are); only the head's
-//! projections and softmaxes move ([`shared_head_loss`]; [`HeadShare::token_stats`] without gradients, validation).
+//! projections and softmaxes move.
 //!
 //! Exchanges, on the group's communicator: an all-gather of every rank's rows (padded to the largest count) before,
 //! and a reduce-scatter (sum) of the results placed at their owners' positions, every other entry zero, after — so
@@ -22,11 +25,18 @@ use anyhow::{bail, Context, Result};
 use ferl_collective::ReduceOp;
 use tch::{Device, Kind, Tensor};
 
-/// Where a sequence-parallel group's target rows go for the head (see the module docs).
+/// Where a rank's target rows go for the head: its own head, or (under sequence parallelism) its share of the
+/// group's (see the module docs).
 pub struct HeadShare {
-    group: SpGroup,
     /// This rank's own rows.
     local: i64,
+    /// The group's exchanges; none when the rows stay here.
+    spread: Option<Spread>,
+}
+
+/// A sequence-parallel group's rows dealt out over its ranks.
+struct Spread {
+    group: SpGroup,
     /// Every rank's row count, in rank order.
     counts: Vec<i64>,
     /// The largest count (at least 1): the exchanges' rows per rank.
@@ -36,6 +46,14 @@ pub struct HeadShare {
 }
 
 impl HeadShare {
+    /// A rank's `rows` target rows through its own head (no sequence-parallel group): every exchange is the identity.
+    pub fn own(rows: i64) -> Self {
+        Self {
+            local: rows,
+            spread: None,
+        }
+    }
+
     /// The share of this rank of `group`, whose ranks hold `counts` rows each (in rank order; every rank of a
     /// sequence-parallel group knows them from the whole micro-batch, `SequenceParallel::targets_per_rank`).
     pub fn new(group: &SpGroup, counts: &[i64], device: Device) -> Result<Self> {
@@ -46,58 +64,81 @@ impl HeadShare {
                 group.size()
             );
         }
-        let counts = counts.to_vec();
-        let local = counts[group.rank() as usize];
         let padded = counts.iter().copied().max().unwrap_or(0).max(1);
         let share =
-            Tensor::from_slice(&share_positions(&counts, group.rank(), padded)).to_device(device);
+            Tensor::from_slice(&share_positions(counts, group.rank(), padded)).to_device(device);
         Ok(Self {
-            group: group.clone(),
-            local,
-            counts,
-            padded,
-            share,
+            local: counts[group.rank() as usize],
+            spread: Some(Spread {
+                group: group.clone(),
+                counts: counts.to_vec(),
+                padded,
+                share,
+            }),
         })
     }
 
-    /// The group's rows.
+    /// The rows of every rank that deals with this one (this rank's own without a group).
     pub fn total(&self) -> i64 {
-        self.counts.iter().sum()
+        self.spread
+            .as_ref()
+            .map_or(self.local, |s| s.counts.iter().sum())
     }
 
     /// The rows of this rank's share.
     pub fn share_rows(&self) -> i64 {
-        self.share.size()[0]
+        self.spread
+            .as_ref()
+            .map_or(self.local, |s| s.share.size()[0])
     }
 
     /// This rank's share of the group's `local` rows (`[n, ...]`, `n` this rank's own count): `[share, ...]`.
     pub fn deal(&self, local: &Tensor) -> Result<Tensor> {
+        let Some(s) = &self.spread else {
+            return Ok(local.shallow_clone());
+        };
         let mut shape = local.size();
-        shape[0] = self.padded;
+        shape[0] = s.padded;
         let padded = Tensor::zeros(shape.as_slice(), (local.kind(), local.device()));
         padded.narrow(0, 0, self.local).copy_(local);
-        let all = self
+        let all = s
             .group
             .comm()
             .all_gather_flat(&padded)
             .context("dealing the head's rows")?;
-        shape[0] = self.padded * self.counts.len() as i64;
-        Ok(all.view(shape.as_slice()).index_select(0, &self.share))
+        shape[0] = s.padded * s.counts.len() as i64;
+        Ok(all.view(shape.as_slice()).index_select(0, &s.share))
     }
 
     /// The inverse of [`Self::deal`]: this rank's own rows of the results `share` (`[share, ...]`): `[n, ...]`.
     pub fn give_back(&self, share: &Tensor) -> Result<Tensor> {
+        let Some(s) = &self.spread else {
+            return Ok(share.shallow_clone());
+        };
         let mut shape = share.size();
-        shape[0] = self.padded * self.counts.len() as i64;
+        shape[0] = s.padded * s.counts.len() as i64;
         let mut placed = Tensor::zeros(shape.as_slice(), (share.kind(), share.device()));
-        let _ = placed.index_copy_(0, &self.share, share);
-        let mine = self
+        let _ = placed.index_copy_(0, &s.share, share);
+        let mine = s
             .group
             .comm()
             .reduce_scatter_flat(&placed.view([-1]), ReduceOp::Sum)
             .context("handing the head's results back")?;
-        shape[0] = self.padded;
+        shape[0] = s.padded;
         Ok(mine.view(shape.as_slice()).narrow(0, 0, self.local))
+    }
+
+    /// `r` over the group's ranks (without a group, `[r]`), in rank order.
+    fn gather_each(&self, r: f64, device: Device, what: &str) -> Result<Vec<f64>> {
+        let Some(s) = &self.spread else {
+            return Ok(vec![r]);
+        };
+        let all = s
+            .group
+            .comm()
+            .all_gather_flat(&Tensor::from_slice(&[r]).to_device(device))
+            .with_context(|| format!("dealing the head's rows: {what}"))?;
+        Ok(Vec::<f64>::try_from(&all.to_device(Device::Cpu))?)
     }
 
     /// [`ChunkedHead::token_stats`] of this rank's rows `x` (`[n, hidden]`), computed on its share of the group's.
@@ -115,14 +156,13 @@ impl HeadShare {
 
     /// `Some(c)` when every rank's loss has the uniform gradient `c` ([`TokenLoss::uniform_grad`]): the share then
     /// takes one pass.
-    fn common_uniform_grad(&self, loss: &dyn TokenLoss) -> Result<Option<f64>> {
-        let mine = loss.uniform_grad().unwrap_or(f64::NAN);
-        let all = self
-            .group
-            .comm()
-            .all_gather_flat(&Tensor::from_slice(&[mine]).to_device(self.share.device()))
-            .context("dealing the head's rows: comparing the losses")?;
-        let all = Vec::<f64>::try_from(&all.to_device(Device::Cpu))?;
+    fn common_uniform_grad(&self, loss: &dyn TokenLoss, device: Device) -> Result<Option<f64>> {
+        let Some(mine) = loss.uniform_grad() else {
+            // Still take part in the exchange the other ranks make.
+            self.gather_each(f64::NAN, device, "comparing the losses")?;
+            return Ok(None);
+        };
+        let all = self.gather_each(mine, device, "comparing the losses")?;
         Ok(all.iter().all(|&c| c == mine).then_some(mine))
     }
 
@@ -137,6 +177,9 @@ impl HeadShare {
     /// exchanges: a uniform gradient goes as per-row values, and when any rank's has an entropy term, a rank without
     /// one sends zeros for it.
     fn deal_grad(&self, g: TokenGrad, device: Device) -> Result<TokenGrad> {
+        if self.spread.is_none() {
+            return Ok(g);
+        }
         let (log_prob, entropy) = match g {
             TokenGrad::Uniform(c) => (Tensor::full([self.local], c, (Kind::Float, device)), None),
             TokenGrad::PerRow { log_prob, entropy } => (log_prob, entropy),
@@ -146,12 +189,9 @@ impl HeadShare {
             (_, Some(_)) => 1.0,
             (_, None) => 0.0,
         };
-        let votes = self
-            .group
-            .comm()
-            .all_gather_flat(&Tensor::from_slice(&[vote]).to_device(device))
-            .context("dealing the head's rows: comparing the loss gradients")?;
-        let any_entropy = Vec::<f64>::try_from(&votes.to_device(Device::Cpu))?.contains(&1.0);
+        let any_entropy = self
+            .gather_each(vote, device, "comparing the loss gradients")?
+            .contains(&1.0);
         let entropy = any_entropy
             .then(|| entropy.unwrap_or_else(|| Tensor::zeros([self.local], (Kind::Float, device))));
         Ok(TokenGrad::PerRow {
@@ -176,13 +216,13 @@ fn share_positions(counts: &[i64], me: i64, padded: i64) -> Vec<i64> {
 }
 
 /// [`TokenLoss`] of this rank's normalised target rows `normed` (`[n, hidden]`) against the output matrix `w`, the
-/// head's work done on this rank's share of the group's rows: returns the loss's value on this rank's rows, the
+/// head's work done on this rank's share of the rows: returns the loss's value on this rank's rows, the
 /// gradient of `normed`, and the gradient of `w` from the share (undefined when `w` is frozen; summed over the group,
 /// as the parameter store's reduction sums it, it is the group's). A loss with a uniform gradient on every rank takes
 /// one pass over the share, through the head `kernel` when there is one ([`HeadLoss`]: then the value is the
 /// share's); any other two: the statistics, handed back for each rank's loss, then its per-row gradients dealt out
 /// for the backward. A rank with no rows of its own evaluates no loss (value 0).
-pub fn shared_head_loss(
+pub fn head_loss(
     share: &HeadShare,
     head: &mut ChunkedHead,
     kernel: Option<&dyn HeadLoss>,
@@ -193,7 +233,7 @@ pub fn shared_head_loss(
 ) -> Result<(f64, Tensor, Tensor)> {
     let x = share.deal(&normed.detach())?;
     let t = share.deal(targets)?;
-    let uniform = share.common_uniform_grad(loss)?;
+    let uniform = share.common_uniform_grad(loss, normed.device())?;
     if let (Some(c), Some(kernel)) = (uniform, kernel) {
         let (value, gx, gw) = kernel_loss(kernel, &x, w, &t, c)?;
         return Ok((value, share.give_back(&gx)?, gw));

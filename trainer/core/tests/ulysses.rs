@@ -374,7 +374,7 @@ type ShareRank = (f64, Tensor, Tensor, (f64, Tensor, Tensor), i64);
 
 fn share_rank(g: &SpGroup, counts: &[i64], which: ShareLoss) -> ShareRank {
     use ferl_trainer::head::{ChunkedHead, TokenGrad};
-    use ferl_trainer::head_share::{shared_head_loss, HeadShare};
+    use ferl_trainer::head_share::{head_loss, HeadShare};
     use ferl_trainer::loss::{CrossEntropy, TokenLoss};
     let (x, t, weights, w) = head_rows(counts, g.rank() as usize);
     let loss: Box<dyn TokenLoss> = match which {
@@ -396,7 +396,7 @@ fn share_rank(g: &SpGroup, counts: &[i64], which: ShareLoss) -> ShareRank {
     let mut head = ChunkedHead::new(3 * 50);
     let kernel = (which == ShareLoss::KernelCrossEntropy)
         .then_some(&ChunkedKernel as &dyn ferl_trainer::kernels::HeadLoss);
-    let shared = shared_head_loss(&share, &mut head, kernel, &x, &w, &t, loss.as_ref()).unwrap();
+    let shared = head_loss(&share, &mut head, kernel, &x, &w, &t, loss.as_ref()).unwrap();
     // Without gradients (validation): the same statistics as this rank's own head.
     let own = head.token_stats(&x, &w, &t, true);
     let got = share.token_stats(&mut head, &x, &w, &t, true).unwrap();
