@@ -9,13 +9,18 @@
 //!    the vocabulary in chunks of rows; the loss is a function of each target's log-probability (and entropy), a
 //!    [`TokenLoss`] (design note 13: SFT's cross-entropy divided by the target count of the *global* batch, or an RL
 //!    actor loss), and its gradient is back-propagated chunk by chunk, so neither `[tokens, vocab]` logits nor their
-//!    gradient ever exist whole. Under sequence parallelism the group's target rows are dealt out evenly over its
-//!    ranks for this ([`crate::head_share`]).
+//!    gradient ever exist whole. Where the store splits the output matrix by vocabulary rows
+//!    ([`ParamStore::gather_split_head`]), every rank of the shard group computes the group's rows against its rows of
+//!    the matrix ([`crate::vocab_parallel`]); otherwise, under sequence parallelism, the group's target rows are dealt
+//!    out evenly over its ranks ([`crate::head_share`]).
 //! 3. **Backward**, stage by stage in reverse: `gather` again and recompute the layer from its saved input with grad
 //!    enabled (checkpointing), or `regather` and reuse the kept graph (without checkpointing: a FULL_SHARD store freed
 //!    the graph's parameter bytes at `release` after forward and fills them again here), take the vector-Jacobian
 //!    product with the upstream gradient via `Tensor::run_backward`, `accumulate_grads` for the parameters, pass the
 //!    input gradient down, `release`.
+//! 4. **Embedding**: its gradient needs no weights: the output's gradient rows are summed into the rows of the ids,
+//!    through the split matrix where the store splits it ([`ParamStore::gather_split_embedding`], as in forward), else
+//!    into a `[vocab, hidden]` gradient reduced like any other.
 //!
 //! # Hook point for kernels
 //! Every RMSNorm, the MLP activation and the head's projection + cross-entropy go through the engine's
@@ -25,7 +30,8 @@
 //! # Hook point for sharding
 //! Everything about where parameters live is behind [`ParamStore`]: `gather` (all-gather), `regather` (all-gather into
 //! a freed buffer a kept graph refers to), `accumulate_grads` (reduce-scatter), `release` (free), `grad_sq_norm`
-//! (all-reduce). The engine is generic over it and needs no change.
+//! (all-reduce); `gather_split_embedding` and `gather_split_head` hand out this rank's rows of a vocabulary matrix
+//! split over its group instead of the whole. The engine is generic over it and needs no change.
 //!
 //! # Invariants
 //! 1. The loss of a global batch is `sum of per-target CE / number of targets in the whole global batch`; the count is
@@ -41,7 +47,8 @@ use crate::model::config::ModelConfig;
 use crate::model::graph::{self, LayerGraph, NormGraph};
 use crate::model::layers::{self, Rope};
 use crate::model::layout::Stage;
-use crate::params::ParamStore;
+use crate::params::{ParamStore, SplitHead};
+use crate::vocab_parallel;
 use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
@@ -81,14 +88,6 @@ pub struct Engine<P: ParamStore> {
     kind: Kind,
     kernels: KernelRegistry,
     head: ChunkedHead,
-}
-
-/// Sum of the VJP of `output` with `grad`: back-propagating it gives `grad`-weighted gradients of the inputs.
-fn vjp(output: &Tensor, grad: &Tensor, inputs: &[&Tensor]) -> Vec<Tensor> {
-    if !output.requires_grad() {
-        return inputs.iter().map(|_| Tensor::new()).collect(); // every input is frozen
-    }
-    graph::vjp_of_seed(&(output * grad).sum(Kind::Float), inputs)
 }
 
 impl<P: ParamStore> Engine<P> {
@@ -157,9 +156,7 @@ impl<P: ParamStore> Engine<P> {
     fn forward_hidden_no_grad(&mut self, mb: &MicroBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
         let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
-        let p = self.store.gather(Stage::Embedding)?;
-        let mut h = layers::embed(&p.tensors[0], &mb.input_ids);
-        self.store.release(Stage::Embedding);
+        let mut h = self.embed(&mb.input_ids)?;
         let d = self.store.layout().decoder;
         for l in 0..self.cfg.num_layers {
             let p = self.store.gather(Stage::Decoder(l))?;
@@ -189,15 +186,8 @@ impl<P: ParamStore> Engine<P> {
         let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
         let d = self.store.layout().decoder;
         // 1. Forward.
-        let h0 = {
-            let _g = tch::no_grad_guard();
-            let p = self.store.gather(Stage::Embedding)?;
-            let h = layers::embed(&p.tensors[0], &mb.input_ids);
-            self.store.release(Stage::Embedding);
-            h
-        };
+        let mut h = self.embed(&mb.input_ids)?;
         let mut saved = Vec::with_capacity(self.cfg.num_layers);
-        let mut h = h0;
         for l in 0..self.cfg.num_layers {
             let p = self.store.gather(Stage::Decoder(l))?;
             if self.opts.gradient_checkpointing {
@@ -256,12 +246,62 @@ impl<P: ParamStore> Engine<P> {
             self.store.release(Stage::Decoder(l));
         }
         // 4. Embedding.
-        let p = self.store.gather(Stage::Embedding)?;
-        let e = layers::embed(&p.tensors[0], &mb.input_ids);
-        let grads = vjp(&e, &grad_h, &[&p.tensors[0]]);
-        self.store.accumulate_grads(Stage::Embedding, &grads)?;
-        self.store.release(Stage::Embedding);
+        self.embedding_backward(&mb.input_ids, &grad_h)?;
         Ok(loss_sum)
+    }
+
+    /// The embedding of `ids`, without grad: through the split matrix where the store splits it
+    /// ([`vocab_parallel::embed`]), else the gathered one.
+    fn embed(&mut self, ids: &Tensor) -> Result<Tensor> {
+        let _g = tch::no_grad_guard();
+        let h = match self.store.gather_split_embedding()? {
+            Some(slice) => vocab_parallel::embed(&slice, ids)?,
+            None => {
+                let p = self.store.gather(Stage::Embedding)?;
+                layers::embed(&p.tensors[0], ids)
+            }
+        };
+        self.store.release(Stage::Embedding);
+        Ok(h)
+    }
+
+    /// Adds the embedding matrix's gradient from the gradient `grad_h` of its output for `ids`: through the split
+    /// matrix where the store splits it ([`vocab_parallel::embedding_grad`]), else whole.
+    fn embedding_backward(&mut self, ids: &Tensor, grad_h: &Tensor) -> Result<()> {
+        match self.store.gather_split_embedding()? {
+            Some(slice) => {
+                if let Some((rows, grads)) = vocab_parallel::embedding_grad(&slice, ids, grad_h)? {
+                    self.store.accumulate_split_embedding_grad(rows, grads)?;
+                }
+                self.store.release(Stage::Embedding);
+            }
+            None => {
+                let grad = self.embedding_grad(ids, grad_h)?;
+                self.store.accumulate_grads(Stage::Embedding, &[grad])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradient of the embedding matrix from the gradient of its output `grad_h` (`[B, T, H]`) for the token ids
+    /// `ids`: their rows summed into a zero `[vocab, hidden]` fp32 matrix (the lookup's gradient needs no weights, so
+    /// nothing is gathered), or undefined when the embedding is frozen.
+    fn embedding_grad(&self, ids: &Tensor, grad_h: &Tensor) -> Result<Tensor> {
+        let layout = self.store.layout();
+        let index = layout.stage_ids(Stage::Embedding)?[0];
+        if !layout.trainable[index] {
+            return Ok(Tensor::new());
+        }
+        let shape = layout.tensors[index].1.clone();
+        let rows = grad_h.reshape([-1, shape[1]]).to_kind(Kind::Float);
+        let _g = tch::no_grad_guard();
+        Ok(
+            Tensor::zeros(shape.as_slice(), (Kind::Float, grad_h.device())).index_add_(
+                0,
+                &ids.reshape([-1]),
+                &rows,
+            ),
+        )
     }
 
     /// The head for training: returns (the loss's value, gradient of the final hidden states).
@@ -272,6 +312,17 @@ impl<P: ParamStore> Engine<P> {
         loss: &dyn TokenLoss,
     ) -> Result<(f64, Tensor)> {
         let hidden = self.cfg.hidden_size;
+        // The head kernel knows no temperature: it serves `T = 1` only, and needs the whole output matrix.
+        let kernel = self
+            .kernels
+            .head
+            .clone()
+            .filter(|_| self.head.temperature() == 1.0);
+        if kernel.is_none() {
+            if let Some(split) = self.store.gather_split_head()? {
+                return self.split_head_forward_backward(h, mb, loss, split);
+            }
+        }
         let share = Self::head_share(mb, h.device())?;
         let p = self.store.gather(Stage::Head)?;
         let (norm_w, out_w) = (&p.tensors[0], &p.tensors[1]);
@@ -290,26 +341,55 @@ impl<P: ParamStore> Engine<P> {
             .index_select(0, &mb.target_rows);
         let norm = NormGraph::build(&self.kernels, &rows, norm_w, self.cfg.rms_norm_eps)?;
         let normed_d = norm.output();
-        // The head kernel knows no temperature: it serves `T = 1` only.
-        let untempered = self.head.temperature() == 1.0;
         let (value, grad_normed, grad_w) = head_share::head_loss(
             &share,
             &mut self.head,
-            self.kernels.head.as_deref().filter(|_| untempered),
+            kernel.as_deref(),
             &normed_d,
             out_w,
             &mb.target_ids,
             loss,
         )?;
         let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
-        // The gradient of the row selection: the target rows' gradients, zeros elsewhere.
-        let grad_h = Tensor::zeros([h.size()[0] * h.size()[1], hidden], (h.kind(), h.device()))
-            .index_add(0, &mb.target_rows, &grad_rows)
-            .reshape(h.size());
         self.store
             .accumulate_grads(Stage::Head, &[grad_norm_w, grad_w])?;
         self.store.release(Stage::Head);
-        Ok((value, grad_h))
+        Ok((value, Self::scatter_target_rows(h, mb, &grad_rows)))
+    }
+
+    /// The gradient of the target-row selection: `grad_rows` at the target rows of `h`'s shape, zeros elsewhere.
+    fn scatter_target_rows(h: &Tensor, mb: &MicroBatch, grad_rows: &Tensor) -> Tensor {
+        let (rows, hidden) = (h.size()[0] * h.size()[1], h.size()[2]);
+        Tensor::zeros([rows, hidden], (h.kind(), h.device()))
+            .index_add(0, &mb.target_rows, grad_rows)
+            .reshape(h.size())
+    }
+
+    /// [`Self::head_forward_backward`] with the output matrix split by vocabulary rows ([`vocab_parallel`]).
+    fn split_head_forward_backward(
+        &mut self,
+        h: &Tensor,
+        mb: &MicroBatch,
+        loss: &dyn TokenLoss,
+        split: SplitHead,
+    ) -> Result<(f64, Tensor)> {
+        let rows = h
+            .detach()
+            .reshape([-1, self.cfg.hidden_size])
+            .index_select(0, &mb.target_rows);
+        let norm = NormGraph::build(&self.kernels, &rows, &split.norm, self.cfg.rms_norm_eps)?;
+        let (value, grad_normed, grad_w) = vocab_parallel::head_loss(
+            &split.out,
+            &mut self.head,
+            &norm.output(),
+            &mb.target_ids,
+            loss,
+        )?;
+        let (grad_rows, grad_norm_w) = norm.backward(&grad_normed)?;
+        self.store
+            .accumulate_split_head_grads(grad_norm_w, grad_w)?;
+        self.store.release(Stage::Head);
+        Ok((value, Self::scatter_target_rows(h, mb, &grad_rows)))
     }
 
     /// Where `mb`'s target rows go for the head: dealt out over its sequence-parallel group when it has one
@@ -326,19 +406,24 @@ impl<P: ParamStore> Engine<P> {
     pub fn token_stats(&mut self, mb: &MicroBatch, entropy: bool) -> Result<TokenStats> {
         let h = self.forward_hidden_no_grad(mb)?;
         let _g = tch::no_grad_guard();
-        let p = self.store.gather(Stage::Head)?;
         let rows = h
             .reshape([-1, self.cfg.hidden_size])
             .index_select(0, &mb.target_rows);
-        let normed =
-            graph::norm_forward(&self.kernels, &rows, &p.tensors[0], self.cfg.rms_norm_eps)?;
-        let stats = Self::head_share(mb, h.device())?.token_stats(
-            &mut self.head,
-            &normed,
-            &p.tensors[1],
-            &mb.target_ids,
-            entropy,
-        )?;
+        let eps = self.cfg.rms_norm_eps;
+        let stats = match self.store.gather_split_head()? {
+            Some(split) => {
+                let normed = graph::norm_forward(&self.kernels, &rows, &split.norm, eps)?;
+                let (head, targets) = (&mut self.head, &mb.target_ids);
+                vocab_parallel::token_stats(&split.out, head, &normed, targets, entropy)?
+            }
+            None => {
+                let p = self.store.gather(Stage::Head)?;
+                let normed = graph::norm_forward(&self.kernels, &rows, &p.tensors[0], eps)?;
+                let share = Self::head_share(mb, h.device())?;
+                let (w, targets) = (&p.tensors[1], &mb.target_ids);
+                share.token_stats(&mut self.head, &normed, w, targets, entropy)?
+            }
+        };
         self.store.release(Stage::Head);
         Ok(stats)
     }

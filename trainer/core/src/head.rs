@@ -44,18 +44,20 @@ impl ChunkedHead {
         self.temperature
     }
 
-    fn rows_per_chunk(&self, vocab: i64) -> i64 {
+    /// Rows of a chunk of logits over `vocab` columns.
+    pub(crate) fn rows_per_chunk(&self, vocab: i64) -> i64 {
         (self.max_elements / vocab).max(1)
     }
 
-    /// The first `rows` rows of the buffer (grown when too small or on another device).
-    fn buffer(&mut self, rows: i64, vocab: i64, device: Device) -> Tensor {
+    /// The first `rows` rows of the buffer, `[rows, vocab]` (made for chunks of `chunk_rows` rows when too small, of
+    /// another width or on another device).
+    fn buffer(&mut self, rows: i64, vocab: i64, chunk_rows: i64, device: Device) -> Tensor {
         let fits = self
             .buf
             .as_ref()
             .is_some_and(|b| b.size()[0] >= rows && b.size()[1] == vocab && b.device() == device);
         if !fits {
-            let cap = rows.max(self.rows_per_chunk(vocab));
+            let cap = rows.max(chunk_rows);
             self.buf = Some(Tensor::empty([cap, vocab], (Kind::Float, device)));
         }
         self.buf
@@ -64,9 +66,11 @@ impl ChunkedHead {
             .narrow(0, 0, rows)
     }
 
-    fn logits_into(&mut self, x: &Tensor, w: &Tensor) -> Tensor {
+    /// The logits `x · wᵀ` (divided by the temperature) in the reused fp32 buffer, made for chunks of `chunk_rows`
+    /// rows.
+    pub(crate) fn logits_into(&mut self, x: &Tensor, w: &Tensor, chunk_rows: i64) -> Tensor {
         let (n, vocab) = (x.size()[0], w.size()[0]);
-        let mut logits = self.buffer(n, vocab, x.device());
+        let mut logits = self.buffer(n, vocab, chunk_rows, x.device());
         if x.kind() == Kind::Float && w.kind() == Kind::Float {
             let _ = x.mm_out(&logits, &w.tr());
         } else {
@@ -90,7 +94,8 @@ impl ChunkedHead {
         let _g = tch::no_grad_guard();
         let (mut log_probs, mut entropies) = (Vec::new(), Vec::new());
         for (start, n) in self.chunks(x.size()[0], w.size()[0]) {
-            let mut g = self.logits_into(&x.narrow(0, start, n), w);
+            let mut g =
+                self.logits_into(&x.narrow(0, start, n), w, self.rows_per_chunk(w.size()[0]));
             let t = targets.narrow(0, start, n).unsqueeze(1);
             if !entropy {
                 log_probs.push(softmax_in_place(&mut g, &t));
@@ -128,7 +133,7 @@ impl ChunkedHead {
         for (start, n) in self.chunks(x.size()[0], w.size()[0]) {
             let xc = x.narrow(0, start, n);
             let t = targets.narrow(0, start, n).unsqueeze(1);
-            let mut g = self.logits_into(&xc, w);
+            let mut g = self.logits_into(&xc, w, self.rows_per_chunk(w.size()[0]));
             let grad = grad.narrow(start, n);
             if grad.has_entropy() {
                 log_probs.push(log_softmax_in_place(&mut g, &t));
@@ -172,7 +177,7 @@ impl ChunkedHead {
     }
 
     /// `(start, rows)` of each chunk of `n_all` rows.
-    fn chunks(&self, n_all: i64, vocab: i64) -> impl Iterator<Item = (i64, i64)> {
+    pub(crate) fn chunks(&self, n_all: i64, vocab: i64) -> impl Iterator<Item = (i64, i64)> {
         let chunk = self.rows_per_chunk(vocab);
         (0..n_all)
             .step_by(chunk as usize)
@@ -221,7 +226,8 @@ pub enum TokenGrad {
 }
 
 impl TokenGrad {
-    fn has_entropy(&self) -> bool {
+    /// Whether the gradient has an entropy term.
+    pub(crate) fn has_entropy(&self) -> bool {
         matches!(
             self,
             Self::PerRow {
@@ -232,7 +238,7 @@ impl TokenGrad {
     }
 
     /// The rows `start..start + n`.
-    fn narrow(&self, start: i64, n: i64) -> TokenGrad {
+    pub(crate) fn narrow(&self, start: i64, n: i64) -> TokenGrad {
         match self {
             Self::Uniform(c) => TokenGrad::Uniform(*c),
             Self::PerRow { log_prob, entropy } => TokenGrad::PerRow {
@@ -314,7 +320,12 @@ fn entropy_logits_grad_in_place(ls: &mut Tensor, t: &Tensor, grad: &TokenGrad) -
 
 /// The gradient of a chunk's rows `xc` from the logits' gradient `g` (fp32), adding `gᵀ·xc` into `grad_w` when
 /// given. `w_c` is the output matrix in the compute dtype (fp32, or `xc`'s low-precision dtype).
-fn project_back(g: &Tensor, xc: &Tensor, w_c: &Tensor, grad_w: Option<&mut Tensor>) -> Tensor {
+pub(crate) fn project_back(
+    g: &Tensor,
+    xc: &Tensor,
+    w_c: &Tensor,
+    grad_w: Option<&mut Tensor>,
+) -> Tensor {
     if xc.kind() == Kind::Float {
         if let Some(gw) = grad_w {
             let _ = gw.addmm_(&g.tr(), xc);

@@ -21,8 +21,8 @@ use crate::head::{ChunkedHead, TokenGrad, TokenStats};
 use crate::kernels::HeadLoss;
 use crate::loss::TokenLoss;
 use crate::model::ulysses::SpGroup;
-use anyhow::{bail, Context, Result};
-use ferl_collective::ReduceOp;
+use crate::row_exchange::RowExchange;
+use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 /// Where a rank's target rows go for the head: its own head, or (under sequence parallelism) its share of the
@@ -31,18 +31,7 @@ pub struct HeadShare {
     /// This rank's own rows.
     local: i64,
     /// The group's exchanges; none when the rows stay here.
-    spread: Option<Spread>,
-}
-
-/// A sequence-parallel group's rows dealt out over its ranks.
-struct Spread {
-    group: SpGroup,
-    /// Every rank's row count, in rank order.
-    counts: Vec<i64>,
-    /// The largest count (at least 1): the exchanges' rows per rank.
-    padded: i64,
-    /// The padded positions (`rank · padded + i`) of this rank's share, in the group's row order.
-    share: Tensor,
+    spread: Option<RowExchange>,
 }
 
 impl HeadShare {
@@ -57,88 +46,43 @@ impl HeadShare {
     /// The share of this rank of `group`, whose ranks hold `counts` rows each (in rank order; every rank of a
     /// sequence-parallel group knows them from the whole micro-batch, `SequenceParallel::targets_per_rank`).
     pub fn new(group: &SpGroup, counts: &[i64], device: Device) -> Result<Self> {
-        if counts.len() as i64 != group.size() {
-            bail!(
-                "{} row counts for a sequence-parallel group of {}",
-                counts.len(),
-                group.size()
-            );
-        }
-        let padded = counts.iter().copied().max().unwrap_or(0).max(1);
-        let share =
-            Tensor::from_slice(&share_positions(counts, group.rank(), padded)).to_device(device);
+        let me = group.rank();
+        let spread = RowExchange::new(
+            group.shared_comm(),
+            counts,
+            |counts, padded| share_positions(counts, me, padded),
+            device,
+        )?;
         Ok(Self {
-            local: counts[group.rank() as usize],
-            spread: Some(Spread {
-                group: group.clone(),
-                counts: counts.to_vec(),
-                padded,
-                share,
-            }),
+            local: spread.local(),
+            spread: Some(spread),
         })
     }
 
     /// The rows of every rank that deals with this one (this rank's own without a group).
     pub fn total(&self) -> i64 {
-        self.spread
-            .as_ref()
-            .map_or(self.local, |s| s.counts.iter().sum())
+        self.spread.as_ref().map_or(self.local, RowExchange::total)
     }
 
     /// The rows of this rank's share.
     pub fn share_rows(&self) -> i64 {
-        self.spread
-            .as_ref()
-            .map_or(self.local, |s| s.share.size()[0])
+        self.spread.as_ref().map_or(self.local, RowExchange::taken)
     }
 
     /// This rank's share of the group's `local` rows (`[n, ...]`, `n` this rank's own count): `[share, ...]`.
     pub fn deal(&self, local: &Tensor) -> Result<Tensor> {
-        let Some(s) = &self.spread else {
-            return Ok(local.shallow_clone());
-        };
-        let mut shape = local.size();
-        shape[0] = s.padded;
-        let padded = Tensor::zeros(shape.as_slice(), (local.kind(), local.device()));
-        padded.narrow(0, 0, self.local).copy_(local);
-        let all = s
-            .group
-            .comm()
-            .all_gather_flat(&padded)
-            .context("dealing the head's rows")?;
-        shape[0] = s.padded * s.counts.len() as i64;
-        Ok(all.view(shape.as_slice()).index_select(0, &s.share))
+        match &self.spread {
+            Some(s) => s.gather(local),
+            None => Ok(local.shallow_clone()),
+        }
     }
 
     /// The inverse of [`Self::deal`]: this rank's own rows of the results `share` (`[share, ...]`): `[n, ...]`.
     pub fn give_back(&self, share: &Tensor) -> Result<Tensor> {
-        let Some(s) = &self.spread else {
-            return Ok(share.shallow_clone());
-        };
-        let mut shape = share.size();
-        shape[0] = s.padded * s.counts.len() as i64;
-        let mut placed = Tensor::zeros(shape.as_slice(), (share.kind(), share.device()));
-        let _ = placed.index_copy_(0, &s.share, share);
-        let mine = s
-            .group
-            .comm()
-            .reduce_scatter_flat(&placed.view([-1]), ReduceOp::Sum)
-            .context("handing the head's results back")?;
-        shape[0] = s.padded;
-        Ok(mine.view(shape.as_slice()).narrow(0, 0, self.local))
-    }
-
-    /// `r` over the group's ranks (without a group, `[r]`), in rank order.
-    fn gather_each(&self, r: f64, device: Device, what: &str) -> Result<Vec<f64>> {
-        let Some(s) = &self.spread else {
-            return Ok(vec![r]);
-        };
-        let all = s
-            .group
-            .comm()
-            .all_gather_flat(&Tensor::from_slice(&[r]).to_device(device))
-            .with_context(|| format!("dealing the head's rows: {what}"))?;
-        Ok(Vec::<f64>::try_from(&all.to_device(Device::Cpu))?)
+        match &self.spread {
+            Some(s) => s.scatter_sum(share),
+            None => Ok(share.shallow_clone()),
+        }
     }
 
     /// [`ChunkedHead::token_stats`] of this rank's rows `x` (`[n, hidden]`), computed on its share of the group's.
@@ -157,13 +101,10 @@ impl HeadShare {
     /// `Some(c)` when every rank's loss has the uniform gradient `c` ([`TokenLoss::uniform_grad`]): the share then
     /// takes one pass.
     fn common_uniform_grad(&self, loss: &dyn TokenLoss, device: Device) -> Result<Option<f64>> {
-        let Some(mine) = loss.uniform_grad() else {
-            // Still take part in the exchange the other ranks make.
-            self.gather_each(f64::NAN, device, "comparing the losses")?;
-            return Ok(None);
-        };
-        let all = self.gather_each(mine, device, "comparing the losses")?;
-        Ok(all.iter().all(|&c| c == mine).then_some(mine))
+        match &self.spread {
+            Some(s) => s.common_uniform_grad(loss, device),
+            None => Ok(loss.uniform_grad()),
+        }
     }
 
     fn give_back_stats(&self, s: &TokenStats) -> Result<TokenStats> {
@@ -173,31 +114,12 @@ impl HeadShare {
         })
     }
 
-    /// Deals out this rank's per-row loss gradients for its share's backward. Every rank takes part in the same
-    /// exchanges: a uniform gradient goes as per-row values, and when any rank's has an entropy term, a rank without
-    /// one sends zeros for it.
+    /// Deals out this rank's per-row loss gradients for its share's backward ([`RowExchange::gather_grad`]).
     fn deal_grad(&self, g: TokenGrad, device: Device) -> Result<TokenGrad> {
-        if self.spread.is_none() {
-            return Ok(g);
+        match &self.spread {
+            Some(s) => s.gather_grad(g, device),
+            None => Ok(g),
         }
-        let (log_prob, entropy) = match g {
-            TokenGrad::Uniform(c) => (Tensor::full([self.local], c, (Kind::Float, device)), None),
-            TokenGrad::PerRow { log_prob, entropy } => (log_prob, entropy),
-        };
-        let vote = match (self.local, &entropy) {
-            (0, _) => -1.0,
-            (_, Some(_)) => 1.0,
-            (_, None) => 0.0,
-        };
-        let any_entropy = self
-            .gather_each(vote, device, "comparing the loss gradients")?
-            .contains(&1.0);
-        let entropy = any_entropy
-            .then(|| entropy.unwrap_or_else(|| Tensor::zeros([self.local], (Kind::Float, device))));
-        Ok(TokenGrad::PerRow {
-            log_prob: self.deal(&log_prob)?,
-            entropy: entropy.map(|e| self.deal(&e)).transpose()?,
-        })
     }
 }
 
@@ -242,14 +164,14 @@ pub fn head_loss(
         Some(c) => (None, TokenGrad::Uniform(c)),
         None => {
             let stats = head.token_stats(&x, w, &t, loss.needs_entropy());
-            let (value, grad) = own_loss(share, loss, &share.give_back_stats(&stats)?)?;
+            let (value, grad) = own_loss(share.local, loss, &share.give_back_stats(&stats)?)?;
             (Some(value), share.deal_grad(grad, normed.device())?)
         }
     };
     let (stats, gx, gw) = head.backward(&x, w, &t, &grad, w.requires_grad());
     let value = match value {
         Some(v) => v,
-        None => own_loss(share, loss, &share.give_back_stats(&stats)?)?.0,
+        None => own_loss(share.local, loss, &share.give_back_stats(&stats)?)?.0,
     };
     Ok((value, share.give_back(&gx)?, gw.unwrap_or_default()))
 }
@@ -278,13 +200,13 @@ fn kernel_loss(
     Ok((ce.double_value(&[]), gx * -c, gw))
 }
 
-/// The loss of this rank's own rows' statistics, or (no rows) 0 and an empty gradient.
-fn own_loss(
-    share: &HeadShare,
+/// The loss of this rank's `local` own rows' statistics, or (no rows) 0 and an empty gradient.
+pub(crate) fn own_loss(
+    local: i64,
     loss: &dyn TokenLoss,
     stats: &TokenStats,
 ) -> Result<(f64, TokenGrad)> {
-    if share.local > 0 {
+    if local > 0 {
         let evaluated = loss.evaluate(stats)?;
         return Ok((evaluated.value, evaluated.grad));
     }

@@ -9,6 +9,7 @@
 //! - [`huge_pages`]: libtorch's large CPU tensors in transparent huge pages (fewer page faults per step).
 //! - [`head`]: the chunked output projection + cross-entropy with a hand-written backward into one reused buffer.
 //! - [`head_share`]: a sequence-parallel group's target rows dealt out evenly over its ranks for the head.
+//! - [`vocab_parallel`]: the head with its output matrix split by vocabulary rows over the ranks that shard it.
 //! - [`loss`]: pluggable losses over per-token log-probabilities and entropies ([`loss::TokenLoss`]): SFT's
 //!   cross-entropy, losses written with autograd over the per-token vectors (the RL losses of [`rl`]).
 //! - [`kernels`]: the op-override hook ([`kernels::KernelRegistry`]): RMSNorm, SwiGLU and the head replaced by
@@ -42,6 +43,8 @@ pub mod optim;
 pub mod params;
 pub mod rl;
 pub mod rollout;
+mod row_exchange;
 pub mod run;
 pub mod step;
 pub mod storage;
+pub mod vocab_parallel;

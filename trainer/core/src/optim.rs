@@ -2,7 +2,7 @@
 //! gradient-norm clipping.
 
 use anyhow::{bail, Result};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// AdamW hyper-parameters.
 #[derive(Clone, Copy, Debug)]
@@ -198,6 +198,20 @@ impl LrSchedule {
             }
         }
     }
+}
+
+/// `Σ t²` in f64, a piece of [`PIECE_ELEMENTS`] at a time: the squares' temporary holds one piece, not a copy of the
+/// whole tensor (a gradient norm would otherwise copy the largest gradient, an embedding's, at the step's end).
+pub fn sum_of_squares(t: &Tensor) -> f64 {
+    let _g = tch::no_grad_guard();
+    let flat = t.reshape([-1]);
+    let numel = flat.numel() as i64;
+    let mut total = Tensor::zeros([], (Kind::Double, t.device()));
+    for start in (0..numel).step_by(PIECE_ELEMENTS as usize) {
+        let piece = flat.narrow(0, start, PIECE_ELEMENTS.min(numel - start));
+        let _ = total.g_add_(&piece.square().sum(Kind::Double));
+    }
+    total.double_value(&[])
 }
 
 /// Scales `grads` so their global norm is at most `max_norm` (torch's `clip_grad_norm_`: factor

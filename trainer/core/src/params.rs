@@ -7,13 +7,23 @@
 //! all-gather, a reduce-scatter and a free — that is the whole FSDP hook.
 
 use crate::model::layout::{ModelLayout, Stage};
-use anyhow::Result;
+use crate::vocab_parallel::VocabSlice;
+use anyhow::{bail, Result};
 use tch::{Kind, Tensor};
 
 /// The parameters of one stage, ready to compute with: `tensors` require grad so a backward can reach them.
 pub struct StageParams {
     /// Full tensors in the stage's order (see `model::layout`).
     pub tensors: Vec<Tensor>,
+}
+
+/// The head's parameters when a store splits its output matrix by vocabulary rows
+/// ([`ParamStore::gather_split_head`]).
+pub struct SplitHead {
+    /// The final norm's weight, a leaf that requires grad unless the layout freezes it.
+    pub norm: Tensor,
+    /// This rank's rows of the output matrix.
+    pub out: VocabSlice,
 }
 
 /// Parameter storage behind the layer-wise schedule. Implemented by [`LocalParams`] and by sharded stores.
@@ -36,6 +46,31 @@ pub trait ParamStore {
     /// `release` freed, so the kept graph sees its parameters again). Default: nothing to do.
     fn regather(&mut self, _stage: Stage) -> Result<()> {
         Ok(())
+    }
+    /// The head with its output matrix split by vocabulary rows over the ranks that shard it
+    /// ([`crate::vocab_parallel`]), in place of [`ParamStore::gather`] of [`Stage::Head`]: `None` (the default) when
+    /// this store does not split it (then `gather` it whole). Every rank of the group must ask at the same point.
+    /// `release(Stage::Head)` ends its use.
+    fn gather_split_head(&mut self) -> Result<Option<SplitHead>> {
+        Ok(None)
+    }
+    /// Adds the gradients of a split head: the final norm's (as [`ParamStore::accumulate_grads`] does) and that of
+    /// this rank's rows of the output matrix (`[rows, hidden]`, already the sum over the group's rows; undefined when
+    /// frozen).
+    fn accumulate_split_head_grads(&mut self, _norm: Tensor, _rows: Tensor) -> Result<()> {
+        bail!("this parameter store does not split the head's output matrix")
+    }
+    /// The embedding matrix split by vocabulary rows over the ranks that shard it ([`crate::vocab_parallel::embed`]),
+    /// in place of [`ParamStore::gather`] of [`Stage::Embedding`]: `None` (the default) when this store does not
+    /// split it. Every rank of the group must ask at the same point; `release(Stage::Embedding)` ends its use.
+    fn gather_split_embedding(&mut self) -> Result<Option<VocabSlice>> {
+        Ok(None)
+    }
+    /// Adds the gradient of this rank's rows of a split embedding matrix, sparse
+    /// ([`crate::vocab_parallel::embedding_grad`]: rows counted from the slice's first, `[m]`, and their gradients,
+    /// `[m, hidden]`, the group's tokens' all included).
+    fn accumulate_split_embedding_grad(&mut self, _rows: Tensor, _grads: Tensor) -> Result<()> {
+        bail!("this parameter store does not split the embedding matrix")
     }
     /// The locally held master tensors and their gradients, for the optimizer (FSDP: the shards).
     fn master_and_grads(&mut self) -> (&mut [Tensor], &mut [Tensor]);
@@ -146,11 +181,7 @@ impl ParamStore for LocalParams {
 
     fn grad_sq_norm(&mut self) -> Result<f64> {
         let _g = tch::no_grad_guard();
-        let mut total = 0.0;
-        for g in &self.grads {
-            total += g.square().sum(Kind::Double).double_value(&[]);
-        }
-        Ok(total)
+        Ok(self.grads.iter().map(crate::optim::sum_of_squares).sum())
     }
 
     fn zero_grads(&mut self) {

@@ -119,11 +119,12 @@ fn token_stats_at_a_temperature_equal_the_rollout_models_scores() {
 /// The value and every gradient of a loss of log-probabilities and entropies with fixed random weights.
 fn grads(e: &mut Engine<LocalParams>, mb: &MicroBatch) -> (f64, Vec<Tensor>) {
     let n = mb.num_targets;
-    tch::manual_seed(9);
-    let (a, b) = (
-        Tensor::randn([n], (Kind::Float, Device::Cpu)),
-        Tensor::randn([n], (Kind::Float, Device::Cpu)),
-    );
+    let (a, b) = ferl_trainer::model::weights::seeded(9, || {
+        (
+            Tensor::randn([n], (Kind::Float, Device::Cpu)),
+            Tensor::randn([n], (Kind::Float, Device::Cpu)),
+        )
+    });
     let loss = AutogradTokenLoss::new(
         |lp: &Tensor, h: Option<&Tensor>| {
             Ok((lp * &a).sum(Kind::Float) + (h.unwrap() * &b).sum(Kind::Float) * 0.3)

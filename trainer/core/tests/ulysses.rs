@@ -6,40 +6,24 @@
 //! over the group (`head_share`, uneven counts, ranks without rows, fewer rows than ranks) give each rank the loss,
 //! row gradients and statistics of its own rows, and the group's output-matrix gradient, within 1e-5.
 
-use ferl_collective::{GroupOptions, MemoryRendezvous, Rendezvous, TcpCommunicator};
+#[path = "common/heads.rs"]
+mod heads;
+
 use ferl_trainer::model::layers::{self, Attention};
 use ferl_trainer::model::ulysses::{SpAttention, SpGroup};
 use ferl_trainer::model::varlen::Varlen;
+use heads::{head_rows, with_comm, WeightedWithEntropy, CPU};
 use std::sync::Arc;
-use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
 const TOL: f64 = 1e-5;
-static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
-const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
 
 /// Runs `body(group)` on `world` threads, each a rank of one TCP group; results in rank order.
 fn with_group<T: Send + 'static>(
     world: usize,
     body: impl Fn(SpGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
-    let store: Arc<dyn Rendezvous> = Arc::new(MemoryRendezvous::new());
-    let body = Arc::new(body);
-    let options = GroupOptions {
-        timeout: Duration::from_secs(60),
-        ..GroupOptions::default()
-    };
-    let threads: Vec<_> = (0..world)
-        .map(|rank| {
-            let (store, body, options) = (store.clone(), body.clone(), options.clone());
-            std::thread::spawn(move || {
-                tch::set_num_threads(1);
-                let comm = TcpCommunicator::connect(rank, world, store, &options).unwrap();
-                body(SpGroup::new(Arc::new(comm)))
-            })
-        })
-        .collect();
-    threads.into_iter().map(|t| t.join().unwrap()).collect()
+    with_comm(world, move |comm| body(SpGroup::new(comm)))
 }
 
 struct Case {
@@ -60,12 +44,15 @@ fn attention(case: &Case) -> Attention {
 
 /// Inputs (seeded), output gradient, and the reference output and q/k/v gradients.
 fn reference(case: &Case) -> [Tensor; 8] {
-    tch::manual_seed(case.tokens + case.kv_heads);
     let d = 8;
-    let q = Tensor::randn([case.batch, case.heads, case.tokens, d], CPU);
-    let k = Tensor::randn([case.batch, case.kv_heads, case.tokens, d], CPU);
-    let v = Tensor::randn([case.batch, case.kv_heads, case.tokens, d], CPU);
-    let dy = Tensor::randn([case.batch, case.heads, case.tokens, d], CPU);
+    let (q, k, v, dy) = ferl_trainer::model::weights::seeded(case.tokens + case.kv_heads, || {
+        (
+            Tensor::randn([case.batch, case.heads, case.tokens, d], CPU),
+            Tensor::randn([case.batch, case.kv_heads, case.tokens, d], CPU),
+            Tensor::randn([case.batch, case.kv_heads, case.tokens, d], CPU),
+            Tensor::randn([case.batch, case.heads, case.tokens, d], CPU),
+        )
+    });
     let leaves: Vec<Tensor> = [&q, &k, &v]
         .iter()
         .map(|t| t.detach().set_requires_grad(true))
@@ -86,10 +73,7 @@ fn check(case: Case, world: usize) {
     let case = Arc::new(case);
     let results = with_group(world, move |group| {
         // Every rank computes the same seeded reference (one at a time: the seed is global).
-        let e = {
-            let _one = SEEDED.lock().unwrap();
-            reference(&case)
-        };
+        let e = reference(&case);
         let slice = |t: &Tensor| group.local_slice(t, 2).unwrap();
         let (q, k, v, dy) = (slice(&e[0]), slice(&e[1]), slice(&e[2]), slice(&e[3]));
         let (y, saved) = SpAttention::forward(&group, &q, &k, &v, &attention(&case)).unwrap();
@@ -299,47 +283,6 @@ fn an_engine_step_over_the_group_sums_to_the_whole_sequence_step() {
             }
         }
     }
-}
-
-/// A per-row loss with an entropy term: `Σ wᵢ · (−log pᵢ) − 0.1 · Σ Hᵢ` over a rank's own rows.
-struct WeightedWithEntropy {
-    weights: Tensor,
-}
-
-impl ferl_trainer::loss::TokenLoss for WeightedWithEntropy {
-    fn needs_entropy(&self) -> bool {
-        true
-    }
-
-    fn evaluate(
-        &self,
-        stats: &ferl_trainer::head::TokenStats,
-    ) -> anyhow::Result<ferl_trainer::loss::TokenLossValue> {
-        let entropy = stats.entropy.as_ref().expect("entropy asked for");
-        let value = (-(&stats.log_prob * &self.weights).sum(Kind::Double)
-            - entropy.sum(Kind::Double) * 0.1)
-            .double_value(&[]);
-        Ok(ferl_trainer::loss::TokenLossValue {
-            value,
-            grad: ferl_trainer::head::TokenGrad::PerRow {
-                log_prob: -&self.weights,
-                entropy: Some(entropy.full_like(-0.1)),
-            },
-        })
-    }
-}
-
-/// Rank `rank`'s rows of the share test: `counts[rank]` rows of width 8, their targets among 50 words, loss weights;
-/// and the output matrix `[50, 8]`, the same on every rank.
-fn head_rows(counts: &[i64], rank: usize) -> (Tensor, Tensor, Tensor, Tensor) {
-    let _seeded = SEEDED.lock().unwrap(); // ranks are threads of one process: one generator
-    tch::manual_seed(99);
-    let w = Tensor::randn([50, 8], CPU).set_requires_grad(true);
-    tch::manual_seed(rank as i64 + 7);
-    let n = counts[rank];
-    let x = Tensor::randn([n, 8], CPU);
-    let t = Tensor::randint(50, [n], (Kind::Int64, Device::Cpu));
-    (x, t, Tensor::rand([n], CPU), w)
 }
 
 /// The losses of the share test.

@@ -46,6 +46,7 @@ pub mod checkpoint;
 pub mod global;
 pub mod groups;
 pub mod load;
+mod row_split;
 pub mod store;
 pub mod units;
 mod worker;

@@ -20,19 +20,26 @@
 //! 5. A unit several stages use — the embedding unit holding a tied output matrix — is sharded, gathered, freed and
 //!    reduced like any other (design note 14): gathered for the embedding's forward, for the head and for the
 //!    embedding's backward, freed after each, and each stage's gradient of it reduce-scattered at once, so no
-//!    full-size gradient buffer of it lives through the step.
+//!    full-size gradient buffer of it lives through the step. Where its shards hold whole rows of the matrix
+//!    (`row_split`), neither the embedding nor the head gathers it at all: they take this rank's rows from the master
+//!    shard and add their rows' gradient, already the group's, into the gradient shard (`store/split.rs`).
 //! 6. A frozen unit (LoRA's base) is gathered like any other but hands out leaves that do not require grad; it has
 //!    no gradient buffer (an empty tensor), no reduction and no optimizer state: [`ParamStore::master_and_grads`]
 //!    returns only the trainable units, which come first in the plan.
 
 use crate::groups::ShardGroups;
+use crate::row_split::{embedding_split, head_split, SplitLayout};
 use crate::units::UnitPlan;
 use crate::worker::{CommWorker, Pending};
+
+mod split;
 use crate::{FsdpOptions, ShardingStrategy};
 use anyhow::{bail, Context, Result};
 use ferl_trainer::model::layout::{ModelLayout, Stage};
-use ferl_trainer::params::{ParamStore, StageParams};
+use ferl_trainer::optim::sum_of_squares;
+use ferl_trainer::params::{ParamStore, SplitHead, StageParams};
 use ferl_trainer::storage::{free_storage, refill_storage, storage_nbytes};
+use ferl_trainer::vocab_parallel::VocabSlice;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
@@ -97,6 +104,10 @@ pub struct ShardedParams {
     stats: CommStats,
     peak_gathered: i64,
     peak_transient: i64,
+    /// This rank's rows of the head's output matrix and of the embedding matrix where they are split
+    /// (`crate::row_split`).
+    split_head: Option<SplitLayout>,
+    split_embedding: Option<SplitLayout>,
 }
 
 impl ShardedParams {
@@ -181,6 +192,8 @@ impl ShardedParams {
         let full = (0..master.len()).map(|_| None).collect();
         let resident = vec![false; master.len()];
         let worker = CommWorker::new(opts.device, groups.shard, groups.replicate);
+        let split_head = head_split(&plan, opts.strategy, rank, world);
+        let split_embedding = embedding_split(&plan, opts.strategy, rank, world);
         Ok(Self {
             layout,
             plan,
@@ -204,7 +217,20 @@ impl ShardedParams {
             stats: CommStats::default(),
             peak_gathered: 0,
             peak_transient: 0,
+            split_head,
+            split_embedding,
         })
+    }
+
+    /// Whether the head splits its output matrix by vocabulary rows over the shard group instead of gathering it
+    /// ([`ParamStore::gather_split_head`]; `crate::row_split` says when).
+    pub fn splits_head(&self) -> bool {
+        self.split_head.is_some()
+    }
+
+    /// Whether the embedding splits its matrix by vocabulary rows ([`ParamStore::gather_split_embedding`]).
+    pub fn splits_embedding(&self) -> bool {
+        self.split_embedding.is_some()
     }
 
     /// The flat units the model is sharded into.
@@ -446,7 +472,7 @@ impl ShardedParams {
         if !self.sharded() || !self.opts.prefetch || next == current {
             return;
         }
-        let wanted = self.plan.stage_units[&next].clone();
+        let wanted = self.gathered_units(next);
         let current = &self.plan.stage_units[&current];
         // An unclaimed prefetch for another stage would only hold memory: let it finish unobserved.
         self.inflight
@@ -518,6 +544,11 @@ impl ShardedParams {
             .get(&stage)
             .with_context(|| format!("stage {stage:?} is not part of the model layout"))?
             .clone();
+        self.gather_stage_units(stage, units)
+    }
+
+    /// Gathers `units` of `stage` into `full`, prefetching the predicted next stage; returns them.
+    fn gather_stage_units(&mut self, stage: Stage, units: Vec<usize>) -> Result<Vec<usize>> {
         let next = self.observe(stage);
         if self.sharded() {
             for &u in &units {
@@ -534,6 +565,53 @@ impl ShardedParams {
             self.materialise(u)?;
         }
         Ok(units)
+    }
+
+    /// Reduce-scatters (NO_SHARD: adds) the gradients of `stage`'s units but `skip`.
+    fn reduce_stage_grads(
+        &mut self,
+        stage: Stage,
+        grads: &[Tensor],
+        skip: Option<usize>,
+    ) -> Result<()> {
+        let refs = self.plan.stage_refs[&stage].clone();
+        if grads.len() != refs.len() {
+            bail!(
+                "stage {stage:?}: {} gradients for {} parameters",
+                grads.len(),
+                refs.len()
+            );
+        }
+        self.dirty = true;
+        for u in self.plan.stage_units[&stage].clone() {
+            let unit = &self.plan.units[u];
+            if unit.frozen || skip == Some(u) {
+                continue;
+            }
+            let mut parts: Vec<Option<&Tensor>> = vec![None; unit.entries.len()];
+            for (k, &(ru, e)) in refs.iter().enumerate() {
+                if ru == u {
+                    parts[e] = Some(&grads[k]);
+                }
+            }
+            if self.sharded() {
+                let flat =
+                    unit.flatten_grads(&parts, self.world, self.opts.reduce_kind, self.opts.device);
+                self.stats.reductions += 1;
+                let p = self.worker.reduce_scatter(flat);
+                self.pending_reductions.push_back((u, p));
+                self.note_peak();
+            } else {
+                let flat = unit.flatten_grads(&parts, self.world, Kind::Float, self.master_device);
+                let _g = tch::no_grad_guard();
+                let _ = self.grads[u].g_add_(&flat);
+            }
+        }
+        while self.pending_reductions.len() > MAX_PENDING_REDUCTIONS {
+            let (u, p) = self.pending_reductions.pop_front().expect("non-empty");
+            self.apply_reduction(u, p)?;
+        }
+        Ok(())
     }
 }
 
@@ -579,44 +657,23 @@ impl ParamStore for ShardedParams {
     }
 
     fn accumulate_grads(&mut self, stage: Stage, grads: &[Tensor]) -> Result<()> {
-        let refs = self.plan.stage_refs[&stage].clone();
-        if grads.len() != refs.len() {
-            bail!(
-                "stage {stage:?}: {} gradients for {} parameters",
-                grads.len(),
-                refs.len()
-            );
-        }
-        self.dirty = true;
-        for u in self.plan.stage_units[&stage].clone() {
-            let unit = &self.plan.units[u];
-            if unit.frozen {
-                continue;
-            }
-            let mut parts: Vec<Option<&Tensor>> = vec![None; unit.entries.len()];
-            for (k, &(ru, e)) in refs.iter().enumerate() {
-                if ru == u {
-                    parts[e] = Some(&grads[k]);
-                }
-            }
-            if self.sharded() {
-                let flat =
-                    unit.flatten_grads(&parts, self.world, self.opts.reduce_kind, self.opts.device);
-                self.stats.reductions += 1;
-                let p = self.worker.reduce_scatter(flat);
-                self.pending_reductions.push_back((u, p));
-                self.note_peak();
-            } else {
-                let flat = unit.flatten_grads(&parts, self.world, Kind::Float, self.master_device);
-                let _g = tch::no_grad_guard();
-                let _ = self.grads[u].g_add_(&flat);
-            }
-        }
-        while self.pending_reductions.len() > MAX_PENDING_REDUCTIONS {
-            let (u, p) = self.pending_reductions.pop_front().expect("non-empty");
-            self.apply_reduction(u, p)?;
-        }
-        Ok(())
+        self.reduce_stage_grads(stage, grads, None)
+    }
+
+    fn gather_split_head(&mut self) -> Result<Option<SplitHead>> {
+        self.split_head_params()
+    }
+
+    fn accumulate_split_head_grads(&mut self, norm: Tensor, rows: Tensor) -> Result<()> {
+        self.add_split_head_grads(norm, rows)
+    }
+
+    fn gather_split_embedding(&mut self) -> Result<Option<VocabSlice>> {
+        self.split_embedding_params()
+    }
+
+    fn accumulate_split_embedding_grad(&mut self, rows: Tensor, grads: Tensor) -> Result<()> {
+        self.add_split_embedding_grad(rows, grads)
     }
 
     fn release(&mut self, stage: Stage) {
@@ -653,10 +710,7 @@ impl ParamStore for ShardedParams {
     fn grad_sq_norm(&mut self) -> Result<f64> {
         self.finish_grads()?;
         let _g = tch::no_grad_guard();
-        let mut local = 0.0;
-        for g in &self.grads {
-            local += g.square().sum(Kind::Double).double_value(&[]);
-        }
+        let local: f64 = self.grads.iter().map(sum_of_squares).sum();
         if self.sharded() && self.world > 1 {
             // Replicas hold equal shards: the shard group's sum is the whole gradient's.
             let t = Tensor::from_slice(&[local]).to_device(self.opts.device);

@@ -15,9 +15,9 @@
 //!    still read it; allocated after the fence, NCCL (which waits for the fence only) could write it under them.
 
 use anyhow::{anyhow, Result};
-use ferl_collective::{Communicator, ComputeFence};
+use ferl_collective::{Backend, Communicator, ComputeFence, ReduceOp};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use tch::{Device, Tensor};
 
@@ -38,46 +38,15 @@ impl Pending {
     }
 }
 
-/// The thread that owns the communicators' calls.
-pub(crate) struct CommWorker {
+/// The sending end of the thread's queue.
+struct Queue {
     /// The device the collectives' tensors live on (where fences are recorded).
     device: Device,
-    /// Ranks of the shard group.
-    world: usize,
-    replicate: Option<Arc<dyn Communicator>>,
-    tx: Option<Sender<Job>>,
-    handle: Option<JoinHandle<()>>,
+    tx: Sender<Job>,
 }
 
-impl CommWorker {
-    /// Starts the thread for the shard group `comm` and, under HSDP, the replica group `replicate`.
-    pub(crate) fn new(
-        device: Device,
-        comm: Arc<dyn Communicator>,
-        replicate: Option<Arc<dyn Communicator>>,
-    ) -> Self {
-        let replicate = replicate.filter(|r| r.world_size() > 1);
-        let (tx, rx) = channel::<Job>();
-        let (rank, world) = (comm.rank(), comm.world_size());
-        let handle = std::thread::Builder::new()
-            .name(format!("ferl-fsdp-comm-{rank}"))
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    job(comm.as_ref());
-                }
-            })
-            .expect("spawning the communication thread");
-        Self {
-            device,
-            world,
-            replicate,
-            tx: Some(tx),
-            handle: Some(handle),
-        }
-    }
-
-    /// Queues `f`; its tensor comes back through the returned [`Pending`].
-    pub(crate) fn submit<F>(&self, what: &'static str, f: F) -> Pending
+impl Queue {
+    fn submit<F>(&self, what: &'static str, f: F) -> Pending
     where
         F: FnOnce(&dyn Communicator) -> Result<Tensor> + Send + 'static,
     {
@@ -91,11 +60,87 @@ impl CommWorker {
         let job: Job = Box::new(move |c| {
             let _ = tx.send(fence.scope(|| f(c)));
         });
-        if let Some(sender) = &self.tx {
-            // A send error means the thread is gone; `wait` then reports it.
-            let _ = sender.send(job);
-        }
+        // A send error means the thread is gone; `wait` then reports it.
+        let _ = self.tx.send(job);
         Pending { rx, what }
+    }
+}
+
+/// The thread that owns the communicators' calls.
+pub(crate) struct CommWorker {
+    /// Ranks of the shard group.
+    world: usize,
+    rank: usize,
+    backend: Backend,
+    replicate: Option<Arc<dyn Communicator>>,
+    queue: Option<Arc<Queue>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl CommWorker {
+    /// Starts the thread for the shard group `comm` and, under HSDP, the replica group `replicate`.
+    pub(crate) fn new(
+        device: Device,
+        comm: Arc<dyn Communicator>,
+        replicate: Option<Arc<dyn Communicator>>,
+    ) -> Self {
+        let replicate = replicate.filter(|r| r.world_size() > 1);
+        let (tx, rx) = channel::<Job>();
+        let (rank, world, backend) = (comm.rank(), comm.world_size(), comm.backend());
+        let handle = std::thread::Builder::new()
+            .name(format!("ferl-fsdp-comm-{rank}"))
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    job(comm.as_ref());
+                }
+            })
+            .expect("spawning the communication thread");
+        Self {
+            world,
+            rank,
+            backend,
+            replicate,
+            queue: Some(Arc::new(Queue { device, tx })),
+            handle: Some(handle),
+        }
+    }
+
+    /// Queues `f`; its tensor comes back through the returned [`Pending`].
+    pub(crate) fn submit<F>(&self, what: &'static str, f: F) -> Pending
+    where
+        F: FnOnce(&dyn Communicator) -> Result<Tensor> + Send + 'static,
+    {
+        let queue = self
+            .queue
+            .as_ref()
+            .expect("the queue lives as long as the worker");
+        queue.submit(what, f)
+    }
+
+    /// The shard group as a [`Communicator`] whose every call runs on this thread, in order with the store's own
+    /// collectives (the split head's exchanges). It fails once the worker is gone.
+    pub(crate) fn shard_group(&self) -> Arc<dyn Communicator> {
+        let queue = self
+            .queue
+            .as_ref()
+            .expect("the queue lives as long as the worker");
+        Arc::new(QueuedComm {
+            queue: Arc::downgrade(queue),
+            rank: self.rank,
+            world: self.world,
+            backend: self.backend,
+        })
+    }
+
+    /// Sums `t` across the replica group (HSDP), or returns it without one.
+    pub(crate) fn all_reduce_replicas(&self, mut t: Tensor) -> Pending {
+        let replicate = self.replicate.clone();
+        self.submit("all_reduce", move |_| {
+            if let Some(r) = replicate {
+                r.all_reduce(&mut t, ReduceOp::Sum)?;
+            }
+            Ok(t)
+        })
     }
 
     /// All-gathers the 1-D `shard` into a new tensor of `world * shard.numel()` elements.
@@ -168,9 +213,78 @@ impl CommWorker {
 
 impl Drop for CommWorker {
     fn drop(&mut self) {
-        self.tx.take();
+        self.queue.take();
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+    }
+}
+
+/// The shard group's communicator seen through the worker's queue ([`CommWorker::shard_group`]): each call is a job
+/// on the communication thread, waited for. Output tensors are the caller's (shallow handles travel to the thread).
+struct QueuedComm {
+    queue: Weak<Queue>,
+    rank: usize,
+    world: usize,
+    backend: Backend,
+}
+
+impl QueuedComm {
+    fn run<F>(&self, what: &'static str, f: F) -> Result<()>
+    where
+        F: FnOnce(&dyn Communicator) -> Result<()> + Send + 'static,
+    {
+        let queue = self
+            .queue
+            .upgrade()
+            .ok_or_else(|| anyhow!("{what}: the store's communication thread is gone"))?;
+        let pending = queue.submit(what, move |c| f(c).map(|()| Tensor::new()));
+        drop(queue);
+        pending.wait().map(drop)
+    }
+}
+
+impl Communicator for QueuedComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let mut t = tensor.shallow_clone();
+        self.run("all_reduce", move |c| c.all_reduce(&mut t, op))
+    }
+
+    fn all_gather(&self, output: &mut Tensor, input: &Tensor) -> Result<()> {
+        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
+        self.run("all_gather", move |c| c.all_gather(&mut out, &input))
+    }
+
+    fn reduce_scatter(&self, output: &mut Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
+        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
+        self.run("reduce_scatter", move |c| {
+            c.reduce_scatter(&mut out, &input, op)
+        })
+    }
+
+    fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        let mut t = tensor.shallow_clone();
+        self.run("broadcast", move |c| c.broadcast(&mut t, root))
+    }
+
+    fn all_to_all(&self, output: &mut Tensor, input: &Tensor) -> Result<()> {
+        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
+        self.run("all_to_all", move |c| c.all_to_all(&mut out, &input))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.run("barrier", |c| c.barrier())
     }
 }

@@ -1,7 +1,8 @@
 //! Store invariant 5 (design note 14): the unit several stages share (the embedding unit holding a tied output matrix)
 //! is reduced like any other — once per stage that uses it, per micro-batch — so no full-size gradient buffer of it
 //! lives through the step (the parity tests check that the values still equal the single-process trainer; this one
-//! checks the counts).
+//! checks the counts). Where the matrix is split by vocabulary rows (`ferl_trainer::vocab_parallel`), the head and
+//! the embedding compute each rank's rows' gradient whole, and the unit is never reduced.
 
 mod common;
 
@@ -12,8 +13,7 @@ use std::sync::{Arc, Mutex};
 use tch::{Device, Kind};
 
 /// Reductions each rank submits in each of two steps (world size 2, micro-batch 1).
-fn reductions_per_step(tie: bool) -> Vec<Vec<u64>> {
-    let cfg = tiny_config(tie);
+fn reductions_per_step(cfg: ferl_trainer::model::config::ModelConfig) -> Vec<Vec<u64>> {
     let samples = Arc::new(Samples::new(GLOBAL_BATCH * 2, cfg.vocab_size));
     let (layout, params) = init(&cfg);
     let params = Arc::new(Mutex::new(params));
@@ -36,22 +36,21 @@ fn reductions_per_step(tie: bool) -> Vec<Vec<u64>> {
 #[test]
 fn tied_embedding_unit_is_reduced_per_stage_like_every_other_unit() {
     let layers = tiny_config(true).num_layers as u64;
-    let micro_batches = (GLOBAL_BATCH / 2) as u64;
-    // Tied: per micro-batch every decoder layer, the head's own unit (the final norm), and the embedding unit twice
-    // (the head's gradient of the output matrix and the embedding's own).
-    for (rank, counts) in reductions_per_step(true).into_iter().enumerate() {
-        assert_eq!(
-            counts,
-            vec![micro_batches * (layers + 3); 2],
-            "tied, rank {rank}"
-        );
-    }
-    // Untied: embedding, layers and head are each reduced once per micro-batch.
-    for (rank, counts) in reductions_per_step(false).into_iter().enumerate() {
-        assert_eq!(
-            counts,
-            vec![micro_batches * (layers + 2); 2],
-            "untied, rank {rank}"
-        );
+    let per_step = |extra: u64| vec![(GLOBAL_BATCH / 2) as u64 * (layers + extra); 2];
+    let cases = [
+        // Tied, gathered: per micro-batch every decoder layer, the head's own unit (the final norm), and the
+        // embedding unit twice (the head's gradient of the output matrix and the embedding's own).
+        ("tied, gathered", tiny_config_with_vocab(true, 61), 3),
+        // Tied and split: every decoder layer and the final norm's unit.
+        ("tied, split", tiny_config(true), 1),
+        // Untied and gathered: embedding, layers and head are each reduced once per micro-batch.
+        ("untied, gathered", tiny_config_with_vocab(false, 61), 2),
+        // Untied, the embedding split: the layers and the head (its output matrix shares the norm's unit).
+        ("untied, split embedding", tiny_config(false), 1),
+    ];
+    for (what, cfg, extra) in cases {
+        for (rank, counts) in reductions_per_step(cfg).into_iter().enumerate() {
+            assert_eq!(counts, per_step(extra), "{what}, rank {rank}");
+        }
     }
 }

@@ -48,6 +48,11 @@ impl SpGroup {
         self.comm.as_ref()
     }
 
+    /// The group's communicator, shared.
+    pub fn shared_comm(&self) -> Arc<dyn Communicator> {
+        self.comm.clone()
+    }
+
     /// Refuses a model whose heads do not split over the group ([`check_heads`]).
     pub fn check_heads(&self, num_heads: i64, num_kv_heads: i64) -> Result<()> {
         check_heads(self.size(), num_heads, num_kv_heads)

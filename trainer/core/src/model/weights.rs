@@ -316,11 +316,19 @@ pub fn load_params(dir: &Path, layout: &ModelLayout) -> Result<Vec<Tensor>> {
 /// Random parameters as transformers initialises them: normal(0, initializer_range) for linear and embedding
 /// weights, zeros for biases, ones for norms. Deterministic for a given `seed`.
 pub fn init_params(cfg: &ModelConfig, layout: &ModelLayout, seed: i64) -> Vec<Tensor> {
-    // torch's generator is global: two threads initialising at once (tests run in parallel) would each draw the
-    // other's numbers, so seeding and drawing happen under one lock.
+    seeded(seed, || init_drawn(cfg, layout))
+}
+
+/// `draw()` with torch's global generator seeded with `seed`, under one process-wide lock: two threads seeding and
+/// drawing at once (ranks as threads, tests run in parallel) would each draw the other's numbers.
+pub fn seeded<T>(seed: i64, draw: impl FnOnce() -> T) -> T {
     static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     tch::manual_seed(seed);
+    draw()
+}
+
+fn init_drawn(cfg: &ModelConfig, layout: &ModelLayout) -> Vec<Tensor> {
     let _guard = tch::no_grad_guard();
     layout
         .tensors

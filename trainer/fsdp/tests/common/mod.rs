@@ -21,12 +21,18 @@ pub(crate) const GLOBAL_BATCH: usize = 8;
 /// Total optimizer steps of a run (the schedule length).
 pub(crate) const TOTAL_STEPS: i64 = 6;
 
-/// A tiny Qwen2: 3 layers, GQA, small vocabulary.
+/// A tiny Qwen2: 3 layers, GQA, a vocabulary of 64 (a tied output matrix splits by rows over 2 and 4 ranks, so
+/// the head is split, `ferl_trainer::vocab_parallel`).
 pub(crate) fn tiny_config(tie: bool) -> ModelConfig {
+    tiny_config_with_vocab(tie, 64)
+}
+
+/// [`tiny_config`] with `vocab` words (61: shards cut rows of the tied matrix, the head gathers it whole).
+pub(crate) fn tiny_config_with_vocab(tie: bool, vocab: i64) -> ModelConfig {
     let raw = serde_json::json!({
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
-        "num_hidden_layers": 3, "vocab_size": 61, "tie_word_embeddings": tie, "rms_norm_eps": 1e-6,
+        "num_hidden_layers": 3, "vocab_size": vocab, "tie_word_embeddings": tie, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "initializer_range": 0.2, "hidden_act": "silu", "torch_dtype": "float32"
     });
     ModelConfig::from_value(raw, std::path::Path::new("tiny test config")).unwrap()
