@@ -68,26 +68,27 @@ impl AdamW {
     }
 }
 
-/// Elements of the pieces [`AdamW::step`] updates a tensor in: its two temporaries hold one piece (16 MiB each in
-/// fp32) rather than the largest tensor (a Qwen2.5-0.5B embedding: 545 MB each). The update is element-wise, so
-/// pieces give the same values.
-const PIECE_ELEMENTS: i64 = 1 << 22;
+/// Elements of the pieces [`AdamW::step`] updates a tensor in on `device`: its two temporaries hold one piece rather
+/// than the largest tensor (a Qwen2.5-0.5B embedding: 545 MB each). The update is element-wise, so pieces give the
+/// same values. On the CPU a piece is 4 MiB in fp32 (a temporary's pages are faulted in at each use and count in the
+/// resident set); on CUDA 64 MiB, so that a large model's update is not a flood of small kernel launches.
+fn piece_elements(device: tch::Device) -> i64 {
+    match device {
+        tch::Device::Cpu => 1 << 20,
+        _ => 1 << 24,
+    }
+}
 
-/// A parameter, its gradient and its two moments as flat pieces of at most [`PIECE_ELEMENTS`] (views: the update
+/// A parameter, its gradient and its two moments as flat pieces of at most [`piece_elements`] (views: the update
 /// writes through them), or whole when one of them is not contiguous.
 fn pieces(all: [&Tensor; 4]) -> Vec<[Tensor; 4]> {
     if !all.iter().all(|t| t.is_contiguous()) {
         return vec![all.map(Tensor::shallow_clone)];
     }
-    let numel = all[0].numel() as i64;
+    let (numel, piece) = (all[0].numel() as i64, piece_elements(all[0].device()));
     (0..numel)
-        .step_by(PIECE_ELEMENTS as usize)
-        .map(|start| {
-            all.map(|t| {
-                t.view([-1])
-                    .narrow(0, start, PIECE_ELEMENTS.min(numel - start))
-            })
-        })
+        .step_by(piece as usize)
+        .map(|start| all.map(|t| t.view([-1]).narrow(0, start, piece.min(numel - start))))
         .collect()
 }
 
@@ -200,15 +201,15 @@ impl LrSchedule {
     }
 }
 
-/// `Σ t²` in f64, a piece of [`PIECE_ELEMENTS`] at a time: the squares' temporary holds one piece, not a copy of the
+/// `Σ t²` in f64, a piece of [`piece_elements`] at a time: the squares' temporary holds one piece, not a copy of the
 /// whole tensor (a gradient norm would otherwise copy the largest gradient, an embedding's, at the step's end).
 pub fn sum_of_squares(t: &Tensor) -> f64 {
     let _g = tch::no_grad_guard();
     let flat = t.reshape([-1]);
-    let numel = flat.numel() as i64;
+    let (numel, elements) = (flat.numel() as i64, piece_elements(t.device()));
     let mut total = Tensor::zeros([], (Kind::Double, t.device()));
-    for start in (0..numel).step_by(PIECE_ELEMENTS as usize) {
-        let piece = flat.narrow(0, start, PIECE_ELEMENTS.min(numel - start));
+    for start in (0..numel).step_by(elements as usize) {
+        let piece = flat.narrow(0, start, elements.min(numel - start));
         let _ = total.g_add_(&piece.square().sum(Kind::Double));
     }
     total.double_value(&[])
@@ -299,9 +300,21 @@ mod tests {
     }
 
     #[test]
+    fn a_sum_of_squares_in_pieces_equals_the_whole_sum() {
+        let big = piece_elements(tch::Device::Cpu) * 2 + 5;
+        let t = Tensor::arange(big, (Kind::Float, tch::Device::Cpu)).g_div_scalar(big as f64);
+        let whole = t.square().sum(Kind::Double).double_value(&[]);
+        let pieces = sum_of_squares(&t.view([big, 1]));
+        assert!(
+            (pieces - whole).abs() <= 1e-9 * whole,
+            "{pieces} vs {whole}"
+        );
+    }
+
+    #[test]
     fn adamw_in_pieces_equals_the_whole_update() {
         tch::manual_seed(3);
-        let big = PIECE_ELEMENTS * 2 + 5; // three pieces, the last of 5
+        let big = piece_elements(tch::Device::Cpu) * 2 + 5; // three pieces, the last of 5
         let transposed = Tensor::randn([3, 4], (tch::Kind::Float, tch::Device::Cpu)).tr(); // not contiguous: whole
         let mut p = vec![
             Tensor::randn([big], (tch::Kind::Float, tch::Device::Cpu)),
