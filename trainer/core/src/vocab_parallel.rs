@@ -45,6 +45,9 @@ pub struct VocabSlice {
     pub vocab: i64,
     /// Whether the matrix trains (false: a frozen base under LoRA; no gradient is computed).
     pub trains: bool,
+    /// This rank's rows of the matrix's gradient (fp32 `[rows, hidden]`, on the compute device) when the store lets
+    /// the head add into them directly; without it the head returns the rows' gradient.
+    pub grad: Option<Tensor>,
     /// The ranks holding the other rows, ordered by the rows they hold; its collectives run in order with the
     /// store's own.
     pub group: Arc<dyn Communicator>,
@@ -72,7 +75,8 @@ fn all_positions(counts: &[i64], padded: i64) -> Vec<i64> {
 
 /// [`TokenLoss`] of this rank's normalised target rows `normed` (`[n, hidden]`) through the split matrix: the loss's
 /// value on this rank's rows, the gradient of `normed`, and the gradient of this rank's rows of the matrix (fp32,
-/// `[rows, hidden]`, the group's whole gradient of them; undefined when the matrix is frozen). See the module docs.
+/// `[rows, hidden]`, the group's whole gradient of them; undefined when the matrix is frozen, or when it was added
+/// into the slice's [`VocabSlice::grad`]). See the module docs.
 pub fn head_loss(
     slice: &VocabSlice,
     head: &mut ChunkedHead,
@@ -96,8 +100,12 @@ pub fn head_loss(
             (value, pass(slice, head, &x, &t, false, Some(&grad))?)
         }
     };
-    let grad_w = done.grad_w.unwrap_or_default();
-    Ok((value, rows.scatter_sum(&done.grad_x)?, grad_w))
+    let grad_w = done.grad_w.filter(|_| slice.grad.is_none());
+    Ok((
+        value,
+        rows.scatter_sum(&done.grad_x)?,
+        grad_w.unwrap_or_default(),
+    ))
 }
 
 /// The log-probabilities of this rank's `targets` (`[n]`) under its normalised rows `normed` (`[n, hidden]`) and,
@@ -203,7 +211,10 @@ fn pass(
     let entropy = entropy || grad.is_some_and(TokenGrad::has_entropy);
     let (index, inside) = local_targets(slice, t);
     let want_w = grad.is_some() && slice.trains;
-    let mut grad_w = want_w.then(|| Tensor::zeros(slice.weight.size(), (Kind::Float, x.device())));
+    let mut grad_w = want_w.then(|| match &slice.grad {
+        Some(into) => into.shallow_clone(),
+        None => Tensor::zeros(slice.weight.size(), (Kind::Float, x.device())),
+    });
     let w_c = slice.weight.to_kind(x.kind());
     let (mut log_probs, mut entropies, mut grad_x) = (Vec::new(), Vec::new(), Vec::new());
     // Chunks of as many rows as the whole matrix's head takes, on every rank alike: the logits buffer is a slice's

@@ -27,6 +27,8 @@ enum Loss {
     PerRow,
     PerRowTempered,
     CrossEntropyFrozen,
+    /// Cross-entropy, the matrix's gradient added into the slice's gradient rows.
+    CrossEntropyInto,
 }
 
 impl Loss {
@@ -83,14 +85,19 @@ fn rank_result(
         weight: w.detach().narrow(0, start, rows),
         vocab: w.size()[0],
         trains: which != Loss::CrossEntropyFrozen,
+        grad: (which == Loss::CrossEntropyInto).then(|| Tensor::zeros([rows, 8], heads::CPU)),
         group: comm,
     };
-    let split = head_loss(&slice, &mut head, &x, &t, loss.as_ref()).unwrap();
+    let mut split = head_loss(&slice, &mut head, &x, &t, loss.as_ref()).unwrap();
+    let returned = slice.trains && slice.grad.is_none();
     assert_eq!(
         split.2.defined(),
-        slice.trains,
-        "{which:?}: a frozen matrix has no gradient"
+        returned,
+        "{which:?}: the gradient is returned or added into"
     );
+    if let Some(into) = &slice.grad {
+        split.2 = into.shallow_clone();
+    }
     // Without gradients (validation, scoring): this rank's own head's statistics.
     let own = head.token_stats(&x, &w, &t, true);
     let got = token_stats(&slice, &mut head, &x, &t, true).unwrap();
@@ -149,6 +156,7 @@ fn a_split_head_gives_each_rank_its_rows_loss_and_gradients_and_its_slice_of_the
             Loss::PerRow,
             Loss::PerRowTempered,
             Loss::CrossEntropyFrozen,
+            Loss::CrossEntropyInto,
         ] {
             let (c, s) = (counts.clone(), slices.clone());
             let ranks = with_comm(counts.len(), move |comm| rank_result(comm, &c, &s, which));
@@ -179,6 +187,7 @@ fn embed_rank(
         weight: w.detach().narrow(0, start, rows),
         vocab: w.size()[0],
         trains: true,
+        grad: None,
         group: comm,
     };
     let looked_up = embed(&slice, &ids).unwrap();

@@ -95,11 +95,21 @@ impl ShardedParams {
             .to_device(self.opts.device)
             .to_kind(self.opts.compute_kind)
             .detach();
+        let trains = !self.plan.units[split.unit].frozen;
+        // The rows' gradient is the group's whole: it goes into the shard as it is, unless HSDP's replicas must sum
+        // theirs first or the shard lives on another device (offload).
+        let direct = trains && self.replicas == 1 && self.master_device == self.opts.device;
+        let grad = direct.then(|| {
+            self.grads[split.unit]
+                .narrow(0, split.local_offset, split.rows * split.hidden)
+                .view([split.rows, split.hidden])
+        });
         VocabSlice {
             start: split.first_row,
             weight,
             vocab: split.vocab,
-            trains: !self.plan.units[split.unit].frozen,
+            trains,
+            grad,
             group: self.worker.shard_group(),
         }
     }
