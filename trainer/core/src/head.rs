@@ -310,12 +310,24 @@ fn entropy_logits_grad_in_place(ls: &mut Tensor, t: &Tensor, grad: &TokenGrad) -
     let dlp = log_prob.to_kind(Kind::Float).unsqueeze(1);
     let p = ls.exp();
     let h = -(&p * &*ls).sum_dim_intlist(1, true, Kind::Float);
-    // ls <- -dH · p · (log p + H) - dlp · p
     let dh = dh.to_kind(Kind::Float).unsqueeze(1);
-    let _ = ls.g_add_(&h).g_mul_(&p).g_mul_(&-dh);
-    let _ = ls.g_sub_(&(p * &dlp));
+    entropy_grad_but_onehot(ls, &p, &h, &dlp, &dh);
     let _ = ls.scatter_add_(1, t, &dlp);
     h.squeeze_dim(1)
+}
+
+/// Turns the log-probabilities `ls` (`[n, V]`, in place; `p = exp(ls)`) into `−dH·p·(log p + H) − dlp·p`, the logits'
+/// gradient for per-row gradients `dlp`, `dH` (`[n, 1]`) and entropies `h` (`[n, 1]`) but the target's one-hot term
+/// `dlp` (which the caller adds at the target's column).
+pub(crate) fn entropy_grad_but_onehot(
+    ls: &mut Tensor,
+    p: &Tensor,
+    h: &Tensor,
+    dlp: &Tensor,
+    dh: &Tensor,
+) {
+    let _ = ls.g_add_(h).g_mul_(p).g_mul_(&-dh);
+    let _ = ls.g_sub_(&(p * dlp));
 }
 
 /// The gradient of a chunk's rows `xc` from the logits' gradient `g` (fp32), adding `gᵀ·xc` into `grad_w` when

@@ -23,7 +23,7 @@
 //! alike, by as many rows as a head over the whole matrix takes, so the ranks' collectives match and the logits buffer
 //! of a rank is `1/K` of the whole matrix's.
 
-use crate::head::{project_back, ChunkedHead, TokenGrad, TokenStats};
+use crate::head::{entropy_grad_but_onehot, project_back, ChunkedHead, TokenGrad, TokenStats};
 use crate::head_share::own_loss;
 use crate::loss::TokenLoss;
 use crate::row_exchange::RowExchange;
@@ -148,21 +148,21 @@ pub fn embed(slice: &VocabSlice, ids: &Tensor) -> Result<Tensor> {
 /// The gradient of this rank's rows of the split matrix from the gradient `grad` (`[..., hidden]`) of [`embed`]'s
 /// output for `ids`, sparse: the group's ids and output gradients are gathered, and those whose ids fall in this
 /// rank's rows are returned, `(rows [m], gradients [m, hidden] fp32)` with rows counted from the slice's first, to be
-/// summed into the rows' gradient (`index_add`, repeated rows adding up). `None` when the matrix is frozen (the
-/// exchanges still run, as on every rank).
+/// summed into the rows' gradient (`index_add`, repeated rows adding up). `None`, without exchanges, when the matrix
+/// is frozen (on every rank alike).
 pub fn embedding_grad(
     slice: &VocabSlice,
     ids: &Tensor,
     grad: &Tensor,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    if !slice.trains {
+        return Ok(None);
+    }
     let flat = ids.reshape([-1]);
     let hidden = slice.weight.size()[1];
     let rows = slice.exchange(flat.size()[0], ids.device())?;
     let all_ids = rows.gather(&flat)?;
     let all_grads = rows.gather(&grad.reshape([-1, hidden]).to_kind(Kind::Float))?;
-    if !slice.trains {
-        return Ok(None);
-    }
     let (index, inside) = local_targets(slice, &all_ids);
     let kept = inside.nonzero().squeeze_dim(1);
     let index = index.squeeze_dim(1).index_select(0, &kept);
@@ -351,10 +351,7 @@ fn logits_grad(
             let _ = z.g_add_(&shift); // log p
             let p = z.exp();
             match dh {
-                Some(dh) => {
-                    let _ = z.g_add_(&h.unsqueeze(1)).g_mul_(&p).g_mul_(&-dh);
-                    let _ = z.g_sub_(&(p * &dlp));
-                }
+                Some(dh) => entropy_grad_but_onehot(z, &p, &h.unsqueeze(1), &dlp, &dh),
                 None => {
                     z.copy_(&(p * -&dlp));
                 }

@@ -31,18 +31,20 @@ use crate::groups::ShardGroups;
 use crate::row_split::{embedding_split, head_split, SplitLayout};
 use crate::units::UnitPlan;
 use crate::worker::{CommWorker, Pending};
-
-mod split;
 use crate::{FsdpOptions, ShardingStrategy};
 use anyhow::{bail, Context, Result};
+use ferl_collective::Communicator;
 use ferl_trainer::model::layout::{ModelLayout, Stage};
 use ferl_trainer::optim::sum_of_squares;
 use ferl_trainer::params::{ParamStore, SplitHead, StageParams};
 use ferl_trainer::storage::{free_storage, refill_storage, storage_nbytes};
 use ferl_trainer::vocab_parallel::VocabSlice;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
+
+mod split;
 
 /// Reduce-scatters allowed in flight before `accumulate_grads` waits for the oldest.
 const MAX_PENDING_REDUCTIONS: usize = 4;
@@ -108,6 +110,8 @@ pub struct ShardedParams {
     /// (`crate::row_split`).
     split_head: Option<SplitLayout>,
     split_embedding: Option<SplitLayout>,
+    /// The shard group through the worker, for the split matrices' collectives.
+    shard_group: Arc<dyn Communicator>,
 }
 
 impl ShardedParams {
@@ -194,6 +198,7 @@ impl ShardedParams {
         let worker = CommWorker::new(opts.device, groups.shard, groups.replicate);
         let split_head = head_split(&plan, opts.strategy, rank, world);
         let split_embedding = embedding_split(&plan, opts.strategy, rank, world);
+        let shard_group = worker.shard_group();
         Ok(Self {
             layout,
             plan,
@@ -219,6 +224,7 @@ impl ShardedParams {
             peak_transient: 0,
             split_head,
             split_embedding,
+            shard_group,
         })
     }
 

@@ -242,6 +242,15 @@ impl QueuedComm {
         drop(queue);
         pending.wait().map(drop)
     }
+
+    /// [`Self::run`] of a collective writing the caller's `output` from `input`.
+    fn run_into<F>(&self, what: &'static str, output: &Tensor, input: &Tensor, f: F) -> Result<()>
+    where
+        F: FnOnce(&dyn Communicator, &mut Tensor, &Tensor) -> Result<()> + Send + 'static,
+    {
+        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
+        self.run(what, move |c| f(c, &mut out, &input))
+    }
 }
 
 impl Communicator for QueuedComm {
@@ -263,14 +272,12 @@ impl Communicator for QueuedComm {
     }
 
     fn all_gather(&self, output: &mut Tensor, input: &Tensor) -> Result<()> {
-        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
-        self.run("all_gather", move |c| c.all_gather(&mut out, &input))
+        self.run_into("all_gather", output, input, |c, o, i| c.all_gather(o, i))
     }
 
     fn reduce_scatter(&self, output: &mut Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
-        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
-        self.run("reduce_scatter", move |c| {
-            c.reduce_scatter(&mut out, &input, op)
+        self.run_into("reduce_scatter", output, input, move |c, o, i| {
+            c.reduce_scatter(o, i, op)
         })
     }
 
@@ -280,8 +287,7 @@ impl Communicator for QueuedComm {
     }
 
     fn all_to_all(&self, output: &mut Tensor, input: &Tensor) -> Result<()> {
-        let (mut out, input) = (output.shallow_clone(), input.shallow_clone());
-        self.run("all_to_all", move |c| c.all_to_all(&mut out, &input))
+        self.run_into("all_to_all", output, input, |c, o, i| c.all_to_all(o, i))
     }
 
     fn barrier(&self) -> Result<()> {

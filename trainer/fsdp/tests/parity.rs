@@ -51,12 +51,11 @@ fn full_shard_gathering_the_tied_head_whole_matches_the_local_trainer() {
             let gathered = ShardedParams::new(layout, &params, comm.clone(), opts).unwrap();
             let (layout, params) = init(&tiny_config(true));
             let split = ShardedParams::new(layout, &params, comm, opts).unwrap();
-            (gathered.splits_head(), split.splits_head())
+            let flags = |s: &ShardedParams| (s.splits_head(), s.splits_embedding());
+            (flags(&gathered), flags(&split))
         });
-        assert!(
-            split.iter().all(|&s| s == (false, true)),
-            "world {world}: {split:?}"
-        );
+        let want = ((false, false), (true, true));
+        assert!(split.iter().all(|&s| s == want), "world {world}: {split:?}");
     }
     check_config(ShardingStrategy::FullShard, &cfg, false);
 }

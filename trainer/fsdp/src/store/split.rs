@@ -110,7 +110,7 @@ impl ShardedParams {
             vocab: split.vocab,
             trains,
             grad,
-            group: self.worker.shard_group(),
+            group: self.shard_group.clone(),
         }
     }
 
