@@ -19,7 +19,7 @@
 
 use crate::groups::ShardGroups;
 use crate::store::{local_range, ShardedParams};
-use crate::units::{FlatUnit, UnitPlan};
+use crate::units::{FlatEntry, FlatUnit, UnitPlan};
 use crate::FsdpOptions;
 use anyhow::{bail, Context, Result};
 use ferl_trainer::model::config::ModelConfig;
@@ -284,22 +284,101 @@ impl ShardReader<'_> {
     }
 }
 
-/// Fails unless the checkpoint's units are exactly the ones `plan` makes from the model.
-fn check_units(dir: &Path, meta: &CheckpointMeta, plan: &UnitPlan) -> Result<()> {
-    if meta.units.len() != plan.units.len() {
-        bail!(
-            "{}: the checkpoint has {} units, the model has {}",
-            dir.display(),
-            meta.units.len(),
-            plan.units.len()
-        );
-    }
-    for (a, b) in meta.units.iter().zip(&plan.units) {
-        if a != b {
-            bail!("{}: unit `{}` of the checkpoint does not match the model's `{}` (tensor names, shapes or order differ)", dir.display(), a.name, b.name);
+/// Where each of the model's tensors lies in the checkpoint: per unit of `plan`, per entry, its `(unit, entry)` in
+/// `meta.units`. The checkpoint may group and pad the tensors otherwise (an older build's units); it must hold exactly
+/// the model's tensors, with the same shapes, the same ones training.
+fn locate_tensors(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    plan: &UnitPlan,
+) -> Result<Vec<Vec<(usize, usize)>>> {
+    let mut saved: HashMap<&str, (usize, usize)> = HashMap::new();
+    for (u, unit) in meta.units.iter().enumerate() {
+        for (i, e) in unit.entries.iter().enumerate() {
+            saved.insert(e.name.as_str(), (u, i));
         }
     }
-    Ok(())
+    let locate = |unit: &FlatUnit, e: &FlatEntry| -> Result<(usize, usize)> {
+        let &(u, i) = saved.get(e.name.as_str()).with_context(|| {
+            format!(
+                "{}: the checkpoint has no tensor `{}`",
+                dir.display(),
+                e.name
+            )
+        })?;
+        let old = &meta.units[u];
+        if old.entries[i].shape != e.shape {
+            bail!(
+                "{}: tensor `{}` has shape {:?} in the checkpoint, {:?} in the model",
+                dir.display(),
+                e.name,
+                old.entries[i].shape,
+                e.shape
+            );
+        }
+        let role = |frozen: bool| if frozen { "frozen" } else { "trained" };
+        if old.frozen != unit.frozen {
+            bail!(
+                "{}: tensor `{}` is {} in the checkpoint, {} in the model",
+                dir.display(),
+                e.name,
+                role(old.frozen),
+                role(unit.frozen)
+            );
+        }
+        Ok((u, i))
+    };
+    let located: Vec<Vec<(usize, usize)>> = plan
+        .units
+        .iter()
+        .map(|unit| unit.entries.iter().map(|e| locate(unit, e)).collect())
+        .collect::<Result<_>>()?;
+    let model: std::collections::HashSet<&str> = plan
+        .units
+        .iter()
+        .flat_map(|u| u.entries.iter().map(|e| e.name.as_str()))
+        .collect();
+    if let Some(extra) = saved.keys().find(|n| !model.contains(*n)) {
+        bail!(
+            "{}: the checkpoint's tensor `{extra}` is not in the model (LoRA on one side only?)",
+            dir.display()
+        );
+    }
+    Ok(located)
+}
+
+/// This rank's local buffer of every unit of `plan` (`ranges`, from [`local_range`]) for the shard files' tensors
+/// `{unit}{suffix}`, each tensor's elements read where `located` says the checkpoint holds them, padding zero; the
+/// optimizer's moments (`suffix` `.exp_avg…`) only for the units that train.
+fn read_local(
+    reader: &mut ShardReader,
+    plan: &UnitPlan,
+    located: &[Vec<(usize, usize)>],
+    ranges: &[(i64, i64)],
+    suffix: &str,
+) -> Result<Vec<Tensor>> {
+    let meta = reader.meta;
+    let mut out = Vec::new();
+    for (u, unit) in plan.units.iter().enumerate() {
+        if unit.frozen && suffix.starts_with(".exp_avg") {
+            continue; // frozen units have no optimizer state
+        }
+        let (start, len) = ranges[u];
+        let local = Tensor::zeros([len], (Kind::Float, Device::Cpu));
+        for (e, &(old_u, old_i)) in unit.entries.iter().zip(&located[u]) {
+            let (lo, hi) = (start.max(e.offset), (start + len).min(e.offset + e.numel));
+            if hi <= lo {
+                continue;
+            }
+            let old = &meta.units[old_u];
+            let shift = old.entries[old_i].offset - e.offset;
+            let name = format!("{}{suffix}", old.name);
+            let part = reader.range(old_u, &name, lo + shift, hi + shift)?;
+            local.narrow(0, lo - start, hi - lo).copy_(&part);
+        }
+        out.push(local);
+    }
+    Ok(out)
 }
 
 /// A store and optimizer restored from a sharded checkpoint.
@@ -326,7 +405,7 @@ pub fn load_sharded(
 ) -> Result<LoadedShards> {
     let meta = read_meta(dir)?;
     let plan = UnitPlan::new(&layout);
-    check_units(dir, &meta, &plan)?;
+    let located = locate_tensors(dir, &meta, &plan)?;
     let groups: ShardGroups = comm.into();
     let (rank, world) = groups.shard_rank_and_size();
     let ranges: Vec<(i64, i64)> = plan
@@ -334,33 +413,16 @@ pub fn load_sharded(
         .iter()
         .map(|u| local_range(opts.strategy, u.shard_len(world), rank, world))
         .collect();
-    // Reads the local range of every unit for tensor names `name(unit)`: real elements from the files, padding zero.
-    let bytes_read = std::cell::Cell::new(0u64);
-    let read_all =
-        |file: fn(&Path, usize, usize) -> PathBuf, suffix: &str| -> Result<Vec<Tensor>> {
-            let mut reader = ShardReader::new(dir, &meta, file);
-            let mut out = Vec::new();
-            for (u, unit) in plan.units.iter().enumerate() {
-                if unit.frozen && suffix.starts_with(".exp_avg") {
-                    continue; // frozen units have no optimizer state
-                }
-                let (start, len) = ranges[u];
-                let local = Tensor::zeros([len], (Kind::Float, Device::Cpu));
-                let hi = (start + len).min(unit.numel);
-                if hi > start {
-                    let name = format!("{}{suffix}", unit.name);
-                    local
-                        .narrow(0, 0, hi - start)
-                        .copy_(&reader.range(u, &name, start, hi)?);
-                }
-                out.push(local);
-            }
-            bytes_read.set(bytes_read.get() + reader.bytes_read());
-            Ok(out)
-        };
-    let masters = read_all(model_file, "")?;
-    let exp_avg = read_all(optim_file, ".exp_avg")?;
-    let exp_avg_sq = read_all(optim_file, ".exp_avg_sq")?;
+    let mut bytes_read = 0;
+    let mut read = |file: fn(&Path, usize, usize) -> PathBuf, suffix: &str| {
+        let mut reader = ShardReader::new(dir, &meta, file);
+        let out = read_local(&mut reader, &plan, &located, &ranges, suffix);
+        bytes_read += reader.bytes_read();
+        out
+    };
+    let masters = read(model_file, "")?;
+    let exp_avg = read(optim_file, ".exp_avg")?;
+    let exp_avg_sq = read(optim_file, ".exp_avg_sq")?;
     let store = ShardedParams::from_local_masters(layout, plan, masters, groups, opts)?;
     let device = store.local_masters()[0].device();
     let mut optimizer = AdamW::new(adam, store.trainable_masters());
@@ -374,7 +436,7 @@ pub fn load_sharded(
         store,
         optimizer,
         meta,
-        bytes_read: bytes_read.get(),
+        bytes_read,
     })
 }
 

@@ -121,6 +121,10 @@ pub struct FsdpOptions {
     pub cpu_offload: bool,
     /// Start the next stage's all-gather while the current stage computes.
     pub prefetch: bool,
+    /// Split the vocabulary matrices by rows over the shard group (`vocab_parallel`): the embedding and the head work
+    /// on this rank's rows instead of gathering the whole `[vocab, hidden]` matrix. On by default; it changes no
+    /// result beyond rounding, so turning it off serves comparisons and tests of the gathered path.
+    pub vocab_parallel: bool,
 }
 
 impl FsdpOptions {
@@ -133,6 +137,7 @@ impl FsdpOptions {
             device,
             cpu_offload: false,
             prefetch: true,
+            vocab_parallel: true,
         }
     }
 
@@ -151,6 +156,7 @@ impl FsdpOptions {
             device,
             cpu_offload: cfg.cpu_offload || cfg.offload_params,
             prefetch: true,
+            vocab_parallel: true,
         }
     }
 }

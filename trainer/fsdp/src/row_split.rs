@@ -2,14 +2,14 @@
 //! vocabulary rows ([`ferl_trainer::vocab_parallel`], design note 14: no rank holds a whole `[vocab, hidden]`
 //! matrix or its gradient).
 //!
-//! The store splits a matrix when its flat shards are whole rows of it on every rank, which FSDP's even flat split
-//! gives whenever the shard boundaries fall on row boundaries (`vocab · hidden / world` a multiple of `hidden` for a
-//! matrix alone in its unit: 151,936 rows over 2, 4 or 8 ranks). The head's output matrix must also live in another
-//! unit than the final norm (a tied matrix lives in the embedding unit), so the head gathers only the norm. Otherwise
-//! the stage gathers the matrix whole, as any stage.
+//! The units cut the vocabulary matrices on whole rows (`crate::units` invariant 5: each alone in its unit, padded to
+//! whole rows per rank), so a rank's shard of one is rows `[a_r, b_r)` of it at any world size, the last ranks'
+//! possibly fewer or none. The store splits them unless it runs NO_SHARD, on one rank, or with
+//! [`FsdpOptions::vocab_parallel`] off; otherwise (and for the head kernel, which needs the whole matrix) the stage
+//! gathers the matrix whole, as any stage.
 
 use crate::units::UnitPlan;
-use crate::ShardingStrategy;
+use crate::{FsdpOptions, ShardingStrategy};
 use ferl_trainer::model::layout::Stage;
 
 /// This rank's rows of a split matrix inside its local shard.
@@ -31,37 +31,37 @@ pub(crate) struct SplitLayout {
 /// head gathers it (see the module docs).
 pub(crate) fn head_split(
     plan: &UnitPlan,
-    strategy: ShardingStrategy,
+    opts: &FsdpOptions,
     rank: usize,
     world: usize,
 ) -> Option<SplitLayout> {
     let refs = plan.stage_refs.get(&Stage::Head)?;
     let (&(norm_unit, _), &matrix) = (refs.first()?, refs.get(1)?);
     (matrix.0 != norm_unit)
-        .then(|| row_split(plan, matrix, strategy, rank, world))
+        .then(|| row_split(plan, matrix, opts, rank, world))
         .flatten()
 }
 
 /// The split of the embedding matrix for `rank` of `world`, or `None` when the embedding gathers it.
 pub(crate) fn embedding_split(
     plan: &UnitPlan,
-    strategy: ShardingStrategy,
+    opts: &FsdpOptions,
     rank: usize,
     world: usize,
 ) -> Option<SplitLayout> {
     let &matrix = plan.stage_refs.get(&Stage::Embedding)?.first()?;
-    row_split(plan, matrix, strategy, rank, world)
+    row_split(plan, matrix, opts, rank, world)
 }
 
 /// The split of the `[vocab, hidden]` matrix at `(unit, entry)` when every rank's shard holds whole rows of it.
 fn row_split(
     plan: &UnitPlan,
     (unit, entry): (usize, usize),
-    strategy: ShardingStrategy,
+    opts: &FsdpOptions,
     rank: usize,
     world: usize,
 ) -> Option<SplitLayout> {
-    if strategy == ShardingStrategy::NoShard || world < 2 {
+    if !opts.vocab_parallel || opts.strategy == ShardingStrategy::NoShard || world < 2 {
         return None;
     }
     let e = &plan.units[unit].entries[entry];
@@ -110,10 +110,15 @@ mod tests {
         UnitPlan::new(&ModelLayout::new(&cfg))
     }
 
+    fn opts(strategy: ShardingStrategy) -> FsdpOptions {
+        FsdpOptions::new(strategy, tch::Kind::Float, tch::Device::Cpu)
+    }
+
     #[test]
-    fn a_tied_matrix_splits_where_shards_fall_on_rows() {
+    fn a_tied_matrix_splits_on_whole_rows_at_any_world_size() {
         let p = plan(12, 8, true);
-        let at = |rank, world| head_split(&p, ShardingStrategy::FullShard, rank, world);
+        let full = opts(ShardingStrategy::FullShard);
+        let at = |rank, world| head_split(&p, &full, rank, world);
         let halves: Vec<_> = (0..2).map(|r| at(r, 2).unwrap()).collect();
         assert_eq!((halves[0].first_row, halves[0].rows), (0, 6));
         assert_eq!((halves[1].first_row, halves[1].rows), (6, 6));
@@ -122,23 +127,41 @@ mod tests {
             halves[1].unit, 0,
             "the tied matrix lives in the embedding unit"
         );
-        // 96 elements over 5 ranks: shards of 20 elements cut rows of 8.
-        assert!(at(0, 5).is_none());
-        // One rank, or NO_SHARD: nothing to split.
+        // 12 rows over 5 ranks: padded to 15, 3 rows each, the last rank none.
+        let fifths: Vec<_> = (0..5).map(|r| at(r, 5).unwrap()).collect();
+        let rows: Vec<(i64, i64)> = fifths.iter().map(|s| (s.first_row, s.rows)).collect();
+        assert_eq!(rows, [(0, 3), (3, 3), (6, 3), (9, 3), (12, 0)]);
+        // One rank, NO_SHARD, or the split turned off: nothing to split.
         assert!(at(0, 1).is_none());
-        assert!(head_split(&p, ShardingStrategy::NoShard, 0, 2).is_none());
+        assert!(head_split(&p, &opts(ShardingStrategy::NoShard), 0, 2).is_none());
+        let off = FsdpOptions {
+            vocab_parallel: false,
+            ..full
+        };
+        assert!(head_split(&p, &off, 0, 2).is_none());
+        assert!(embedding_split(&p, &off, 0, 2).is_none());
         // The embedding splits alike: the same matrix.
-        assert_eq!(
-            embedding_split(&p, ShardingStrategy::FullShard, 1, 2),
-            Some(halves[1])
-        );
+        assert_eq!(embedding_split(&p, &full, 1, 2), Some(halves[1]));
     }
 
     #[test]
-    fn an_untied_output_matrix_sharing_the_norms_unit_is_gathered_and_its_embedding_split() {
+    fn an_untied_output_matrix_splits_in_its_own_unit_as_the_embedding_does() {
         let p = plan(12, 8, false);
-        assert!(head_split(&p, ShardingStrategy::FullShard, 0, 2).is_none());
-        let e = embedding_split(&p, ShardingStrategy::FullShard, 1, 2).unwrap();
-        assert_eq!((e.first_row, e.rows, e.local_offset), (6, 6, 0));
+        let full = opts(ShardingStrategy::FullShard);
+        for world in 2..=4 {
+            for rank in 0..world {
+                let head = head_split(&p, &full, rank, world).unwrap();
+                let emb = embedding_split(&p, &full, rank, world).unwrap();
+                assert_eq!(p.units[head.unit].name, "head.output");
+                assert_eq!(p.units[emb.unit].name, "embedding");
+                assert_eq!(
+                    (head.first_row, head.rows, head.local_offset),
+                    (emb.first_row, emb.rows, emb.local_offset),
+                    "rank {rank} of {world}"
+                );
+            }
+        }
+        let e = embedding_split(&p, &full, 1, 3).unwrap();
+        assert_eq!((e.first_row, e.rows, e.local_offset), (4, 4, 0));
     }
 }

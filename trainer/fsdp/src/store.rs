@@ -20,9 +20,10 @@
 //! 5. A unit several stages use — the embedding unit holding a tied output matrix — is sharded, gathered, freed and
 //!    reduced like any other (design note 14): gathered for the embedding's forward, for the head and for the
 //!    embedding's backward, freed after each, and each stage's gradient of it reduce-scattered at once, so no
-//!    full-size gradient buffer of it lives through the step. Where its shards hold whole rows of the matrix
-//!    (`row_split`), neither the embedding nor the head gathers it at all: they take this rank's rows from the master
-//!    shard and add their rows' gradient, already the group's, into the gradient shard (`store/split.rs`).
+//!    full-size gradient buffer of it lives through the step. Where the vocabulary matrices are split by rows
+//!    (`row_split`: sharded, over 2 or more ranks), neither the embedding nor the head gathers them at all: they take
+//!    this rank's rows from the master shard and add their rows' gradient, already the group's, into the gradient
+//!    shard (`store/split.rs`).
 //! 6. A frozen unit (LoRA's base) is gathered like any other but hands out leaves that do not require grad; it has
 //!    no gradient buffer (an empty tensor), no reduction and no optimizer state: [`ParamStore::master_and_grads`]
 //!    returns only the trainable units, which come first in the plan.
@@ -196,8 +197,8 @@ impl ShardedParams {
         let full = (0..master.len()).map(|_| None).collect();
         let resident = vec![false; master.len()];
         let worker = CommWorker::new(opts.device, groups.shard, groups.replicate);
-        let split_head = head_split(&plan, opts.strategy, rank, world);
-        let split_embedding = embedding_split(&plan, opts.strategy, rank, world);
+        let split_head = head_split(&plan, &opts, rank, world);
+        let split_embedding = embedding_split(&plan, &opts, rank, world);
         let shard_group = worker.shard_group();
         Ok(Self {
             layout,

@@ -1,16 +1,20 @@
-//! Flat sharding units: the model's tensors grouped per stage into one flat fp32 buffer each, padded to a multiple of
-//! the world size so every rank holds an equal slice.
+//! Flat sharding units: the model's tensors grouped per stage into one flat fp32 buffer each, padded so every rank
+//! holds an equal slice.
 //!
 //! # Invariants
 //! 1. Every tensor of the layout belongs to exactly one unit: the unit of the first stage (in layout order) that uses
 //!    it. A tied output matrix therefore lives in the embedding unit and the head stage refers to it there.
 //! 2. A unit's flat buffer is its tensors' elements in stage order, back to back, followed by zero padding up to
-//!    `padded = ceil(numel / world) * world`; rank `r` owns `[r * shard, (r + 1) * shard)` with `shard = padded / world`.
+//!    `padded = ceil(numel / (world * row_len)) * world * row_len`; rank `r` owns `[r * shard, (r + 1) * shard)` with
+//!    `shard = padded / world`.
 //!    Under HSDP `world` is the shard group's size (`fsdp_size`): each shard group holds a whole copy.
 //! 3. Padding elements have zero value and zero gradient forever (AdamW keeps zeros at zero).
 //! 4. A stage's trainable and frozen tensors (LoRA's adapters and its frozen base) are separate units (the adapters'
 //!    unit is named `{stage}.adapters`), and every trainable unit comes before every frozen one, so the optimizer's
 //!    state covers a prefix of the units.
+//! 5. The vocabulary matrices are cut by rows: the embedding's `[vocab, hidden]` matrix (tied or not) and an untied
+//!    head's output matrix (unit `head.output`) are each alone in their unit, with `row_len = hidden`, so every rank's
+//!    shard holds whole rows of them at any world size (`crate::row_split`). Every other unit has `row_len = 1`.
 
 use ferl_trainer::model::layout::{ModelLayout, Stage};
 use serde::{Deserialize, Serialize};
@@ -44,6 +48,17 @@ pub struct FlatUnit {
     /// Its tensors never train (the base model under LoRA): no gradients, no optimizer state.
     #[serde(default)]
     pub frozen: bool,
+    /// Shards are cut at multiples of this many elements (invariant 5: a vocabulary matrix's row length; else 1).
+    #[serde(default = "one_element", skip_serializing_if = "is_one_element")]
+    pub row_len: i64,
+}
+
+fn one_element() -> i64 {
+    1
+}
+
+fn is_one_element(n: &i64) -> bool {
+    *n == 1
 }
 
 impl FlatUnit {
@@ -53,6 +68,7 @@ impl FlatUnit {
             entries: Vec::new(),
             numel: 0,
             frozen,
+            row_len: 1,
         }
     }
 
@@ -69,10 +85,10 @@ impl FlatUnit {
         self.entries.len() - 1
     }
 
-    /// Elements after padding to a multiple of `world`.
+    /// Elements after padding to a multiple of `world` whole rows (invariant 2).
     pub fn padded(&self, world: usize) -> i64 {
-        let w = world as i64;
-        (self.numel + w - 1) / w * w
+        let step = world as i64 * self.row_len.max(1);
+        (self.numel + step - 1) / step * step
     }
 
     /// Elements of one rank's shard at `world` ranks.
@@ -142,6 +158,28 @@ pub struct UnitPlan {
     pub stage_units: HashMap<Stage, Vec<usize>>,
 }
 
+/// Invariant 5: the unit of the embedding's matrix and that of the head's output matrix, each alone in its unit, are
+/// cut on whole rows.
+fn cut_vocabulary_by_rows(
+    layout: &ModelLayout,
+    owner: &HashMap<usize, (usize, usize)>,
+    units: &mut [FlatUnit],
+) {
+    let matrices = layout.stages.iter().filter_map(|(stage, ids)| match stage {
+        Stage::Embedding => ids.first(),
+        Stage::Head => ids.get(1),
+        Stage::Decoder(_) => None,
+    });
+    for i in matrices {
+        let unit = &mut units[owner[i].0];
+        if let [only] = &unit.entries[..] {
+            if let [_, hidden] = only.shape[..] {
+                unit.row_len = hidden.max(1);
+            }
+        }
+    }
+}
+
 /// The name a stage's unit gets.
 pub fn unit_name(stage: Stage) -> String {
     match stage {
@@ -152,16 +190,22 @@ pub fn unit_name(stage: Stage) -> String {
 }
 
 impl UnitPlan {
-    /// Groups `layout`'s tensors into units (invariants 1 and 4).
+    /// Groups `layout`'s tensors into units (invariants 1, 4 and 5).
     pub fn new(layout: &ModelLayout) -> Self {
         let mut owner: HashMap<usize, (usize, usize)> = HashMap::new();
         let mut units: Vec<FlatUnit> = Vec::new();
         for (stage, ids) in &layout.stages {
-            let fresh: Vec<usize> = ids
+            let mut fresh: Vec<usize> = ids
                 .iter()
                 .copied()
                 .filter(|i| !owner.contains_key(i))
                 .collect();
+            // Invariant 5: an untied head's output matrix is a unit of its own.
+            let matrix = match stage {
+                Stage::Head => ids.get(1).copied().filter(|i| fresh.contains(i)),
+                _ => None,
+            };
+            fresh.retain(|&i| Some(i) != matrix);
             let (train, frozen): (Vec<usize>, Vec<usize>) =
                 fresh.iter().partition(|&&i| layout.trainable[i]);
             let mixed = !train.is_empty() && !frozen.is_empty();
@@ -180,7 +224,15 @@ impl UnitPlan {
                 }
                 units.push(unit);
             }
+            if let Some(i) = matrix {
+                let name = format!("{}.output", unit_name(*stage));
+                let mut unit = FlatUnit::new(name, !layout.trainable[i]);
+                let (name, shape) = &layout.tensors[i];
+                owner.insert(i, (units.len(), unit.push(name, i, shape)));
+                units.push(unit);
+            }
         }
+        cut_vocabulary_by_rows(layout, &owner, &mut units);
         // Invariant 4: trainable units first, each group in stage order.
         let mut order: Vec<usize> = (0..units.len()).collect();
         order.sort_by_key(|&u| units[u].frozen);
@@ -279,7 +331,39 @@ mod tests {
                     "tied head touches its own unit and the embedding unit"
                 );
             } else {
-                assert_eq!(head, &vec![3]);
+                assert_eq!(
+                    head,
+                    &vec![3, 4],
+                    "untied head: its norm's unit and its output matrix's"
+                );
+                assert_eq!(plan.units[4].name, "head.output");
+            }
+        }
+    }
+
+    #[test]
+    fn vocabulary_matrices_are_cut_on_whole_rows_at_any_world_size() {
+        for tie in [true, false] {
+            let plan = UnitPlan::new(&layout(tie));
+            let cut: Vec<&str> = plan
+                .units
+                .iter()
+                .filter(|u| u.row_len == 8)
+                .map(|u| u.name.as_str())
+                .collect();
+            let want = match tie {
+                true => vec!["embedding"],
+                false => vec!["embedding", "head.output"],
+            };
+            assert_eq!(cut, want);
+            assert!(plan.units.iter().all(|u| u.row_len == 1 || u.row_len == 8));
+            for u in plan.units.iter().filter(|u| u.row_len == 8) {
+                for world in 1..=8 {
+                    let shard = u.shard_len(world);
+                    assert_eq!(shard % 8, 0, "{} at world {world}", u.name);
+                    assert!(u.padded(world) >= u.numel);
+                    assert!(u.padded(world) - u.numel < world as i64 * 8);
+                }
             }
         }
     }
@@ -314,20 +398,20 @@ mod tests {
         assert_eq!(emb.entries.len(), 1);
         let cpu = tch::Device::Cpu;
         let g = Tensor::randn([11, 8], (Kind::Float, cpu));
-        let same = emb.flatten_grads(&[Some(&g)], 2, Kind::Float, cpu);
+        let same = emb.flatten_grads(&[Some(&g)], 1, Kind::Float, cpu);
         assert_eq!(
             same.data_ptr(),
             g.data_ptr(),
-            "88 elements need no padding at 2 ranks"
+            "88 elements need no padding at 1 rank"
         );
-        let padded = emb.flatten_grads(&[Some(&g)], 3, Kind::Float, cpu);
+        let padded = emb.flatten_grads(&[Some(&g)], 2, Kind::Float, cpu);
         assert_ne!(padded.data_ptr(), g.data_ptr());
-        assert_eq!(padded.numel(), 90);
+        assert_eq!(padded.numel(), 96, "11 rows of 8 padded to 12 at 2 ranks");
         assert!(padded.narrow(0, 0, 88).equal(&g.reshape([-1])));
-        let cast = emb.flatten_grads(&[Some(&g)], 2, Kind::BFloat16, cpu);
+        let cast = emb.flatten_grads(&[Some(&g)], 1, Kind::BFloat16, cpu);
         assert_eq!(cast.kind(), Kind::BFloat16);
         let strided = g.tr().contiguous().tr();
-        let copied = emb.flatten_grads(&[Some(&strided)], 2, Kind::Float, cpu);
+        let copied = emb.flatten_grads(&[Some(&strided)], 1, Kind::Float, cpu);
         assert_ne!(copied.data_ptr(), strided.data_ptr());
         assert!(
             copied.equal(&g.reshape([-1])),

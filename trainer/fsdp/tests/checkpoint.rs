@@ -5,11 +5,14 @@
 mod common;
 
 use common::*;
+use ferl_fsdp::checkpoint::{model_file, optim_file, CheckpointMeta, META_FILE};
+use ferl_fsdp::units::FlatEntry;
 use ferl_fsdp::{
     assemble_full, export_hf, export_sharded, global_step, load_sharded, read_meta, save_sharded,
-    FsdpOptions, ShardedParams, ShardingStrategy,
+    FlatUnit, FsdpOptions, ShardedParams, ShardingStrategy, UnitPlan,
 };
 use ferl_trainer::model::load_model;
+use ferl_trainer::model::weights::write_safetensors;
 use ferl_trainer::optim::AdamW;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -201,7 +204,7 @@ fn loading_a_checkpoint_of_another_model_names_the_mismatch() {
     });
     let err = errs[0].clone().expect("loading must fail");
     assert!(
-        err.contains("global_step_3") && err.contains("unit `head`"),
+        err.contains("global_step_3") && err.contains("no tensor `lm_head.weight`"),
         "{err}"
     );
 }
@@ -232,6 +235,104 @@ fn prefetch_hits_after_the_first_micro_batch_and_never_when_off() {
                 assert_eq!(st.prefetch_hits, 0, "{st:?}");
             }
             assert!(st.all_gathers > 0 && st.reductions > 0, "{st:?}");
+        }
+    }
+}
+
+/// Writes, as a `world`-rank run of an older build would have, a checkpoint of `full` (moments: `full · 0.5` and
+/// `full²`) whose units are `units`, cut at one element (`row_len` 1).
+fn write_checkpoint_with_units(dir: &Path, units: &[FlatUnit], full: &[Tensor], world: usize) {
+    std::fs::create_dir_all(dir).unwrap();
+    let flat = |u: &FlatUnit, f: &dyn Fn(&Tensor) -> Tensor| {
+        let parts: Vec<Tensor> = u.entries.iter().map(|e| f(&full[e.layout_index])).collect();
+        let refs: Vec<Option<&Tensor>> = parts.iter().map(Some).collect();
+        u.flatten(&refs, world, Kind::Float, Device::Cpu)
+    };
+    for rank in 0..world {
+        let (mut model, mut optim) = (Vec::new(), Vec::new());
+        for u in units {
+            let shard = u.shard_len(world);
+            let cut = |t: Tensor| t.narrow(0, rank as i64 * shard, shard).copy();
+            model.push((u.name.clone(), cut(flat(u, &|t| t.copy()))));
+            optim.push((format!("{}.exp_avg", u.name), cut(flat(u, &|t| t * 0.5))));
+            optim.push((format!("{}.exp_avg_sq", u.name), cut(flat(u, &|t| t * t))));
+        }
+        write_safetensors(&model_file(dir, world, rank), &model).unwrap();
+        write_safetensors(&optim_file(dir, world, rank), &optim).unwrap();
+    }
+    let meta = CheckpointMeta {
+        format: "ferl-fsdp/1".into(),
+        world_size: world,
+        replica_groups: 1,
+        global_step: 3,
+        optimizer_step: 3,
+        units: units.to_vec(),
+        model_config: None,
+    };
+    std::fs::write(dir.join(META_FILE), serde_json::to_vec(&meta).unwrap()).unwrap();
+}
+
+#[test]
+fn a_checkpoint_grouping_its_units_otherwise_loads_tensor_by_tensor() {
+    // Before vocabulary matrices had units of their own cut by rows, an untied head's norm and output matrix shared
+    // the unit `head` and every unit was cut at one element: such a checkpoint loads into today's units.
+    let cfg = tiny_config(false);
+    let (layout, full) = init(&cfg);
+    let mut old: Vec<FlatUnit> = UnitPlan::new(&layout).units;
+    let output = old.iter().position(|u| u.name == "head.output").unwrap();
+    let matrix = old.remove(output).entries.remove(0);
+    let head = old.iter_mut().find(|u| u.name == "head").unwrap();
+    head.entries.push(FlatEntry {
+        offset: head.numel,
+        ..matrix
+    });
+    head.numel += head.entries[1].numel;
+    old.iter_mut().for_each(|u| u.row_len = 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("global_step_3");
+    write_checkpoint_with_units(&dir, &old, &full, 2);
+    let want = copies(&full);
+    let shared = Arc::new(Mutex::new(full));
+    let got = run_ranks(3, move |_, comm| {
+        let full = copies(&shared.lock().unwrap());
+        let opts = opts(ShardingStrategy::FullShard);
+        let mut loaded = load_sharded(&dir, layout.clone(), comm, opts, adam()).unwrap();
+        assert!(loaded.store.splits_head(), "the new units split the head");
+        let store = &mut loaded.store;
+        let moments: Vec<(Tensor, Tensor)> = (0..store.plan().units.len())
+            .map(|u| {
+                let unit = &store.plan().units[u];
+                let flat = |f: &dyn Fn(&Tensor) -> Tensor| {
+                    let parts: Vec<Tensor> = unit
+                        .entries
+                        .iter()
+                        .map(|e| f(&full[e.layout_index]))
+                        .collect();
+                    let refs: Vec<Option<&Tensor>> = parts.iter().map(Some).collect();
+                    let (start, len) = store.local_range(u);
+                    let (_, world) = store.rank_and_world();
+                    unit.flatten(&refs, world, Kind::Float, Device::Cpu)
+                        .narrow(0, start, len)
+                };
+                (flat(&|t| t * 0.5), flat(&|t| t * t))
+            })
+            .collect();
+        for (u, (avg, sq)) in moments.iter().enumerate() {
+            assert!(
+                loaded.optimizer.exp_avg[u].equal(avg),
+                "exp_avg of unit {u}"
+            );
+            assert!(
+                loaded.optimizer.exp_avg_sq[u].equal(sq),
+                "exp_avg_sq of unit {u}"
+            );
+        }
+        assert_eq!(loaded.optimizer.step, 3);
+        loaded.store.full_params().unwrap()
+    });
+    for rank in got {
+        for ((name, _), (a, b)) in init(&cfg).0.tensors.iter().zip(want.iter().zip(&rank)) {
+            assert!(a.equal(b), "`{name}` differs after loading");
         }
     }
 }

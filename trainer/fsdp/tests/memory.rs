@@ -1,8 +1,9 @@
 //! Issue #13 item 4 (design note 14, "FULL_SHARD means it"): the bytes a rank holds fall with the number of ranks.
 //!
 //! The law checked, per rank, at world 1, 2 and 4, fp32, FULL_SHARD, with and without gradient checkpointing:
-//! - sharded state (fp32 masters + gradients + AdamW's two moments) ≤ `16 · P / world + 16 · units` bytes (`P` the
-//!   model's parameters; the second term is each unit's padding to a multiple of the world size);
+//! - sharded state (fp32 masters + gradients + AdamW's two moments) ≤ `16 · P / world + 16 · Σ row_len` bytes (`P`
+//!   the model's parameters; the second term is each unit's padding to whole rows per rank, under one row each: one
+//!   element for most units, `hidden` for the vocabulary matrices' units);
 //! - gathered parameters at any moment (resident buffers by their storages, which the autograd graphs kept without
 //!   checkpointing share, plus all-gathers in flight) ≤ `2 · stage`: the stage computing and the prefetched next one,
 //!   where `stage` is the largest stage's gathered bytes (here one decoder layer). Holding every layer's gathered
@@ -84,7 +85,7 @@ fn full_shard_bytes_per_rank_fall_as_one_over_world_plus_one_gathered_stage() {
     let layout = ModelLayout::new(&cfg);
     let plan = UnitPlan::new(&layout);
     let params = layout.num_params();
-    let units = plan.units.len() as i64;
+    let pad_rows: i64 = plan.units.iter().map(|u| u.row_len).sum();
     let mut gathers = Vec::new();
     for checkpointing in [false, true] {
         let mut totals = Vec::new();
@@ -105,7 +106,7 @@ fn full_shard_bytes_per_rank_fall_as_one_over_world_plus_one_gathered_stage() {
                 .map(|u| u.padded(world) * 4)
                 .max()
                 .unwrap();
-            let state_bound = 16 * params / world as i64 + 16 * units;
+            let state_bound = 16 * params / world as i64 + 16 * pad_rows;
             let bound = state_bound + 3 * stage + QUEUED_REDUCTIONS * unit;
             let mut worst = 0;
             for (rank, m) in measure(&cfg, world, checkpointing).into_iter().enumerate() {
@@ -168,7 +169,7 @@ fn ranks_read_only_their_shard_of_the_safetensors_files() {
     let dir = tempfile::tempdir().unwrap();
     save_hf_folder(dir.path(), &cfg, &layout, &params, Kind::Float, &[]).unwrap();
     let file_bytes = 4 * layout.num_params() as u64;
-    let units = UnitPlan::new(&layout).units.len() as u64;
+    let pad_rows: i64 = UnitPlan::new(&layout).units.iter().map(|u| u.row_len).sum();
     let params = Arc::new(Mutex::new(params));
     for world in [1usize, 2, 4] {
         let (layout, params, path) = (layout.clone(), params.clone(), dir.path().to_path_buf());
@@ -189,8 +190,8 @@ fn ranks_read_only_their_shard_of_the_safetensors_files() {
             files.bytes_read()
         });
         for (rank, bytes) in read.into_iter().enumerate() {
-            // Each unit's shard is ceil(numel / world) elements: at most one element over a world-th per unit.
-            let bound = file_bytes / world as u64 + 4 * units;
+            // Each unit's shard is under one row (`row_len` elements) over a world-th of it.
+            let bound = file_bytes / world as u64 + 4 * pad_rows as u64;
             eprintln!("world {world} rank {rank}: read {bytes} of {file_bytes} tensor bytes (bound {bound})");
             assert!(
                 bytes <= bound,

@@ -1,8 +1,8 @@
 //! Issue 4's parity test: per-step loss and grad norm of sharded training at world size 1, 2 and 4 (one thread per
 //! rank, TCP collectives on loopback) agree with the single-process `LocalParams` trainer within 1e-5 relative (fp32),
 //! for every strategy, with gradient accumulation on every rank (micro-batch 1, the reference uses micro-batch 2, so
-//! the split differs too). A tied output matrix is split by vocabulary rows for the head where the shards hold whole
-//! rows of it (vocabulary 64) and gathered whole where they do not (61).
+//! the split differs too). The vocabulary matrices are split by rows (tied or not, at 2, 3 and 4 ranks, rows even or
+//! not) and, with `vocab_parallel` off, gathered whole.
 
 mod common;
 
@@ -16,23 +16,33 @@ const STEPS: usize = 4;
 const REL: f64 = 1e-5;
 
 fn check_strategy(strategy: ShardingStrategy, tie: bool, checkpointing: bool) {
-    check_config(strategy, &tiny_config(tie), checkpointing);
+    let opts = FsdpOptions::new(strategy, Kind::Float, Device::Cpu);
+    check_config(opts, &tiny_config(tie), checkpointing, &[1, 2, 4]);
 }
 
-fn check_config(strategy: ShardingStrategy, cfg: &ModelConfig, checkpointing: bool) {
+fn check_config(opts: FsdpOptions, cfg: &ModelConfig, checkpointing: bool, worlds: &[usize]) {
     let tie = cfg.tie_word_embeddings;
     let samples = Arc::new(Samples::new(GLOBAL_BATCH * STEPS, cfg.vocab_size));
     let reference = reference_run(cfg, &samples, STEPS, checkpointing);
-    for world in [1, 2, 4] {
-        let opts = FsdpOptions::new(strategy, Kind::Float, Device::Cpu);
+    for &world in worlds {
         let ranks = sharded_run(cfg, samples.clone(), STEPS, checkpointing, world, opts);
         for (rank, curve) in ranks.iter().enumerate() {
             let what = format!(
-                "{strategy:?} tie={tie} checkpointing={checkpointing} world {world} rank {rank}"
+                "{opts:?} tie={tie} checkpointing={checkpointing} world {world} rank {rank}"
             );
             assert_close(&what, curve, &reference, REL);
         }
     }
+}
+
+/// Whether a store over `world` ranks splits (the head's output matrix, the embedding matrix), on every rank.
+fn split_flags(cfg: &ModelConfig, opts: FsdpOptions, world: usize) -> Vec<(bool, bool)> {
+    let cfg = cfg.clone();
+    run_ranks(world, move |_, comm| {
+        let (layout, params) = init(&cfg);
+        let store = ShardedParams::new(layout, &params, comm, opts).unwrap();
+        (store.splits_head(), store.splits_embedding())
+    })
 }
 
 #[test]
@@ -41,23 +51,26 @@ fn full_shard_matches_the_local_trainer_at_world_1_2_4() {
 }
 
 #[test]
-fn full_shard_gathering_the_tied_head_whole_matches_the_local_trainer() {
-    // 61 rows of 32: the shards cut rows of the tied matrix, so the head gathers it (the other tests split it).
-    let cfg = tiny_config_with_vocab(true, 61);
+fn full_shard_gathering_the_vocabulary_matrix_whole_matches_the_local_trainer() {
+    let cfg = tiny_config(true);
+    let mut opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
     for world in [2, 4] {
-        let split = run_ranks(world, move |_, comm| {
-            let (layout, params) = init(&tiny_config_with_vocab(true, 61));
-            let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
-            let gathered = ShardedParams::new(layout, &params, comm.clone(), opts).unwrap();
-            let (layout, params) = init(&tiny_config(true));
-            let split = ShardedParams::new(layout, &params, comm, opts).unwrap();
-            let flags = |s: &ShardedParams| (s.splits_head(), s.splits_embedding());
-            (flags(&gathered), flags(&split))
-        });
-        let want = ((false, false), (true, true));
-        assert!(split.iter().all(|&s| s == want), "world {world}: {split:?}");
+        assert_eq!(split_flags(&cfg, opts, world), vec![(true, true); world]);
     }
-    check_config(ShardingStrategy::FullShard, &cfg, false);
+    opts.vocab_parallel = false;
+    for world in [2, 4] {
+        assert_eq!(split_flags(&cfg, opts, world), vec![(false, false); world]);
+    }
+    check_config(opts, &cfg, false, &[2, 4]);
+}
+
+#[test]
+fn full_shard_splits_an_untied_head_over_uneven_rows_at_world_3() {
+    // 61 rows over 3 ranks: 21, 21 and 19 rows, each matrix padded to 63 rows in its own unit.
+    let cfg = tiny_config_with_vocab(false, 61);
+    let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
+    assert_eq!(split_flags(&cfg, opts, 3), vec![(true, true); 3]);
+    check_config(opts, &cfg, true, &[3]);
 }
 
 #[test]

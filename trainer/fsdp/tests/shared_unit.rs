@@ -13,13 +13,17 @@ use std::sync::{Arc, Mutex};
 use tch::{Device, Kind};
 
 /// Reductions each rank submits in each of two steps (world size 2, micro-batch 1).
-fn reductions_per_step(cfg: ferl_trainer::model::config::ModelConfig) -> Vec<Vec<u64>> {
+fn reductions_per_step(
+    cfg: ferl_trainer::model::config::ModelConfig,
+    vocab_parallel: bool,
+) -> Vec<Vec<u64>> {
     let samples = Arc::new(Samples::new(GLOBAL_BATCH * 2, cfg.vocab_size));
     let (layout, params) = init(&cfg);
     let params = Arc::new(Mutex::new(params));
     run_ranks(2, move |rank, comm| {
         let mine = copies(&params.lock().unwrap());
-        let opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
+        let mut opts = FsdpOptions::new(ShardingStrategy::FullShard, Kind::Float, Device::Cpu);
+        opts.vocab_parallel = vocab_parallel;
         let store = ShardedParams::new(layout.clone(), &mine, comm, opts).unwrap();
         let optimizer = AdamW::new(adam(), store.trainable_masters());
         let mut s = stepper(&cfg, store, optimizer, 1, true, 0);
@@ -40,16 +44,19 @@ fn tied_embedding_unit_is_reduced_per_stage_like_every_other_unit() {
     let cases = [
         // Tied, gathered: per micro-batch every decoder layer, the head's own unit (the final norm), and the
         // embedding unit twice (the head's gradient of the output matrix and the embedding's own).
-        ("tied, gathered", tiny_config_with_vocab(true, 61), 3),
+        ("tied, gathered", tiny_config(true), false, 3),
         // Tied and split: every decoder layer and the final norm's unit.
-        ("tied, split", tiny_config(true), 1),
-        // Untied and gathered: embedding, layers and head are each reduced once per micro-batch.
-        ("untied, gathered", tiny_config_with_vocab(false, 61), 2),
-        // Untied, the embedding split: the layers and the head (its output matrix shares the norm's unit).
-        ("untied, split embedding", tiny_config(false), 1),
+        ("tied, split", tiny_config(true), true, 1),
+        // Untied and gathered: the embedding, the layers, the final norm's unit and the output matrix's unit.
+        ("untied, gathered", tiny_config(false), false, 3),
+        // Untied and split (uneven rows): the layers and the final norm's unit.
+        ("untied, split", tiny_config_with_vocab(false, 61), true, 1),
     ];
-    for (what, cfg, extra) in cases {
-        for (rank, counts) in reductions_per_step(cfg).into_iter().enumerate() {
+    for (what, cfg, vocab_parallel, extra) in cases {
+        for (rank, counts) in reductions_per_step(cfg, vocab_parallel)
+            .into_iter()
+            .enumerate()
+        {
             assert_eq!(counts, per_step(extra), "{what}, rank {rank}");
         }
     }

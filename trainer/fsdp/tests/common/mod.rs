@@ -16,18 +16,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tch::{Device, Kind, Tensor};
 
-/// Samples per global batch.
-pub(crate) const GLOBAL_BATCH: usize = 8;
+/// Samples per global batch (divisible by 1, 2, 3 and 4 ranks).
+pub(crate) const GLOBAL_BATCH: usize = 12;
 /// Total optimizer steps of a run (the schedule length).
 pub(crate) const TOTAL_STEPS: i64 = 6;
 
-/// A tiny Qwen2: 3 layers, GQA, a vocabulary of 64 (a tied output matrix splits by rows over 2 and 4 ranks, so
-/// the head is split, `ferl_trainer::vocab_parallel`).
+/// A tiny Qwen2: 3 layers, GQA, a vocabulary of 64 (the vocabulary matrices split by rows over the ranks,
+/// `ferl_trainer::vocab_parallel`).
 pub(crate) fn tiny_config(tie: bool) -> ModelConfig {
     tiny_config_with_vocab(tie, 64)
 }
 
-/// [`tiny_config`] with `vocab` words (61: shards cut rows of the tied matrix, the head gathers it whole).
+/// [`tiny_config`] with `vocab` words (61: uneven rows per rank).
 pub(crate) fn tiny_config_with_vocab(tie: bool, vocab: i64) -> ModelConfig {
     let raw = serde_json::json!({
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32,
