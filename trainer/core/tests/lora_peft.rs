@@ -280,6 +280,7 @@ fn lora_training_matches_peft_in_one_process_and_sharded_over_two_ranks() {
     let d = dir.path();
     let settings = write_settings(d);
     let count = LOGIT_SAMPLES.to_string();
+    let samples = (GLOBAL_BATCH * TOTAL_STEPS as usize).to_string();
     let args = [
         "train",
         "--out",
@@ -288,6 +289,8 @@ fn lora_training_matches_peft_in_one_process_and_sharded_over_two_ranks() {
         settings.to_str().unwrap(),
         "--count",
         &count,
+        "--samples",
+        &samples,
     ];
     let mut peft = ReferenceSession::start(&py, "peft_reference.py", &args, &d.join("python.log"));
     let want = reference_curve(&d.join("reference.json"));
@@ -413,7 +416,7 @@ fn a_fresh_adapter_follows_peft_init_and_starts_at_the_base_loss() {
         "--settings",
         settings.to_str().unwrap(),
         "--samples",
-        "8",
+        &GLOBAL_BATCH.to_string(),
     ];
     run_script(&py, "peft_reference.py", &args);
     let peft_loss = reference_curve(&d.join("reference.json"))[0].0;
