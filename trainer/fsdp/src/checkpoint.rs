@@ -11,7 +11,9 @@
 //!
 //! The files are the same whatever the strategy (a NO_SHARD rank writes its slice of its replica), and loading works
 //! at any world size and strategy: each rank reads only the bytes of the old slices overlapping its new range (the
-//! files' headers, then those byte ranges) and reslices them.
+//! files' headers, then those byte ranges) and reslices them. It goes tensor by tensor through the metadata's units
+//! (their padding, `row_len`, included), so a checkpoint whose units group the tensors otherwise — an older build's —
+//! loads as well.
 //!
 //! Under HSDP (shard groups of `S` ranks, see [`crate::groups`]) only the first shard group (replica 0) writes: the
 //! files are those of an `S`-rank run (`world_size` = `S`, `replica_groups` = `world / S` in the metadata), since
