@@ -7,7 +7,10 @@
 //! 2. After [`ShardedParams::finish_grads`] (which `grad_sq_norm` and `master_and_grads` run), `grads[u]` holds the
 //!    *sum over ranks* of every gradient accumulated since `zero_grads`, restricted to this rank's range. Under HSDP
 //!    ([`ShardGroups`]) "ranks" are all of them: units are padded and sliced over the shard group (`world` is its
-//!    size), reduce-scattered within it and all-reduced across the replica group.
+//!    size) and reduce-scattered within it per stage and micro-batch; the replica group's all-reduce of each
+//!    gradient shard runs once per step, in `finish_grads` (FSDP2's HSDP all-reduces on the last micro-batch of an
+//!    accumulation only), so the slow, usually inter-node, replica links carry one shard per unit per step. Before
+//!    `finish_grads` a rank's `grads[u]` holds its own shard group's sum.
 //! 3. Gathered copies never outlive a change of the masters: every cache and prefetch is dropped before the optimizer
 //!    sees the masters, and gathers read copies of the shards, never the masters themselves.
 //!    Within a step, `full[u]` keeps the handle of every buffer gathered for unit `u` until `drop_gathered`: FULL_SHARD's
@@ -59,6 +62,8 @@ pub struct CommStats {
     pub prefetch_hits: u64,
     /// Unit reduce-scatters (or, for NO_SHARD, all-reduces) submitted.
     pub reductions: u64,
+    /// HSDP: all-reduces of a unit's gradient shard across the replica group, one per trainable unit per step.
+    pub replica_all_reduces: u64,
     /// Time `gather` spent blocked on an all-gather.
     pub gather_wait: Duration,
 }
@@ -502,36 +507,63 @@ impl ShardedParams {
         Ok(())
     }
 
-    /// Waits for every gradient reduction in flight and, for NO_SHARD, all-reduces the accumulated gradients; drops
-    /// gathered copies and prefetches. Idempotent; `grad_sq_norm` calls it.
+    /// Waits for every gradient reduction in flight and all-reduces the accumulated gradients where the step's sum
+    /// needs it: NO_SHARD's whole buffers over all ranks, HSDP's shards over the replica group (once per step, not
+    /// per micro-batch: invariant 2). Drops gathered copies and prefetches. Idempotent; `grad_sq_norm` calls it.
     pub fn finish_grads(&mut self) -> Result<()> {
         while let Some((u, p)) = self.pending_reductions.pop_front() {
             self.apply_reduction(u, p)?;
         }
-        if self.dirty && !self.sharded() && self.world > 1 {
-            let trainable = self.plan.trainable_units();
-            let mut pending = Vec::with_capacity(trainable);
-            for u in 0..trainable {
-                let g = self.grads[u]
-                    .to_device(self.opts.device)
-                    .to_kind(self.opts.reduce_kind)
-                    .copy();
-                self.stats.reductions += 1;
-                pending.push(self.worker.all_reduce(g));
-            }
-            for (u, p) in pending.into_iter().enumerate() {
-                let t = p.wait().with_context(|| {
-                    format!(
-                        "all-reduce of unit `{}`'s gradient",
-                        self.plan.units[u].name
-                    )
-                })?;
-                let _g = tch::no_grad_guard();
-                self.grads[u].copy_(&t);
+        if self.dirty {
+            if !self.sharded() && self.world > 1 {
+                self.all_reduce_grads(false)?;
+            } else if self.sharded() && self.replicas > 1 {
+                self.all_reduce_grads(true)?;
             }
         }
         self.dirty = false;
         self.drop_gathered();
+        Ok(())
+    }
+
+    /// Sums every trainable unit's gradient over all ranks (NO_SHARD) or, with `replicas_only`, over the replica
+    /// group (HSDP's shards), in the reduce dtype, a few units in flight at a time.
+    fn all_reduce_grads(&mut self, replicas_only: bool) -> Result<()> {
+        let mut pending: VecDeque<(usize, Pending)> = VecDeque::new();
+        for u in 0..self.plan.trainable_units() {
+            if pending.len() == MAX_PENDING_REDUCTIONS {
+                let (v, p) = pending.pop_front().expect("a full window");
+                self.take_all_reduced(v, p)?;
+            }
+            let g = self.grads[u]
+                .to_device(self.opts.device)
+                .to_kind(self.opts.reduce_kind)
+                .copy();
+            let p = if replicas_only {
+                self.stats.replica_all_reduces += 1;
+                self.worker.all_reduce_replicas(g)
+            } else {
+                self.stats.reductions += 1;
+                self.worker.all_reduce(g)
+            };
+            pending.push_back((u, p));
+        }
+        while let Some((v, p)) = pending.pop_front() {
+            self.take_all_reduced(v, p)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the all-reduce `p` of unit `u`'s gradient and makes it the gradient.
+    fn take_all_reduced(&mut self, u: usize, p: Pending) -> Result<()> {
+        let t = p.wait().with_context(|| {
+            format!(
+                "all-reduce of unit `{}`'s gradient",
+                self.plan.units[u].name
+            )
+        })?;
+        let _g = tch::no_grad_guard();
+        self.grads[u].copy_(&t);
         Ok(())
     }
 

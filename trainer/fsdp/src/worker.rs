@@ -5,8 +5,8 @@
 //! 1. Collectives run one at a time, in the order they were submitted. Every rank submits the same sequence (the
 //!    schedule is the same on every rank), so the ranks' collectives always match.
 //! 2. Nothing else calls the communicators while the worker exists: all collectives of the store go through it.
-//! 3. Under HSDP a reduction is one job: the shard group's collective, then the replica group's all-reduce of its
-//!    result, so every rank of both groups sees the same order.
+//! 3. Under HSDP a reduce-scatter runs within the shard group only; the replica group's all-reduces are jobs of
+//!    their own (`all_reduce_replicas`, once per unit per step), so every rank of both groups sees the same order.
 //! 4. On CUDA each job carries a [`ComputeFence`] recorded at submission: its NCCL collectives wait for the
 //!    computation enqueued before the submission only, not for what the main thread enqueued since (the layer it
 //!    computes while a prefetch or a reduction is in flight).
@@ -158,10 +158,9 @@ impl CommWorker {
         })
     }
 
-    /// Sums the 1-D `full` across every rank and returns this rank's block of the shard group: a reduce-scatter
-    /// within the shard group, then (HSDP) an all-reduce of the block across the replica group.
+    /// Sums the 1-D `full` across the shard group and returns this rank's block of it (a reduce-scatter; under HSDP
+    /// the replica group's sum is the store's `finish_grads`).
     pub(crate) fn reduce_scatter(&self, full: Tensor) -> Pending {
-        let replicate = self.replicate.clone();
         // Invariant 5: the output (and a contiguous input) are allocated here, before the fence.
         let (full, out) = match self.world {
             1 => (full, None),
@@ -172,18 +171,12 @@ impl CommWorker {
                 (full, Some(out))
             }
         };
-        self.submit("reduce_scatter", move |c| {
-            let mut block = match out {
-                None => full,
-                Some(mut out) => {
-                    c.reduce_scatter(&mut out, &full, ferl_collective::ReduceOp::Sum)?;
-                    out
-                }
-            };
-            if let Some(r) = replicate {
-                r.all_reduce(&mut block, ferl_collective::ReduceOp::Sum)?;
+        self.submit("reduce_scatter", move |c| match out {
+            None => Ok(full),
+            Some(mut out) => {
+                c.reduce_scatter(&mut out, &full, ferl_collective::ReduceOp::Sum)?;
+                Ok(out)
             }
-            Ok(block)
         })
     }
 

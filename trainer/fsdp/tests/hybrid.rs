@@ -2,7 +2,8 @@
 //! `[replicate, shard]` mesh) trains exactly what FULL_SHARD over every rank and the single-process trainer train:
 //! S=2 at world 4 reduces the same gradient as both within 1e-5 and gives the same per-step losses and gradient
 //! norms (fp32); each rank holds 1/S of the model and replicas hold bit-equal shards. Its checkpoints are those of
-//! an S-rank run (only the first shard group writes) and resume at another world size and S.
+//! an S-rank run (only the first shard group writes) and resume at another world size and S. The replica group's
+//! all-reduce runs once per trainable unit per step, whatever the number of micro-batches.
 
 mod common;
 
@@ -67,11 +68,12 @@ fn run_hybrid<T: Send + 'static>(
         .collect()
 }
 
-/// What a rank ends a run with: its curve, its local masters and its master bytes.
+/// What a rank ends a run with: its curve, its local masters, its master bytes and its communication counters.
 struct RankEnd {
     curve: Vec<(f64, f64)>,
     locals: Vec<Tensor>,
     master_bytes: i64,
+    stats: ferl_fsdp::CommStats,
 }
 
 /// Trains `steps` on `store` as rank `rank` of `WORLD` data-parallel ranks.
@@ -96,6 +98,7 @@ fn train(
         curve,
         locals: store.local_masters().iter().map(Tensor::copy).collect(),
         master_bytes,
+        stats: store.comm_stats(),
     }
 }
 
@@ -199,6 +202,19 @@ fn hsdp_2_at_world_4_matches_full_shard_and_the_local_trainer() {
             f.master_bytes,
             per_rank(WORLD),
             "rank {rank}: FULL_SHARD holds 1/{WORLD}"
+        );
+        // Each rank runs GLOBAL_BATCH / WORLD micro-batches per step, each reduce-scattering its stages within the
+        // shard group; across the replicas each trainable unit's shard is summed once per step.
+        let units = (plan.trainable_units() * STEPS) as u64;
+        eprintln!(
+            "HSDP rank {rank}, {STEPS} steps: {} reduce-scatters within the shard group, {} replica all-reduces",
+            h.stats.reductions, h.stats.replica_all_reduces
+        );
+        assert_eq!(h.stats.replica_all_reduces, units, "rank {rank}");
+        assert_eq!(f.stats.replica_all_reduces, 0, "rank {rank}");
+        assert_eq!(
+            h.stats.reductions, f.stats.reductions,
+            "rank {rank}: the same reduce-scatters"
         );
         let fraction = h.master_bytes as f64 / model_bytes as f64;
         assert!(

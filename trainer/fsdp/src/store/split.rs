@@ -59,8 +59,8 @@ impl ShardedParams {
         Ok(Some(self.vocab_slice(&split)))
     }
 
-    /// Adds the sparse gradient `grads` of the rows `rows` of this rank's slice of the embedding matrix: in place into
-    /// its gradient shard, or (HSDP) as a dense slice summed over the replicas first.
+    /// Adds the sparse gradient `grads` of the rows `rows` of this rank's slice of the embedding matrix in place into
+    /// its gradient shard (under HSDP the replicas' sum follows in `finish_grads`, as for every unit).
     pub(super) fn add_split_embedding_grad(&mut self, rows: Tensor, grads: Tensor) -> Result<()> {
         let split = self
             .split_embedding
@@ -70,11 +70,6 @@ impl ShardedParams {
             return Ok(());
         }
         let shape = [split.rows, split.hidden];
-        if self.replicas > 1 {
-            let dense =
-                Tensor::zeros(shape, (Kind::Float, grads.device())).index_add(0, &rows, &grads);
-            return self.add_split_rows_grad(&split, dense);
-        }
         let _g = tch::no_grad_guard();
         let mut dst = self.grads[split.unit]
             .narrow(0, split.local_offset, split.rows * split.hidden)
@@ -96,9 +91,9 @@ impl ShardedParams {
             .to_kind(self.opts.compute_kind)
             .detach();
         let trains = !self.plan.units[split.unit].frozen;
-        // The rows' gradient is the group's whole: it goes into the shard as it is, unless HSDP's replicas must sum
-        // theirs first or the shard lives on another device (offload).
-        let direct = trains && self.replicas == 1 && self.master_device == self.opts.device;
+        // The rows' gradient is the shard group's whole: it goes into the shard as it is (HSDP's replicas sum theirs
+        // in `finish_grads`), unless the shard lives on another device (offload).
+        let direct = trains && self.master_device == self.opts.device;
         let grad = direct.then(|| {
             self.grads[split.unit]
                 .narrow(0, split.local_offset, split.rows * split.hidden)
@@ -115,24 +110,16 @@ impl ShardedParams {
     }
 
     /// Adds the gradient `rows` of this rank's rows of the split matrix `split` (the shard group's whole gradient of
-    /// them; under HSDP summed over the replicas first) into its gradient.
+    /// them) into its gradient shard.
     fn add_split_rows_grad(&mut self, split: &SplitLayout, rows: Tensor) -> Result<()> {
         if !rows.defined() || self.plan.units[split.unit].frozen {
             return Ok(());
         }
-        let rows = rows
-            .to_kind(self.opts.reduce_kind)
-            .reshape([-1])
-            .contiguous();
-        let summed = self
-            .worker
-            .all_reduce_replicas(rows)
-            .wait()
-            .context("all-reduce of a split matrix's gradient over the replicas")?;
         let _g = tch::no_grad_guard();
-        let numel = summed.numel() as i64;
+        let numel = split.rows * split.hidden;
         let mut dst = self.grads[split.unit].narrow(0, split.local_offset, numel);
-        let _ = dst.g_add_(&summed.to_device(self.master_device).to_kind(Kind::Float));
+        let rows = rows.reshape([-1]).to_device(self.master_device);
+        let _ = dst.g_add_(&rows.to_kind(Kind::Float));
         Ok(())
     }
 }
