@@ -7,6 +7,7 @@
 //! gets them back at once) and keeps the storage object, so every view — the graph's included — now holds 0 bytes.
 //! Before backward, [`refill_storage`] gives the storage the freshly all-gathered values: the gathered tensor's
 //! allocation moves over without a copy when nothing else uses it, and the saved graph sees its parameters again.
+//! [`vjp_with_grads`] back-propagates from outputs whose own bytes were freed (it reads none of their values).
 //!
 //! # Invariants
 //! 1. Between [`free_storage`] and [`refill_storage`] nothing may read the storage (a read fails or crashes); the
@@ -29,6 +30,14 @@ extern "C" {
         stolen: *mut c_int,
     ) -> *mut c_char;
     fn ferl_storage_message_free(message: *mut c_char);
+    fn ferl_vjp(
+        outputs: *const *const C_tensor,
+        grads: *const *const C_tensor,
+        n: i64,
+        inputs: *const *const C_tensor,
+        m: i64,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
 }
 
 /// The message a C++ shim of this crate returned on failure (copied, and the C string freed), or `None` on success
@@ -80,6 +89,42 @@ pub fn refill_storage(dst: &Tensor, src: Tensor) -> Result<bool> {
         }
     }
     Ok(stolen != 0)
+}
+
+/// The gradients of `outputs` weighted by `grads` (one each, same shapes) with respect to `inputs` (each requiring
+/// grad; an unused one gets an undefined tensor), freeing the graph: `torch.autograd.grad` with `grad_outputs`. It
+/// reads no output's values, so those may have been freed ([`free_storage`]) since the forward.
+pub fn vjp_with_grads(
+    outputs: &[&Tensor],
+    grads: &[&Tensor],
+    inputs: &[&Tensor],
+) -> Result<Vec<Tensor>> {
+    if outputs.len() != grads.len() {
+        bail!(
+            "vjp: {} outputs but {} gradients",
+            outputs.len(),
+            grads.len()
+        );
+    }
+    let ptrs = |ts: &[&Tensor]| ts.iter().map(|t| t.as_ptr()).collect::<Vec<_>>();
+    let (o, g, i) = (ptrs(outputs), ptrs(grads), ptrs(inputs));
+    let mut out: Vec<*mut C_tensor> = vec![std::ptr::null_mut(); inputs.len()];
+    // SAFETY: every pointer is a live tch tensor for the duration of the call; on success each `out[k]` is a new
+    // `at::Tensor` the returned `Tensor` owns (and frees).
+    unsafe {
+        let err = ferl_vjp(
+            o.as_ptr(),
+            g.as_ptr(),
+            o.len() as i64,
+            i.as_ptr(),
+            i.len() as i64,
+            out.as_mut_ptr(),
+        );
+        if let Some(message) = take_shim_message(err) {
+            bail!("vector-Jacobian product: {message}");
+        }
+        Ok(out.into_iter().map(|p| Tensor::from_ptr(p)).collect())
+    }
 }
 
 #[cfg(test)]

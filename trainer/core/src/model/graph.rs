@@ -17,6 +17,11 @@
 //! Precision: kernels get fp32 tensors and their results are cast back to the compute dtype (in bf16 this matches
 //! the built-in RMSNorm, which also computes in fp32, and keeps SwiGLU's sigmoid in fp32); only the compute-dtype
 //! inputs are kept between forward and backward.
+//!
+//! Memory: a piece keeps its outputs to run its backward from, but backward needs only their graphs, not their
+//! values ([`vjp_with_grads`] reads none). The outputs nothing reads again and no graph saved — the projections `o`
+//! and `dn` once their residual sums are taken, a sequence-parallel layer's local queries, keys and values once
+//! exchanged — have their bytes freed (`drop_values`), so a split layer keeps about what one whole graph would.
 
 use super::config::ModelConfig;
 use super::layers::{self, Attention, Rope};
@@ -24,19 +29,27 @@ use super::layout::DecoderParam;
 use super::lora::Proj;
 use super::ulysses::{self, SpAttention, SpGroup};
 use crate::kernels::{KernelRegistry, RmsNormKernel, SwiGluKernel};
+use crate::storage::{free_storage, vjp_with_grads};
 use anyhow::{Context, Result};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
 /// Gradients of `sum_i <outputs_i, grads_i>` with respect to `inputs` (a vector-Jacobian product).
 fn vjp(outputs: &[&Tensor], grads: &[&Tensor], inputs: &[&Tensor]) -> Vec<Tensor> {
-    let seed = outputs
+    let wanted: Vec<&Tensor> = inputs
         .iter()
-        .zip(grads)
-        .map(|(o, g)| (*o * *g).sum(Kind::Float))
-        .reduce(|a, b| a + b)
-        .expect("at least one output");
-    vjp_of_seed(&seed, inputs)
+        .copied()
+        .filter(|t| t.requires_grad())
+        .collect();
+    let grads = vjp_with_grads(outputs, grads, &wanted).expect("vector-Jacobian product");
+    let mut grads = grads.into_iter();
+    inputs
+        .iter()
+        .map(|t| match t.requires_grad() {
+            true => grads.next().expect("one gradient per differentiated input"),
+            false => Tensor::new(),
+        })
+        .collect()
 }
 
 /// Gradients of the scalar `seed` with respect to `inputs`; an input that does not require grad (a frozen
@@ -268,6 +281,15 @@ impl Piece {
     }
 }
 
+/// Frees the bytes of piece outputs whose values nothing reads again: results of ops that do not save them (linear
+/// projections, RoPE's sums), once their consumers ran. Their graphs stay, and backward starts from those.
+fn drop_values(outputs: &[&Tensor]) -> Result<()> {
+    for t in outputs {
+        free_storage(t).context("freeing a kept piece output's values")?;
+    }
+    Ok(())
+}
+
 /// The pieces of a layer split at replaced ops (see the module docs).
 struct Split {
     d: DecoderParam,
@@ -350,6 +372,7 @@ impl AttnGraph {
         let (q, k, v) = layers::qkv(cfg, d, params, &x, rope);
         let (local, core) =
             SpAttention::forward(&sp.group, &q.detach(), &k.detach(), &v.detach(), &sp.whole)?;
+        drop_values(&[&q, &k, &v])?;
         let local = leaf(&local);
         let o = layers::attention_out(cfg, d, params, &local);
         let graph = Self::SequenceParallel {
@@ -432,6 +455,7 @@ impl LayerGraph {
         let norm1 = NormGraph::build(kernels, &h, &params[d.input_norm], eps)?;
         let (attn, o) = AttnGraph::build(cfg, d, &params, leaf(&norm1.output()), rope, attn)?;
         let a = &h + o.detach();
+        drop_values(&[&o])?;
         let norm2 = NormGraph::build(kernels, &a, &params[d.post_norm], eps)?;
         let x2 = leaf(&norm2.output());
         let (gate, up) = layers::mlp_in(d, &params, &x2);
@@ -439,6 +463,7 @@ impl LayerGraph {
         let m = leaf(&act.output());
         let dn = layers::mlp_out(d, &params, &m);
         let output = &a + dn.detach();
+        drop_values(&[&dn])?;
         let split = Split {
             d: *d,
             norm1,
