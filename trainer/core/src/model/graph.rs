@@ -644,6 +644,15 @@ mod tests {
                 max_diff(&out, &no_grad) < 1e-6,
                 "the no-grad forward is the same layer"
             );
+            if let Body::Split(split) = &g.body {
+                // Kept for their graphs only: the projections' outputs hold no bytes until backward.
+                let AttnGraph::Local(attn) = &split.attn else {
+                    panic!("no sequence parallelism here")
+                };
+                let held = |t: &Tensor| crate::storage::storage_nbytes(t);
+                assert_eq!(held(&attn.outputs[0]), 0, "o is freed");
+                assert_eq!(held(&split.mlp_out.outputs[0]), 0, "dn is freed");
+            }
             let (dh, dp) = g.backward(&dy).unwrap();
             (out, dh, dp)
         };
