@@ -496,14 +496,23 @@ impl ShardedParams {
 
     /// Adds a finished reduction of unit `u` into its gradient.
     fn apply_reduction(&mut self, u: usize, p: Pending) -> Result<()> {
-        let t = p.wait().with_context(|| {
-            format!(
-                "reduce-scatter of unit `{}`'s gradient",
-                self.plan.units[u].name
-            )
-        })?;
+        self.take_reduced(u, p, "reduce-scatter", true)
+    }
+
+    /// Waits for the reduction `p` (`what`) of unit `u`'s gradient and adds it into the gradient (`add`) or makes it
+    /// the gradient.
+    fn take_reduced(&mut self, u: usize, p: Pending, what: &str, add: bool) -> Result<()> {
+        let name = &self.plan.units[u].name;
+        let t = p
+            .wait()
+            .with_context(|| format!("{what} of unit `{name}`'s gradient"))?;
+        let t = t.to_device(self.master_device).to_kind(Kind::Float);
         let _g = tch::no_grad_guard();
-        let _ = self.grads[u].g_add_(&t.to_device(self.master_device).to_kind(Kind::Float));
+        if add {
+            let _ = self.grads[u].g_add_(&t);
+        } else {
+            self.grads[u].copy_(&t);
+        }
         Ok(())
     }
 
@@ -533,7 +542,7 @@ impl ShardedParams {
         for u in 0..self.plan.trainable_units() {
             if pending.len() == MAX_PENDING_REDUCTIONS {
                 let (v, p) = pending.pop_front().expect("a full window");
-                self.take_all_reduced(v, p)?;
+                self.take_reduced(v, p, "all-reduce", false)?;
             }
             let g = self.grads[u]
                 .to_device(self.opts.device)
@@ -549,21 +558,8 @@ impl ShardedParams {
             pending.push_back((u, p));
         }
         while let Some((v, p)) = pending.pop_front() {
-            self.take_all_reduced(v, p)?;
+            self.take_reduced(v, p, "all-reduce", false)?;
         }
-        Ok(())
-    }
-
-    /// Waits for the all-reduce `p` of unit `u`'s gradient and makes it the gradient.
-    fn take_all_reduced(&mut self, u: usize, p: Pending) -> Result<()> {
-        let t = p.wait().with_context(|| {
-            format!(
-                "all-reduce of unit `{}`'s gradient",
-                self.plan.units[u].name
-            )
-        })?;
-        let _g = tch::no_grad_guard();
-        self.grads[u].copy_(&t);
         Ok(())
     }
 
