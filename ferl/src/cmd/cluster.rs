@@ -42,9 +42,10 @@ pub(crate) struct StartArgs {
     /// Stay in the foreground instead of daemonizing.
     #[arg(long)]
     block: bool,
-    /// A node is declared dead after this many milliseconds without heartbeats.
-    #[arg(long, default_value_t = 3000)]
-    heartbeat_ms: u64,
+    /// A node is declared dead after this many milliseconds without heartbeats (default: FERL_HEARTBEAT_BOUND_MS,
+    /// else 3000). Set on the head; nodes beat at the rate the head sets.
+    #[arg(long)]
+    heartbeat_ms: Option<u64>,
 }
 
 /// Arguments of `ferl status`.
@@ -73,9 +74,10 @@ pub(crate) struct StopArgs {
 }
 
 fn node_options(a: &StartArgs) -> Result<NodeOptions> {
-    let mut opts = NodeOptions::new()
-        .resources(ferl_runtime::parse_resources(&a.resources)?)
-        .heartbeat_bound(Duration::from_millis(a.heartbeat_ms));
+    let mut opts = NodeOptions::new().resources(ferl_runtime::parse_resources(&a.resources)?);
+    if let Some(ms) = a.heartbeat_ms {
+        opts = opts.heartbeat_bound(Duration::from_millis(ms));
+    }
     if let Some(n) = a.num_cpus {
         opts = opts.num_cpus(n);
     }

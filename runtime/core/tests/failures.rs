@@ -1,4 +1,4 @@
-//! Failures: a worker killed with SIGKILL, a node agent killed, and the events the driver sees.
+//! Failures: a worker killed with SIGKILL, a node agent killed, a head stalled, and the events the driver sees.
 
 mod common;
 
@@ -144,6 +144,70 @@ async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
         .unwrap()
         .clone();
     assert_eq!(dead["alive"], false);
+}
+
+/// Fails if `events` holds a `NodeDied` now or within `wait`.
+async fn assert_no_node_dies(
+    events: &mut tokio::sync::broadcast::Receiver<Event>,
+    wait: Duration,
+    when: &str,
+) {
+    let deadline = Instant::now() + wait;
+    while let Ok(ev) = tokio::time::timeout_at(deadline.into(), events.recv()).await {
+        if let Ok(Event::NodeDied { node, reason }) = ev {
+            panic!("{when}: {node} declared dead: {reason}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_6_nodes_beat_at_the_heads_rate_and_a_stalled_head_keeps_them() {
+    let bound = Duration::from_millis(1500);
+    let head = common::head(2.0, bound).await;
+    // The node's own bound would have it beat every 15 s; it must beat at the head's rate instead.
+    let node = common::node(
+        &head,
+        &[
+            "--num-cpus",
+            "2",
+            "--resources",
+            "special=1",
+            "--heartbeat-ms",
+            "60000",
+        ],
+        &[],
+    );
+    let cluster = &head.cluster;
+    let mut events = cluster.events();
+    let actor = cluster
+        .spawn::<Counter>(
+            1,
+            SpawnOptions::new().resources(bundle(&[("special", 1.0)])),
+        )
+        .await
+        .unwrap();
+    assert_eq!(actor.address().node, node.name);
+    assert_no_node_dies(&mut events, bound * 3, "a node started with a longer bound").await;
+    // Stall the head's process: both runtime threads block for 4 s, beyond the bound, while the node keeps
+    // beating into unread sockets. The barrier proves both threads are held.
+    let stalled = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let blockers: Vec<_> = (0..2)
+        .map(|_| {
+            let stalled = stalled.clone();
+            tokio::spawn(async move {
+                stalled.wait();
+                std::thread::sleep(Duration::from_secs(4));
+            })
+        })
+        .collect();
+    for b in blockers {
+        b.await.unwrap();
+    }
+    assert_no_node_dies(&mut events, bound * 2, "after the head's stall").await;
+    assert_eq!(actor.call(Add(1)).await.unwrap(), 2);
+    let status = cluster.status().await.unwrap();
+    let nodes = status["nodes"].as_array().unwrap();
+    assert!(nodes.iter().all(|n| n["alive"] == true), "{status}");
 }
 
 /// Waits (generously) for a call to succeed again after a failure.

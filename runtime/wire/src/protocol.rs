@@ -421,6 +421,14 @@ pub struct RegisterNode {
     /// Folder holding worker logs.
     pub log_dir: String,
 }
+/// Head → node agent: the answer to [`RegisterNode`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct NodeAdmitted {
+    /// The node's name in the cluster (`node-N`).
+    pub name: String,
+    /// How often the node must send [`Heartbeat`]s: the head's bound sets it, whatever the node was started with.
+    pub heartbeat_interval_ms: u64,
+}
 /// Node agent → head: still alive.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct Heartbeat {
@@ -568,7 +576,7 @@ pub struct BinaryBlob {
 }
 
 control! {
-    RegisterNode => String,
+    RegisterNode => NodeAdmitted,
     Heartbeat => bool,
     CreateGroup => GroupPlaced,
     RemoveGroup => (),

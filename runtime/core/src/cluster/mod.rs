@@ -54,7 +54,6 @@ fn node_config(
     cfg: &RuntimeConfig,
     session: &Session,
     ip: IpAddr,
-    bound: Duration,
 ) -> NodeConfig {
     NodeConfig {
         resources: crate::control::resources::node_resources(
@@ -64,7 +63,6 @@ fn node_config(
         ),
         log_dir: session.logs(),
         ip: ip.to_string(),
-        heartbeat_interval: bound / 4,
         bin_cache: cfg.bin_cache.clone(),
         force_fetch: cfg.force_fetch,
     }
@@ -96,7 +94,7 @@ pub async fn start_head(opts: HeadOptions) -> Result<HeadHandle> {
     session
         .save_address(&process.addr.to_string())
         .map_err(startup)?;
-    let node_cfg = node_config(&opts.node, &cfg, &session, opts.ip, bound);
+    let node_cfg = node_config(&opts.node, &cfg, &session, opts.ip);
     let node = NodeAgent::start(&process, process.addr, node_cfg)
         .await
         .map_err(startup)?;
@@ -236,7 +234,7 @@ pub async fn start_node(
         Process::start(creds, SocketAddr::new(ip, 0), idle, cfg.transport).map_err(startup)?;
     let _ = process.head.set(head);
     let session = Session::create(&cfg.session_root, "node").map_err(startup)?;
-    let node_cfg = node_config(&opts, &cfg, &session, ip, bound);
+    let node_cfg = node_config(&opts, &cfg, &session, ip);
     let agent = NodeAgent::start(&process, head, node_cfg)
         .await
         .map_err(startup)?;

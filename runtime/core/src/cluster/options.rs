@@ -101,8 +101,9 @@ impl NodeOptions {
         self.resources = resources;
         self
     }
-    /// A node is declared dead after this long without heartbeats (default: the config's,
-    /// `FERL_HEARTBEAT_BOUND_MS`, else 3 s).
+    /// A head declares a node dead after this long without heartbeats (default: the config's,
+    /// `FERL_HEARTBEAT_BOUND_MS`, else 3 s). Nodes beat at the rate their head sets (a quarter of its bound); a
+    /// joining node uses its own bound only to size its connections' idle timeout.
     pub fn heartbeat_bound(mut self, bound: Duration) -> Self {
         self.heartbeat_bound = Some(bound);
         self

@@ -47,9 +47,10 @@ impl Head {
         let _ = process.head.set(process.addr);
         process.host(HEAD_ACTOR, head.clone(), 4096, 4096);
         let ticker = head.clone();
+        let period = head.lock().check_period();
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep((heartbeat_bound / 4).max(Duration::from_millis(20))).await;
+                tokio::time::sleep(period).await;
                 if Arc::strong_count(&ticker.0) <= 1 {
                     break;
                 }
@@ -179,17 +180,22 @@ crate::actor_dispatch!(Head, calls: [RegisterNode, Heartbeat, CreateGroup, Remov
     LookupActor, ResolveActor, KvPut, KvGet, KvWait, Status, WorkerExited, Shutdown], streams: [Subscribe]);
 
 impl Handler<RegisterNode> for Head {
-    async fn handle(&self, m: RegisterNode, _: &Context) -> Result<String> {
+    async fn handle(&self, m: RegisterNode, _: &Context) -> Result<NodeAdmitted> {
         let addr: SocketAddr = m
             .addr
             .parse()
             .with_context(|| format!("node address `{}`", m.addr))?;
-        let name = self
-            .lock()
-            .register_node(addr, m.ip, m.log_dir, m.resources, Instant::now());
+        let (name, interval) = {
+            let mut st = self.lock();
+            let name = st.register_node(addr, m.ip, m.log_dir, m.resources, Instant::now());
+            (name, st.heartbeat_interval())
+        };
         self.emit(Event::NodeJoined { node: name.clone() });
         self.0.freed.notify_waiters();
-        Ok(name)
+        Ok(NodeAdmitted {
+            name,
+            heartbeat_interval_ms: interval.as_millis().max(1) as u64,
+        })
     }
 }
 

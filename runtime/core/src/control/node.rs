@@ -50,7 +50,6 @@ pub(crate) struct NodeConfig {
     pub resources: Resources,
     pub log_dir: PathBuf,
     pub ip: String,
-    pub heartbeat_interval: Duration,
     /// Where fetched driver binaries (and shipped files) are cached (`RuntimeConfig::bin_cache`).
     pub bin_cache: PathBuf,
     /// Always fetch the driver's binary (`RuntimeConfig::force_fetch`).
@@ -88,7 +87,10 @@ impl NodeAgent {
             workers: Mutex::new(HashMap::new()),
             fetch_lock: tokio::sync::Mutex::new(()),
         }));
-        let name = process
+        let NodeAdmitted {
+            name,
+            heartbeat_interval_ms,
+        } = process
             .call_at(head, crate::actor::process::HEAD_ACTOR, &register)
             .await
             .context("registering with the head")?;
@@ -99,22 +101,29 @@ impl NodeAgent {
         let _ = process.node.set((process.addr, name.clone()));
         crate::control::objects::host_service(process);
         tracing::info!(node = %name, addr = %process.addr, "node agent registered");
-        let beat = agent.clone();
+        agent.beat(Duration::from_millis(heartbeat_interval_ms));
+        Ok(agent)
+    }
+
+    /// Sends a heartbeat to the head every `interval` (the head's choice), on a fixed schedule: a slow answer
+    /// delays no later beat beyond its slot. Stops the workers and beats no more once the head says this node is dead.
+    fn beat(&self, interval: Duration) {
+        let beat = self.clone();
+        let head = self.0.head;
+        let heartbeat = Heartbeat {
+            node: self.0.name.clone(),
+        };
         tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
             loop {
-                tokio::time::sleep(cfg.heartbeat_interval).await;
-                match beat
-                    .0
-                    .process
-                    .call_at(
-                        head,
-                        crate::actor::process::HEAD_ACTOR,
-                        &Heartbeat {
-                            node: beat.0.name.clone(),
-                        },
-                    )
-                    .await
-                {
+                ticks.tick().await;
+                let sent =
+                    beat.0
+                        .process
+                        .call_at(head, crate::actor::process::HEAD_ACTOR, &heartbeat);
+                match sent.await {
                     Ok(true) => {}
                     Ok(false) => {
                         tracing::error!(node = %beat.0.name, "the head declared this node dead; stopping its workers");
@@ -127,7 +136,6 @@ impl NodeAgent {
                 }
             }
         });
-        Ok(agent)
     }
 
     /// This node's name.

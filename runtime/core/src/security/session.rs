@@ -58,6 +58,23 @@ pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// Creates `root/base`, or `root/base_1`, `base_2`… when a session of this process took that name in the same
+/// millisecond (two heads started at once in one process must not share logs and worker credentials).
+fn create_unique_dir(root: &Path, base: &str) -> Result<PathBuf> {
+    for n in 0u32.. {
+        let dir = match n {
+            0 => root.join(base),
+            n => root.join(format!("{base}_{n}")),
+        };
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("creating {}", dir.display())),
+        }
+    }
+    unreachable!("u32 names run out")
+}
+
 /// A session folder of this process.
 #[derive(Debug, Clone)]
 pub struct Session {
@@ -73,13 +90,14 @@ impl Session {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        let dir = root.join(format!(
+        let base = format!(
             "session_{}_{}_{}_{}",
             kind,
             stamp.as_secs(),
             stamp.subsec_millis(),
             std::process::id()
-        ));
+        );
+        let dir = create_unique_dir(root, &base)?;
         std::fs::create_dir_all(dir.join("logs"))
             .with_context(|| format!("creating {}", dir.display()))?;
         if kind == "head" {
@@ -241,5 +259,18 @@ mod tests {
             err.contains("not a directory of yours") && err.contains(ROOT_ENV),
             "{err}"
         );
+    }
+
+    #[test]
+    fn sessions_made_in_the_same_millisecond_get_their_own_folders() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs: Vec<PathBuf> = (0..20)
+            .map(|_| Session::create(tmp.path(), "head").unwrap().dir)
+            .collect();
+        let distinct: std::collections::HashSet<_> = dirs.iter().collect();
+        assert_eq!(distinct.len(), dirs.len(), "{dirs:?}");
+        assert!(dirs.iter().all(|d| d.join("logs").is_dir()));
+        let latest = std::fs::read_link(tmp.path().join("session_latest")).unwrap();
+        assert_eq!(&latest, dirs.last().unwrap());
     }
 }

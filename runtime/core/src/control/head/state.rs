@@ -218,8 +218,18 @@ impl HeadState {
         self.membership.heartbeat(node, now)
     }
 
+    /// How often nodes should beat (a node learns it when it registers).
+    pub(super) fn heartbeat_interval(&self) -> Duration {
+        self.membership.heartbeat_interval()
+    }
+
+    /// How often the head checks for silent nodes with [`HeadState::expire`].
+    pub(super) fn check_period(&self) -> Duration {
+        self.membership.check_period()
+    }
+
     /// The nodes silent for longer than the heartbeat bound at `now` (each returned once; pass them to
-    /// [`HeadState::node_lost`]).
+    /// [`HeadState::node_lost`]). Checks later than [`HeadState::check_period`] credit their delay to every node.
     pub(super) fn expire(&mut self, now: Instant) -> Vec<String> {
         self.membership.expire(now)
     }
