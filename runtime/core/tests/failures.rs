@@ -80,25 +80,32 @@ async fn guarantee_5_sigkilled_worker_fails_callers_and_restartable_actor_return
     cluster.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
-    let bound = Duration::from_millis(1500);
+/// Flags of a node agent with 2 CPUs, one `special` resource and its own heartbeat bound.
+fn special_node_flags(bound_ms: &str) -> [&str; 6] {
+    [
+        "--num-cpus",
+        "2",
+        "--resources",
+        "special=1",
+        "--heartbeat-ms",
+        bound_ms,
+    ]
+}
+
+/// A head with heartbeat bound `bound`, a node agent process started with `--heartbeat-ms node_bound_ms` and one
+/// `special` resource, and a counter actor placed on that node.
+async fn head_and_node_with_an_actor(
+    bound: Duration,
+    node_bound_ms: &str,
+) -> (
+    ferl_runtime::HeadHandle,
+    common::NodeProc,
+    ferl_runtime::ActorRef<Counter>,
+) {
     let head = common::head(2.0, bound).await;
-    let mut node = common::node(
-        &head,
-        &[
-            "--num-cpus",
-            "2",
-            "--resources",
-            "special=1",
-            "--heartbeat-ms",
-            "1500",
-        ],
-        &[],
-    );
-    let cluster = &head.cluster;
-    let mut events = cluster.events();
-    let actor = cluster
+    let node = common::node(&head, &special_node_flags(node_bound_ms), &[]);
+    let actor = head
+        .cluster
         .spawn::<Counter>(
             1,
             SpawnOptions::new().resources(bundle(&[("special", 1.0)])),
@@ -106,6 +113,15 @@ async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
         .await
         .unwrap();
     assert_eq!(actor.address().node, node.name);
+    (head, node, actor)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guarantee_6_killed_node_agent_is_detected_within_the_bound() {
+    let bound = Duration::from_millis(1500);
+    let (head, mut node, actor) = head_and_node_with_an_actor(bound, "1500").await;
+    let cluster = &head.cluster;
+    let mut events = cluster.events();
     let pending = {
         let a = actor.clone();
         tokio::spawn(async move { a.call(Sleep(60_000)).await })
@@ -163,30 +179,10 @@ async fn assert_no_node_dies(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantee_6_nodes_beat_at_the_heads_rate_and_a_stalled_head_keeps_them() {
     let bound = Duration::from_millis(1500);
-    let head = common::head(2.0, bound).await;
     // The node's own bound would have it beat every 15 s; it must beat at the head's rate instead.
-    let node = common::node(
-        &head,
-        &[
-            "--num-cpus",
-            "2",
-            "--resources",
-            "special=1",
-            "--heartbeat-ms",
-            "60000",
-        ],
-        &[],
-    );
+    let (head, _node, actor) = head_and_node_with_an_actor(bound, "60000").await;
     let cluster = &head.cluster;
     let mut events = cluster.events();
-    let actor = cluster
-        .spawn::<Counter>(
-            1,
-            SpawnOptions::new().resources(bundle(&[("special", 1.0)])),
-        )
-        .await
-        .unwrap();
-    assert_eq!(actor.address().node, node.name);
     assert_no_node_dies(&mut events, bound * 3, "a node started with a longer bound").await;
     // Stall the head's process: both runtime threads block for 4 s, beyond the bound, while the node keeps
     // beating into unread sockets. The barrier proves both threads are held.
@@ -229,14 +225,7 @@ async fn answer_again(actor: &ferl_runtime::ActorRef<Counter>) -> u32 {
 async fn head_and_two_special_nodes(
 ) -> (ferl_runtime::HeadHandle, common::NodeProc, common::NodeProc) {
     let head = common::head(2.0, Duration::from_millis(1500)).await;
-    let flags = [
-        "--num-cpus",
-        "2",
-        "--resources",
-        "special=1",
-        "--heartbeat-ms",
-        "1500",
-    ];
+    let flags = special_node_flags("1500");
     let first = common::node(&head, &flags, &[]);
     let second = common::node(&head, &flags, &[]);
     (head, first, second)
