@@ -52,24 +52,6 @@ fn vjp(outputs: &[&Tensor], grads: &[&Tensor], inputs: &[&Tensor]) -> Vec<Tensor
         .collect()
 }
 
-/// Gradients of the scalar `seed` with respect to `inputs`; an input that does not require grad (a frozen
-/// parameter) gets an undefined tensor and costs nothing.
-pub fn vjp_of_seed(seed: &Tensor, inputs: &[&Tensor]) -> Vec<Tensor> {
-    let wanted: Vec<&Tensor> = inputs
-        .iter()
-        .copied()
-        .filter(|t| t.requires_grad())
-        .collect();
-    let mut grads = Tensor::run_backward(&[seed], &wanted, false, false).into_iter();
-    inputs
-        .iter()
-        .map(|t| match t.requires_grad() {
-            true => grads.next().expect("one gradient per differentiated input"),
-            false => Tensor::new(),
-        })
-        .collect()
-}
-
 /// A leaf that requires grad, holding `t`'s value.
 fn leaf(t: &Tensor) -> Tensor {
     t.detach().set_requires_grad(true)

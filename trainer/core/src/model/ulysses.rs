@@ -16,10 +16,11 @@
 //! every rank gets one; the gradient sums the repeats back.
 
 use super::layers::{self, Attention};
+use crate::storage::vjp_with_grads;
 use anyhow::{bail, Context, Result};
 use ferl_collective::Communicator;
 use std::sync::Arc;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// A sequence-parallel group: the ranks that share each sequence.
 #[derive(Clone)]
@@ -200,8 +201,8 @@ impl SpAttention {
     /// The gradients of the local `q`, `k`, `v` for the local output gradient `grad` (`[B, H, S, D]`).
     pub fn backward(self, group: &SpGroup, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let grad_out = group.seq_to_heads(grad)?;
-        let seed = (&self.out * grad_out.to_kind(self.out.kind())).sum(Kind::Float);
-        let g = Tensor::f_run_backward(&[seed], &[&self.q, &self.k, &self.v], false, false)?;
+        let grad_out = grad_out.to_kind(self.out.kind());
+        let g = vjp_with_grads(&[&self.out], &[&grad_out], &[&self.q, &self.k, &self.v])?;
         let unrepeat = |t: Tensor| match self.kv_repeat {
             1 => t,
             r => {
