@@ -30,7 +30,7 @@ pub enum RemoteErrorKind {
     Handler,
     /// The message could not be decoded.
     Decode,
-    // Appended (wire version 3 unchanged: the earlier kinds keep their tags): typed failures of control messages,
+    // Appended in wire version 3 (the earlier kinds keep their tags): typed failures of control messages,
     // which the caller turns back into the runtime's matching error.
     /// A resource request the cluster can never satisfy.
     Infeasible,
