@@ -7,8 +7,8 @@ use ferl_runtime::testing::{head_exchange, joiner_exchange};
 use ferl_runtime::testing::{join_proof, Credentials};
 use ferl_runtime::{ActorAddress, Wire};
 use ferl_wire::protocol::{
-    Body, CallKind, Event, Frame, JoinMsg, KvPut, RegisterNode, RemoteError, RemoteErrorKind,
-    SpawnSpec,
+    Body, CallKind, Event, Frame, JoinMsg, KvPut, NodeAdmitted, RegisterNode, RemoteError,
+    RemoteErrorKind, SpawnSpec,
 };
 use ferl_wire::{encode_frame, read_frame, FrameError, WIRE_VERSION};
 use proptest::collection::vec;
@@ -170,14 +170,15 @@ fn decode_message(bytes: &[u8]) -> Answer {
     let Some((&tag, body)) = bytes.split_first() else {
         return Err("empty input".into());
     };
-    match tag % 7 {
+    match tag % 8 {
         0 => round_trip::<Frame>(body),
         1 => round_trip::<JoinMsg>(body),
         2 => round_trip::<Event>(body),
         3 => round_trip::<SpawnSpec>(body),
         4 => round_trip::<RegisterNode>(body),
         5 => round_trip::<Credentials>(body),
-        _ => round_trip::<KvPut>(body),
+        6 => round_trip::<KvPut>(body),
+        _ => round_trip::<NodeAdmitted>(body),
     }
 }
 
@@ -245,12 +246,22 @@ fn message() -> impl Strategy<Value = Vec<u8>> {
     });
     let kv = (".{0,16}", vec(any::<u8>(), 0..64))
         .prop_map(|(key, value)| tagged(6, KvPut { key, value }));
+    let admitted = (".{0,16}", any::<u64>()).prop_map(|(name, heartbeat_interval_ms)| {
+        tagged(
+            7,
+            NodeAdmitted {
+                name,
+                heartbeat_interval_ms,
+            },
+        )
+    });
     prop_oneof![
         frame().prop_map(|(f, _)| tagged(0, f)),
         join_msg().prop_map(|m| tagged(1, m)),
         spec,
         event,
-        kv
+        kv,
+        admitted
     ]
 }
 
