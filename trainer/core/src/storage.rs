@@ -91,9 +91,10 @@ pub fn refill_storage(dst: &Tensor, src: Tensor) -> Result<bool> {
     Ok(stolen != 0)
 }
 
-/// The gradients of `outputs` weighted by `grads` (one each, same shapes) with respect to `inputs` (each requiring
-/// grad; an unused one gets an undefined tensor), freeing the graph: `torch.autograd.grad` with `grad_outputs`. It
-/// reads no output's values, so those may have been freed ([`free_storage`]) since the forward.
+/// The gradients of `outputs` weighted by `grads` (one each, same shapes) with respect to `inputs`, freeing the
+/// graph: `torch.autograd.grad` with `grad_outputs`. An input that does not require grad (a frozen parameter) or
+/// that the outputs do not use gets an undefined tensor and costs nothing. It reads no output's values, so those may
+/// have been freed ([`free_storage`]) since the forward.
 pub fn vjp_with_grads(
     outputs: &[&Tensor],
     grads: &[&Tensor],
@@ -106,6 +107,23 @@ pub fn vjp_with_grads(
             grads.len()
         );
     }
+    let wanted: Vec<&Tensor> = inputs
+        .iter()
+        .copied()
+        .filter(|t| t.requires_grad())
+        .collect();
+    let mut found = vjp_of(outputs, grads, &wanted)?.into_iter();
+    Ok(inputs
+        .iter()
+        .map(|t| match t.requires_grad() {
+            true => found.next().expect("one gradient per differentiated input"),
+            false => Tensor::new(),
+        })
+        .collect())
+}
+
+/// [`vjp_with_grads`] over inputs that all require grad (the shim's contract).
+fn vjp_of(outputs: &[&Tensor], grads: &[&Tensor], inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     let ptrs = |ts: &[&Tensor]| ts.iter().map(|t| t.as_ptr()).collect::<Vec<_>>();
     let (o, g, i) = (ptrs(outputs), ptrs(grads), ptrs(inputs));
     let mut out: Vec<*mut C_tensor> = vec![std::ptr::null_mut(); inputs.len()];

@@ -506,12 +506,11 @@ impl ShardedParams {
         let t = p
             .wait()
             .with_context(|| format!("{what} of unit `{name}`'s gradient"))?;
-        let t = t.to_device(self.master_device).to_kind(Kind::Float);
         let _g = tch::no_grad_guard();
         if add {
-            let _ = self.grads[u].g_add_(&t);
+            let _ = self.grads[u].g_add_(&t.to_device(self.master_device).to_kind(Kind::Float));
         } else {
-            self.grads[u].copy_(&t);
+            self.grads[u].copy_(&t); // converts device and dtype itself
         }
         Ok(())
     }

@@ -34,22 +34,10 @@ use anyhow::{Context, Result};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
-/// Gradients of `sum_i <outputs_i, grads_i>` with respect to `inputs` (a vector-Jacobian product).
+/// Gradients of `sum_i <outputs_i, grads_i>` with respect to `inputs` (a vector-Jacobian product; undefined for an
+/// input that does not require grad).
 fn vjp(outputs: &[&Tensor], grads: &[&Tensor], inputs: &[&Tensor]) -> Vec<Tensor> {
-    let wanted: Vec<&Tensor> = inputs
-        .iter()
-        .copied()
-        .filter(|t| t.requires_grad())
-        .collect();
-    let grads = vjp_with_grads(outputs, grads, &wanted).expect("vector-Jacobian product");
-    let mut grads = grads.into_iter();
-    inputs
-        .iter()
-        .map(|t| match t.requires_grad() {
-            true => grads.next().expect("one gradient per differentiated input"),
-            false => Tensor::new(),
-        })
-        .collect()
+    vjp_with_grads(outputs, grads, inputs).expect("vector-Jacobian product")
 }
 
 /// A leaf that requires grad, holding `t`'s value.
