@@ -16,6 +16,9 @@ Subcommands:
   fresh  --out DIR --settings FILE
          peft's default init (Kaiming-uniform A, zero B) saved to DIR/adapter_fresh, then trained as by `train`
          (DIR/reference.json; its first loss is the base model's).
+  serve  --out DIR --settings FILE [--count K]
+         makes the tiny model and samples, then serves adapter folders as `train` does (for adapters ferl wrote
+         from scratch, never made by peft).
 Common: --rank R --alpha A --seed S --tie 0|1 --samples N --max-len L --threads T
 """
 import argparse
@@ -86,6 +89,12 @@ def train(a):
     merged = model.merge_and_unload()
     state = {k: v.detach().clone().contiguous() for k, v in merged.state_dict().items()}
     save_file(state, os.path.join(a.out, "merged.safetensors"))
+    serve_adapters(a, model_dir, samples)
+
+
+def serve_adapters(a, model_dir, samples):
+    """Prints `ready`, then for each adapter folder named on stdin writes folder/logits.bin of the base model with
+    `PeftModel.from_pretrained(base, folder)` and prints `done`."""
     print("ready", flush=True)
     from peft import PeftModel
 
@@ -94,6 +103,11 @@ def train(a):
         model = PeftModel.from_pretrained(base_model(model_dir), folder)
         ref.write_logits(model, samples[: a.count], os.path.join(folder, "logits.bin"))
         print("done", flush=True)
+
+
+def serve(a):
+    model_dir, samples = make(a)
+    serve_adapters(a, model_dir, samples)
 
 
 def fresh(a):
@@ -107,7 +121,7 @@ def fresh(a):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["train", "fresh"])
+    p.add_argument("cmd", choices=["train", "fresh", "serve"])
     p.add_argument("--out", required=True)
     p.add_argument("--settings", required=True)
     p.add_argument("--count", type=int, default=2)
@@ -121,7 +135,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)
-    {"train": train, "fresh": fresh}[a.cmd](a)
+    {"train": train, "fresh": fresh, "serve": serve}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -471,3 +471,70 @@ fn a_fresh_adapter_follows_peft_init_and_starts_at_the_base_loss() {
         "step 1: ferl {lora_loss} vs peft {peft_loss}"
     );
 }
+
+/// A fresh adapter written by ferl (never made by peft): `spec` on the tiny model, `A` from peft's init and every `B`
+/// seeded nonzero so the adapter changes the logits; returns the stepper holding it.
+fn fresh_ferl_adapter(model_dir: &Path, spec: &LoraSpec, out: &Path) -> Stepper<LocalParams> {
+    let base = load_model(model_dir).unwrap();
+    let cfg = base.config.clone();
+    let (layout, mut params) =
+        lora::with_adapters(&cfg, base.layout, base.params, spec, None, 11).unwrap();
+    let _g = tch::no_grad_guard();
+    for (i, (name, shape)) in layout.tensors.iter().enumerate() {
+        if name.ends_with("lora_B.weight") {
+            let b = weights::seeded(40 + i as i64, || {
+                Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu))
+            });
+            params[i] = b * 0.05;
+        }
+    }
+    lora::write_adapter(
+        out,
+        spec,
+        &layout,
+        &adapters_of(&layout, &params),
+        model_dir.to_str().unwrap(),
+    )
+    .unwrap();
+    let mut store = LocalParams::new(layout, params, Kind::Float);
+    let optimizer = AdamW::new(adam(), store.master_and_grads().0);
+    stepper(&cfg, store, optimizer, MICRO, false, 0)
+}
+
+#[test]
+fn a_fresh_ferl_adapter_loads_in_peft_at_all_linear_and_at_a_module_list() {
+    let Some(py) = venv_python() else { return };
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let settings = write_settings(d);
+    let count = LOGIT_SAMPLES.to_string();
+    let args = [
+        "serve",
+        "--out",
+        d.to_str().unwrap(),
+        "--settings",
+        settings.to_str().unwrap(),
+        "--count",
+        &count,
+    ];
+    let mut peft = ReferenceSession::start(&py, "peft_reference.py", &args, &d.join("python.log"));
+    let samples = read_samples(&d.join("data.json"));
+    let model_dir = d.join("model");
+    for (what, targets) in [
+        ("all-linear", vec![lora::ALL_LINEAR]),
+        ("list", vec!["q_proj", "v_proj"]),
+    ] {
+        let spec = LoraSpec {
+            rank: 4,
+            alpha: 8.0,
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+            exclude: Vec::new(),
+        };
+        let out = d.join(format!("ferl_fresh_{what}"));
+        let mut s = fresh_ferl_adapter(&model_dir, &spec, &out);
+        peft.request(out.to_str().unwrap());
+        let diff = compare_logits(&mut s, &samples, &read_f32s(&out.join("logits.bin")));
+        println!("{what}: ferl's fresh adapter in peft, logits max difference {diff:.2e}");
+    }
+}

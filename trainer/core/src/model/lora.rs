@@ -22,6 +22,8 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 /// The folder of a checkpoint that holds its LoRA adapter in PEFT's format (as verl names it).
 pub const CHECKPOINT_ADAPTER_DIR: &str = "lora_adapter";
+/// PEFT's shorthand for every linear layer but the output layer (verl's default `target_modules`).
+pub const ALL_LINEAR: &str = "all-linear";
 /// The prefix PEFT puts before the base model's module names in adapter files.
 const PEFT_PREFIX: &str = "base_model.model.";
 
@@ -131,7 +133,7 @@ impl LoraSpec {
         let wanted = self
             .targets
             .iter()
-            .any(|t| t == "all-linear" || matches(path, t));
+            .any(|t| t == ALL_LINEAR || matches(path, t));
         wanted && !self.exclude.iter().any(|e| matches(path, e))
     }
 
@@ -142,7 +144,7 @@ impl LoraSpec {
             bail!("model.lora_rank={}: must be positive", self.rank);
         }
         let path = |l: usize, p: Proj| format!("model.layers.{l}.{}", p.module());
-        for t in self.targets.iter().filter(|t| *t != "all-linear") {
+        for t in self.targets.iter().filter(|t| *t != ALL_LINEAR) {
             if ["lm_head", "embed_tokens"]
                 .iter()
                 .any(|m| matches(m, t) || t.ends_with(m))
@@ -224,7 +226,7 @@ impl LoraSpec {
             }
         };
         if let Some(Value::String(s)) = field("target_modules") {
-            if s != "all-linear" {
+            if s != ALL_LINEAR {
                 bail!("{}: target_modules as the regular expression `{s}` is not supported (give a list of names)", file.display());
             }
         }
@@ -383,7 +385,7 @@ pub fn write_adapter(
         "base_model_name_or_path": base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
-        "target_modules": spec.targets,
+        "target_modules": peft_target_modules(&spec.targets),
         "exclude_modules": if spec.exclude.is_empty() { Value::Null } else { json!(spec.exclude) },
         "lora_dropout": 0.0,
         "bias": "none",
@@ -400,6 +402,15 @@ pub fn write_adapter(
     let path = dir.join(ADAPTER_CONFIG);
     std::fs::write(&path, serde_json::to_string_pretty(&config)?)
         .with_context(|| format!("writing {}", path.display()))
+}
+
+/// `target_modules` as PEFT reads it: its shorthand `all-linear` only as a string (a list holding it names a module
+/// called `all-linear`, which matches nothing), names as a list.
+fn peft_target_modules(targets: &[String]) -> Value {
+    match targets {
+        [one] if one == ALL_LINEAR => json!(ALL_LINEAR),
+        names => json!(names),
+    }
 }
 
 /// The base model's tensors with every adapter merged in, `W + (α/r)·B·A` (fp32), in base layout order.
@@ -526,6 +537,14 @@ mod tests {
             with_adapters(&cfg, base.clone(), init_params(&cfg, &base, 1), &s, None, 3).unwrap();
         let dir = tempfile::tempdir().unwrap();
         write_adapter(dir.path(), &s, &layout, &params[layout.base_len()..], "m").unwrap();
+        let written: Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join(ADAPTER_CONFIG)).unwrap())
+                .unwrap();
+        assert_eq!(
+            written["target_modules"],
+            json!("all-linear"),
+            "PEFT reads its shorthand only as a string"
+        );
         assert_eq!(
             LoraSpec::from_adapter_config(&dir.path().join(ADAPTER_CONFIG)).unwrap(),
             s

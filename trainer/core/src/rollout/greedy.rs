@@ -253,12 +253,16 @@ mod tests {
                     let (tokens, lp) = reference(&columns, temperature);
                     assert_eq!(got.tokens, tokens, "n {n}");
                     assert_eq!(got.tokens.int64_value(&[0]), 5);
-                    // Measured: within 1.5e-6 of fp64, where torch's fp32 log-softmax is within 5.6e-6.
+                    // Measured: ours within 1.5e-6 of fp64. torch's fp32 log-softmax is only printed: its error
+                    // depends on the kernel the CPU gets (5.6e-6 with AVX-512, 1.08e-5 on an AVX2-only CPU), and a
+                    // test bounds ferl's error, not a dependency's.
                     let (_, exact) = reference(&columns.to_kind(Kind::Double), temperature);
-                    for (side, values) in [("ours", &got.log_probs), ("torch", &lp)] {
-                        let err = (values - &exact).abs().max().double_value(&[]);
-                        assert!(err < 1e-5, "{side}: n {n} T {temperature}: {err}");
-                    }
+                    let err = |values: &Tensor| (values - &exact).abs().max().double_value(&[]);
+                    let (ours, torch) = (err(&got.log_probs), err(&lp));
+                    println!(
+                        "n {n} T {temperature}: |log p - fp64| ours {ours:.2e}, torch {torch:.2e}"
+                    );
+                    assert!(ours < 1e-5, "ours: n {n} T {temperature}: {ours}");
                 }
             }
         }
