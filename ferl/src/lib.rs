@@ -22,12 +22,20 @@ pub fn enter_worker_mode_if_spawned() {
     ferl_runtime::enter_worker_mode_if_spawned();
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`), in colour only when [`stderr_wants_colour`].
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(stderr_wants_colour())
         .try_init();
+}
+
+/// Whether log lines on stderr may carry ANSI colour codes: only when stderr is a terminal and `$NO_COLOR` is unset
+/// or empty (<https://no-color.org>), so a redirected log (`2>log`, a pipe, a worker's log file) stays plain text.
+pub fn stderr_wants_colour() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

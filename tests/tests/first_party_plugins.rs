@@ -2,7 +2,8 @@
 //! `libferl_plugin_*.so` beside `target/<profile>/ferl`), they are found next to the binary with no
 //! `$FERL_PLUGIN_PATH`: `ferl sft ... trainer.logger=[console,tensorboard,csv] data.plugin=alpaca
 //! model.use_liger=true` trains and writes the TensorBoard event file and the CSV file into its run folder.
-//! `FERL_NO_DEFAULT_PLUGINS=1` turns the default folder off.
+//! `FERL_NO_DEFAULT_PLUGINS=1` turns the default folder off. Its log, on a stderr redirected to a pipe, is plain text
+//! (no colour codes) with one line for the five plugins loaded (issue 36, bug 9).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -85,7 +86,8 @@ fn write_alpaca(file: &Path) {
 }
 
 /// `ferl sft` on the fixture's tiny model and its file `data` for 2 steps into the fixture's folder `run`, with
-/// `extra` overrides, no `$FERL_PLUGIN_PATH`, and `no_defaults` as `$FERL_NO_DEFAULT_PLUGINS`.
+/// `extra` overrides, no `$FERL_PLUGIN_PATH`, and `no_defaults` as `$FERL_NO_DEFAULT_PLUGINS`; logs at the default
+/// level (`info`), on stderr redirected to a pipe.
 fn ferl_sft(
     ferl: &Path,
     fx: &Fixture,
@@ -115,7 +117,8 @@ fn ferl_sft(
         .args(&o)
         .env_remove("FERL_PLUGIN_PATH")
         .env("OMP_NUM_THREADS", "1")
-        .env("RUST_LOG", "warn");
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR");
     if no_defaults {
         cmd.env("FERL_NO_DEFAULT_PLUGINS", "1");
     } else {
@@ -145,7 +148,7 @@ fn first_party_plugins_are_found_next_to_ferl_without_plugin_path() {
     let ferl = ferl_with_plugins();
     let fx = Fixture::new().unwrap();
     write_alpaca(&fx.dir.path().join("alpaca.json"));
-    let (ok, text) = output(ferl_sft(
+    let out = ferl_sft(
         &ferl,
         &fx,
         "alpaca.json",
@@ -156,9 +159,28 @@ fn first_party_plugins_are_found_next_to_ferl_without_plugin_path() {
             "model.use_liger=true",
         ],
         false,
-    ));
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let (ok, text) = output(out);
     assert!(ok, "ferl sft with the first-party plugins failed:\n{text}");
     let run_dir = fx.dir.path().join("run");
+
+    // Issue 36 bug 9: a redirected log is plain text, and the five default plugins make one line, not five.
+    assert!(
+        !stderr.contains("\x1b["),
+        "colour codes on a redirected stderr:\n{stderr}"
+    );
+    let load_lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("plugin") && l.contains("loaded"))
+        .collect();
+    assert_eq!(load_lines.len(), 1, "plugin-load lines:\n{stderr}");
+    for (_, name) in FIRST_PARTY {
+        assert!(
+            load_lines[0].contains(&format!("{name}@")),
+            "`{name}` missing from {load_lines:?}"
+        );
+    }
 
     let csv = std::fs::read_to_string(run_dir.join("metrics.csv"))
         .unwrap_or_else(|e| panic!("metrics.csv: {e}\n{text}"));

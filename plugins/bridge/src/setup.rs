@@ -88,9 +88,11 @@ pub fn default_plugin_files() -> Vec<(String, PathBuf)> {
 /// Loads into `host` each first-party plugin of the default folders ([`default_plugin_files`]) whose name is not
 /// loaded yet (a plugin of the same name from the job's folders or `$FERL_PLUGIN_PATH` wins). The files are watched
 /// like any loaded file (a rebuilt one is loaded as a new version). A file that fails to load is logged and skipped.
-/// Returns how many were loaded.
+/// Each load is logged at debug level and all of them in one info line (`loaded first-party plugins csv@0.1.0, ...
+/// from DIR`), so a command does not open with a line per plugin. Returns how many were loaded.
 pub fn load_default_plugins(host: &PluginHost) -> usize {
-    let mut loaded = 0;
+    let mut loaded: Vec<String> = Vec::new();
+    let mut dirs: Vec<PathBuf> = Vec::new();
     for (name, file) in default_plugin_files() {
         if host.get(&name).is_some() {
             tracing::debug!(
@@ -101,13 +103,25 @@ pub fn load_default_plugins(host: &PluginHost) -> usize {
         }
         match host.load_file(&file, None) {
             Ok(p) => {
-                loaded += 1;
-                tracing::info!("loaded plugin {} from {}", p.label(), file.display());
+                tracing::debug!("loaded plugin {} from {}", p.label(), file.display());
+                loaded.push(p.label());
+                let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+                if !dirs.contains(&dir) {
+                    dirs.push(dir);
+                }
             }
             Err(e) => tracing::warn!("plugin skipped: {e:#}"),
         }
     }
-    loaded
+    if !loaded.is_empty() {
+        let dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        tracing::info!(
+            "loaded first-party plugins {} from {}",
+            loaded.join(", "),
+            dirs.join(", ")
+        );
+    }
+    loaded.len()
 }
 
 /// A host for the job whose run directory is `run_dir` (its control channel lives there, so

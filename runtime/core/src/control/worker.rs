@@ -44,9 +44,13 @@ pub(crate) fn enter_worker_mode_if_spawned(lookup: Lookup) {
     };
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // A worker's stderr is its log file: colour only if someone runs it on a terminal by hand.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && lookup("NO_COLOR").is_none_or(|v| v.is_empty());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .try_init();
     let config = RuntimeConfig::from_lookup(lookup);
     // Run on a thread of our own: `main` may already be inside a tokio runtime (`#[tokio::main]`).
