@@ -113,15 +113,17 @@ pub use actor::{
 pub use cluster::config::{shipped_file, shipped_files};
 pub use cluster::worker_group::{split_even, WorkerGroup};
 pub use cluster::{
-    bundle, connect, connect_or_init, init, local_ip_for, start_head, start_node, Cluster,
-    HeadHandle, HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
+    bundle, connect, connect_observer, connect_or_init, init, local_ip_for, start_head, start_node,
+    Cluster, HeadHandle, HeadOptions, NodeHandle, NodeOptions, ResourceGroup, SpawnOptions,
 };
 pub use control::blobs::SHIPPED_FILES_ENV;
 pub use control::config::RuntimeConfig;
 pub use control::head::JOBS_PREFIX;
 pub use control::objects::{ObjectBuffer, ObjectRef, ObjectStats};
 pub use control::resources::parse_pairs as parse_resources;
-pub use ferl_wire::protocol::{ActorAddress, Event, Resources, Strategy};
+pub use ferl_wire::protocol::{
+    ActorAddress, Event, JobInfo, JobState, LogChunk, Resources, Strategy,
+};
 pub use ferl_wire::{
     message, stream_message, Message, SharedBytes, StreamMessage, Wire, WireError,
 };

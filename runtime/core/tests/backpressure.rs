@@ -123,15 +123,16 @@ async fn guarantee_3_a_flood_of_tells_pauses_its_sender_not_the_connection() {
         })
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // The connection still delivers to the other actor at once (before: its reader waited for room).
+    // The connection still delivers to the other actor at once (before: its reader waited for room): its reply
+    // comes while the slow actor is still sleeping. That order is the check, as in the test above; the call's
+    // latency is only printed (a wall-clock bound such as 700 ms tests the machine's load, not the runtime).
     let t0 = std::time::Instant::now();
     assert_eq!(fast.call(Add(1)).await.unwrap(), 8);
+    eprintln!("the other actor answered in {:?}", t0.elapsed());
     assert!(
-        t0.elapsed() < Duration::from_millis(700),
-        "{:?}",
-        t0.elapsed()
+        !busy.is_finished(),
+        "the other actor waited behind the slow one"
     );
-    assert!(!busy.is_finished(), "the slow actor is still sleeping");
     let held = sent.load(Ordering::SeqCst);
     eprintln!("{held} of {TELLS} tells went out before the pause held the sender");
     assert!(

@@ -7,8 +7,8 @@ use ferl_runtime::testing::{head_exchange, joiner_exchange};
 use ferl_runtime::testing::{join_proof, Credentials};
 use ferl_runtime::{ActorAddress, Wire};
 use ferl_wire::protocol::{
-    Body, CallKind, Event, Frame, JoinMsg, KvPut, NodeAdmitted, RegisterNode, RemoteError,
-    RemoteErrorKind, SpawnSpec,
+    Body, CallKind, CreateGroup, DriverAdmitted, Event, Frame, JoinMsg, KvPut, NodeAdmitted,
+    RegisterDriver, RegisterNode, RemoteError, RemoteErrorKind, SpawnSpec, Strategy as Placing,
 };
 use ferl_wire::{encode_frame, read_frame, FrameError, WIRE_VERSION};
 use proptest::collection::vec;
@@ -170,7 +170,7 @@ fn decode_message(bytes: &[u8]) -> Answer {
     let Some((&tag, body)) = bytes.split_first() else {
         return Err("empty input".into());
     };
-    match tag % 8 {
+    match tag % 11 {
         0 => round_trip::<Frame>(body),
         1 => round_trip::<JoinMsg>(body),
         2 => round_trip::<Event>(body),
@@ -178,7 +178,10 @@ fn decode_message(bytes: &[u8]) -> Answer {
         4 => round_trip::<RegisterNode>(body),
         5 => round_trip::<Credentials>(body),
         6 => round_trip::<KvPut>(body),
-        _ => round_trip::<NodeAdmitted>(body),
+        7 => round_trip::<NodeAdmitted>(body),
+        8 => round_trip::<RegisterDriver>(body),
+        9 => round_trip::<DriverAdmitted>(body),
+        _ => round_trip::<CreateGroup>(body),
     }
 }
 
@@ -255,13 +258,47 @@ fn message() -> impl Strategy<Value = Vec<u8>> {
             },
         )
     });
+    let driver =
+        (any::<u32>(), ".{0,16}", ".{0,32}", any::<u64>()).prop_map(|(pid, host, command, id)| {
+            match id % 2 {
+                0 => tagged(8, RegisterDriver { pid, host, command }),
+                _ => tagged(
+                    9,
+                    DriverAdmitted {
+                        id,
+                        heartbeat_interval_ms: u64::from(pid),
+                    },
+                ),
+            }
+        });
+    let group = (any::<u32>(), any::<u64>(), 0..5u8).prop_map(|(n, owner, which)| {
+        let strategy = match which {
+            0 => Placing::Pack,
+            1 => Placing::Spread,
+            2 => Placing::StrictPack,
+            3 => Placing::StrictSpread,
+            _ => Placing::NodeBlocks(n),
+        };
+        let bundles = vec![[("CPU".to_string(), f64::from(n))].into(); (n % 4) as usize];
+        tagged(
+            10,
+            CreateGroup {
+                bundles,
+                strategy,
+                timeout_ms: owner,
+                owner,
+            },
+        )
+    });
     prop_oneof![
         frame().prop_map(|(f, _)| tagged(0, f)),
         join_msg().prop_map(|m| tagged(1, m)),
         spec,
         event,
         kv,
-        admitted
+        admitted,
+        driver,
+        group
     ]
 }
 

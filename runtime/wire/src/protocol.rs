@@ -273,6 +273,9 @@ pub enum Strategy {
     StrictPack,
     /// Every bundle on a different node, or fail.
     StrictSpread,
+    /// Consecutive blocks of this many bundles, each block on one node and every block on a different node, or
+    /// fail: torchrun's `--nnodes M --nproc-per-node N` as `M·N` bundles in blocks of `N`.
+    NodeBlocks(u32),
 }
 
 /// Where a new actor goes and how it runs.
@@ -300,6 +303,9 @@ pub struct SpawnSpec {
     pub mailbox: u32,
     /// Survive the driver that created it.
     pub detached: bool,
+    /// The driver that spawned it ([`DriverAdmitted::id`]), 0 for none (the head's own process, or a worker): a
+    /// non-detached actor dies with its driver.
+    pub owner: u64,
     /// The binary workers run.
     pub binary: BinarySpec,
     /// Files the node fetches (by sha256, cached) before starting the worker (`SpawnOptions::ship_file` in the runtime).
@@ -435,6 +441,37 @@ pub struct Heartbeat {
     /// Node name.
     pub node: String,
 }
+/// Driver → head: a driver joins. It beats with [`DriverHeartbeat`]; when it stops (killed, disconnected, stalled past
+/// the bound) or says [`DriverExit`], the head frees its non-detached actors and its resource groups.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct RegisterDriver {
+    /// The driver's process id.
+    pub pid: u32,
+    /// The driver's host name.
+    pub host: String,
+    /// The driver's command line (for `ferl status`).
+    pub command: String,
+}
+/// Head → driver: the answer to [`RegisterDriver`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct DriverAdmitted {
+    /// The driver's id in the cluster (never 0).
+    pub id: u64,
+    /// How often the driver must send [`DriverHeartbeat`]s (the head's bound / 4).
+    pub heartbeat_interval_ms: u64,
+}
+/// Driver → head: still alive; `false` when the head already declared it lost.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct DriverHeartbeat {
+    /// The driver's id.
+    pub id: u64,
+}
+/// Driver → head: the driver is leaving; free what it still owns now.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct DriverExit {
+    /// The driver's id.
+    pub id: u64,
+}
 /// Create a resource group.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct CreateGroup {
@@ -444,6 +481,8 @@ pub struct CreateGroup {
     pub strategy: Strategy,
     /// How long to wait for busy resources (ms).
     pub timeout_ms: u64,
+    /// The driver that owns it ([`DriverAdmitted::id`]), 0 for none: the group is removed when its driver is lost.
+    pub owner: u64,
 }
 /// Remove a resource group, stopping its actors.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
@@ -525,6 +564,116 @@ pub struct WorkerExited {
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct Shutdown;
 
+/// Where a job submitted to the head ([`SubmitJob`]) stands.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum JobState {
+    /// Its driver process runs.
+    Running,
+    /// Its driver exited with status 0.
+    Succeeded,
+    /// Its driver exited with this non-zero status.
+    Failed(i32),
+    /// Its driver was killed by this signal, not on request (or, with 0, could not be waited for).
+    Killed(i32),
+    /// Stopped on request ([`StopJob`]).
+    Stopped,
+}
+
+impl JobState {
+    /// Whether the driver has ended.
+    pub fn is_terminal(&self) -> bool {
+        *self != JobState::Running
+    }
+}
+
+impl std::fmt::Display for JobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobState::Running => f.write_str("RUNNING"),
+            JobState::Succeeded => f.write_str("SUCCEEDED"),
+            JobState::Failed(code) => write!(f, "FAILED (exit code {code})"),
+            JobState::Killed(sig) => write!(f, "FAILED (signal {sig})"),
+            JobState::Stopped => f.write_str("STOPPED"),
+        }
+    }
+}
+
+/// A job the head runs: its driver process on the head's host.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct JobInfo {
+    /// `job-N`.
+    pub id: String,
+    /// The driver's command line.
+    pub command: Vec<String>,
+    /// Its working directory on the head's host.
+    pub working_dir: String,
+    /// Its log file (stdout and stderr) on the head's host.
+    pub log_file: String,
+    /// Its process id (and process group) on the head's host.
+    pub pid: u32,
+    /// Where it stands.
+    pub state: JobState,
+    /// When it started (ms since the Unix epoch).
+    pub start_unix_ms: u64,
+    /// When it ended (ms since the Unix epoch).
+    pub end_unix_ms: Option<u64>,
+}
+/// Start a job (`ferl job submit`): the head runs `command` detached on its own host, in its own process group, with
+/// `FERL_ADDRESS` and `FERL_TOKEN` naming this cluster, output to a log in the head's session `logs/`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct SubmitJob {
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Working directory on the head's host (default: the head's own).
+    pub working_dir: Option<String>,
+}
+/// Where a job stands (`ferl job status`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct JobStatus {
+    /// `job-N`.
+    pub id: String,
+}
+/// A piece of a job's log from a byte offset (`ferl job logs`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct JobLogs {
+    /// `job-N`.
+    pub id: String,
+    /// Where to read from.
+    pub offset: u64,
+}
+/// A piece of a log file: the answer to [`JobLogs`] and [`ReadLog`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct LogChunk {
+    /// Bytes from the offset (at most 1 MiB).
+    pub data: Vec<u8>,
+    /// The offset to ask from next.
+    pub next_offset: u64,
+    /// Its writer has ended (a job's driver, a worker process) and nothing is left after `next_offset`.
+    pub finished: bool,
+}
+/// Stop a job (`ferl job stop`): SIGTERM to its process group, SIGKILL after `grace_ms`; answers once it is gone.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct StopJob {
+    /// `job-N`.
+    pub id: String,
+    /// How long it has to exit after SIGTERM (ms).
+    pub grace_ms: u64,
+}
+/// Every job the head ran or runs (`ferl job list`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ListJobs;
+/// → node agent: the files in its logs folder, with their sizes in bytes (`ferl logs --node`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ListLogs;
+/// → node agent: a piece of one file of its logs folder from a byte offset (`ferl logs`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct ReadLog {
+    /// The file's name in the node's logs folder (a plain name, as [`ListLogs`] gives it).
+    pub file: String,
+    /// Where to read from.
+    pub offset: u64,
+}
+
 /// Head → node agent: start a worker hosting one actor.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct StartWorker {
@@ -578,6 +727,9 @@ pub struct BinaryBlob {
 control! {
     RegisterNode => NodeAdmitted,
     Heartbeat => bool,
+    RegisterDriver => DriverAdmitted,
+    DriverHeartbeat => bool,
+    DriverExit => (),
     CreateGroup => GroupPlaced,
     RemoveGroup => (),
     SpawnActor => ActorAddress,
@@ -588,11 +740,18 @@ control! {
     KvGet => Option<Vec<u8>>,
     KvWait => Vec<u8>,
     Status => String,
+    SubmitJob => JobInfo,
+    JobStatus => JobInfo,
+    JobLogs => LogChunk,
+    StopJob => JobInfo,
+    ListJobs => Vec<JobInfo>,
     WorkerExited => (),
     Shutdown => (),
     StartWorker => (String, u32),
     StopWorker => (),
     FreePort => u16,
+    ListLogs => Vec<(String, u64)>,
+    ReadLog => LogChunk,
     WorkerHello => SpawnSpec,
     WorkerReady => (),
     BinaryDigest => String,

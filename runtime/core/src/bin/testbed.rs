@@ -65,7 +65,36 @@ async fn main() -> Result<()> {
                 println!("NODE {}", node.name);
                 Ok(node.wait().await?)
             }
-            other => bail!("usage: ferl-runtime-testbed head|node [...] (got {other:?})"),
+            Some("driver") => fate_driver(&args).await,
+            other => bail!("usage: ferl-runtime-testbed head|node|driver [...] (got {other:?})"),
         }
     }
+}
+
+/// `driver --address A --token T`: joins as a driver, spawns the named counters `fate/owned` and (detached)
+/// `fate/kept` and reserves a one-CPU group, prints `READY`, then blocks until killed (guarantee 17's test).
+async fn fate_driver(args: &[String]) -> Result<()> {
+    use ferl_runtime::testbed::Counter;
+    use ferl_runtime::{bundle, SpawnOptions, Strategy};
+    let address = flag(args, "--address").context("driver needs --address")?;
+    let cluster = ferl_runtime::connect(&address, flag(args, "--token")).await?;
+    cluster
+        .spawn::<Counter>(1, SpawnOptions::new().name("fate", "owned"))
+        .await?;
+    cluster
+        .spawn::<Counter>(2, SpawnOptions::new().name("fate", "kept").detached())
+        .await?;
+    cluster
+        .create_group(
+            vec![bundle(&[("CPU", 1.0)])],
+            Strategy::Pack,
+            Duration::from_secs(10),
+        )
+        .await?;
+    println!(
+        "READY {}",
+        cluster.driver_id().context("a registered driver")?
+    );
+    std::future::pending::<()>().await;
+    Ok(())
 }

@@ -3,11 +3,14 @@
 //! spawns actors, reserves resource groups, and reads and writes the head's key-value store.
 
 pub(crate) mod config;
+mod jobs;
+mod logs;
 pub(crate) mod options;
 pub(crate) mod worker_group;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -62,6 +65,7 @@ fn node_config(
             opts.resources.clone(),
         ),
         log_dir: session.logs(),
+        secrets_dir: session.secrets(),
         ip: ip.to_string(),
         bin_cache: cfg.bin_cache.clone(),
         force_fetch: cfg.force_fetch,
@@ -90,7 +94,11 @@ pub async fn start_head(opts: HeadOptions) -> Result<HeadHandle> {
         head_cert: creds.cert_der,
     });
     process.accept_joins(Arc::new(move |conn| Box::pin(service.clone().serve(conn))));
-    Head::start(&process, bound);
+    let job_host = crate::control::head::JobHost {
+        log_dir: session.logs(),
+        token: token.clone(),
+    };
+    Head::start(&process, bound, job_host);
     session
         .save_address(&process.addr.to_string())
         .map_err(startup)?;
@@ -109,9 +117,20 @@ pub async fn start_head(opts: HeadOptions) -> Result<HeadHandle> {
     })
 }
 
-/// Starts an embedded local cluster (head and node agent in this process), like `ray.init()`.
+/// Starts an embedded local cluster (head and node agent in this process), like `ray.init()`. Its session folder
+/// (token, worker logs) goes with it at [`Cluster::shutdown`] unless kept ([`Cluster::keep_session`], or
+/// `FERL_KEEP_SESSION=1`: [`RuntimeConfig::keep_session`]); a process that ends without a clean shutdown leaves it
+/// for the post-mortem.
 pub async fn init(opts: HeadOptions) -> Result<Cluster> {
-    Ok(start_head(opts).await?.cluster)
+    let cfg = opts.config.clone().unwrap_or_else(RuntimeConfig::from_env);
+    let keep = cfg.keep_session;
+    let head = start_head(opts.config(cfg)).await?;
+    let mut cluster = head.cluster;
+    cluster.embedded = Some(Arc::new(Embedded {
+        session: head.session,
+        keep: AtomicBool::new(keep),
+    }));
+    Ok(cluster)
 }
 
 /// Joins the cluster named by `FERL_ADDRESS` when it is set (token from `FERL_TOKEN` or the local head), else starts
@@ -120,7 +139,7 @@ pub async fn connect_or_init(opts: HeadOptions) -> Result<Cluster> {
     let cfg = opts.config.clone().unwrap_or_else(RuntimeConfig::from_env);
     match cfg.address.clone() {
         Some(address) => {
-            let cluster = connect_with(&address, opts.token.clone(), cfg).await?;
+            let cluster = connect_with(&address, opts.token.clone(), cfg, true).await?;
             if let Some(bin) = opts.worker_binary {
                 cluster.set_worker_binary(bin)?;
             }
@@ -168,10 +187,21 @@ fn token_for(given: Option<String>, cfg: &RuntimeConfig) -> Result<String> {
 /// Joins the cluster at `address` as a driver. The token is `token`, else `FERL_TOKEN`, else the local head's. A
 /// head that refuses this process gives [`Error::JoinRefused`] with why.
 pub async fn connect(address: &str, token: Option<String>) -> Result<Cluster> {
-    connect_with(address, token, RuntimeConfig::from_env()).await
+    connect_with(address, token, RuntimeConfig::from_env(), true).await
 }
 
-async fn connect_with(address: &str, token: Option<String>, cfg: RuntimeConfig) -> Result<Cluster> {
+/// Joins the cluster at `address` to read or administer it (`ferl status`, `ferl stop`), not as a driver: the head
+/// does not watch it, and what it spawns is owned by no driver (guarantee 17).
+pub async fn connect_observer(address: &str, token: Option<String>) -> Result<Cluster> {
+    connect_with(address, token, RuntimeConfig::from_env(), false).await
+}
+
+async fn connect_with(
+    address: &str,
+    token: Option<String>,
+    cfg: RuntimeConfig,
+    driver: bool,
+) -> Result<Cluster> {
     let head = parse_addr(address)?;
     let token = token_for(token, &cfg)?;
     let idle = idle_timeout(cfg.heartbeat_bound);
@@ -185,7 +215,11 @@ async fn connect_with(address: &str, token: Option<String>, cfg: RuntimeConfig) 
     .map_err(startup)?;
     let _ = process.head.set(head);
     process.follow_head_events().await?;
-    Ok(Cluster::new(process, None))
+    let mut cluster = Cluster::new(process, None);
+    if driver {
+        cluster.register_driver().await?;
+    }
+    Ok(cluster)
 }
 
 /// A node agent joined to a cluster (`ferl start --address`).
@@ -280,6 +314,18 @@ pub struct Cluster {
     node: Option<NodeAgent>,
     binary: Arc<OnceLock<BinarySpec>>,
     owned: Arc<Mutex<Vec<u64>>>,
+    /// This driver's id at the head (0: not a registered driver: the head's own process, or a worker).
+    driver: u64,
+    /// Set when this driver leaves: its heartbeat stops.
+    leaving: Arc<AtomicBool>,
+    /// The session of the embedded cluster [`init`] started, removed at [`Cluster::shutdown`].
+    embedded: Option<Arc<Embedded>>,
+}
+
+/// An embedded cluster's session folder and whether to keep it.
+struct Embedded {
+    session: Session,
+    keep: AtomicBool,
 }
 
 /// The cluster layer gives an actor's [`Context`](crate::actor::Context) its handle on the cluster (the actor layer
@@ -298,7 +344,62 @@ impl Cluster {
             node,
             binary: Arc::new(OnceLock::new()),
             owned: Arc::new(Mutex::new(Vec::new())),
+            driver: 0,
+            leaving: Arc::new(AtomicBool::new(false)),
+            embedded: None,
         }
+    }
+
+    /// Registers this process as a driver with the head and beats at the head's rate until it leaves: when the beats
+    /// stop, the head frees this driver's non-detached actors and resource groups (guarantee 17).
+    async fn register_driver(&mut self) -> Result<()> {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
+        let command: Vec<String> = std::env::args().collect();
+        let admitted = self
+            .process
+            .call_head(&RegisterDriver {
+                pid: std::process::id(),
+                host,
+                command: command.join(" "),
+            })
+            .await?;
+        self.driver = admitted.id;
+        let interval = Duration::from_millis(admitted.heartbeat_interval_ms.max(1));
+        let (process, leaving) = (Arc::downgrade(&self.process), self.leaving.clone());
+        let beat = DriverHeartbeat { id: admitted.id };
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let Some(process) = process.upgrade() else {
+                    break;
+                };
+                if leaving.load(Ordering::Acquire) {
+                    break;
+                }
+                match process.call_head(&beat).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::error!(
+                            "the head declared this driver ({}) lost and freed its actors and resource groups",
+                            beat.id
+                        );
+                        break;
+                    }
+                    Err(e) => tracing::warn!("driver heartbeat to the head failed: {e}"),
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// This driver's id at the head, when it joined a running cluster as a driver ([`connect`]); jobs it publishes
+    /// under [`JOBS_PREFIX`](crate::JOBS_PREFIX) with this id as `driver` are marked failed if it is lost.
+    pub fn driver_id(&self) -> Option<u64> {
+        (self.driver != 0).then_some(self.driver)
     }
 
     pub(crate) fn from_process(process: Arc<Process>) -> Self {
@@ -342,6 +443,7 @@ impl Cluster {
         crate::control::binary::offer_files(&spec.binary.server, &mut spec.files)
             .map_err(|e| Error::Cluster(format!("{e:#}")))?;
         let detached = spec.detached;
+        spec.owner = self.driver;
         let named = spec.name.clone().map(|name| (spec.namespace.clone(), name));
         let address = self
             .process
@@ -431,6 +533,7 @@ impl Cluster {
                 bundles: bundles.clone(),
                 strategy,
                 timeout_ms: timeout.as_millis() as u64,
+                owner: self.driver,
             })
             .await?;
         Ok(ResourceGroup {
@@ -546,15 +649,37 @@ impl Cluster {
         self.process.call_head(&Shutdown).await
     }
 
-    /// Kills the non-detached actors this handle spawned; an embedded cluster also stops its workers and endpoint.
+    /// Kills the non-detached actors this handle spawned, and a registered driver tells the head it leaves (the head
+    /// frees what it still owns); an embedded cluster also stops its workers and endpoint, and one that [`init`]
+    /// started removes its session folder unless it is kept ([`Cluster::keep_session`]).
     pub async fn shutdown(self) {
         let owned: Vec<u64> = std::mem::take(&mut *self.owned.lock().expect("owned lock"));
         for id in owned {
             let _ = self.process.call_head(&KillActor { id }).await;
         }
+        if self.driver != 0 {
+            self.leaving.store(true, Ordering::Release);
+            let _ = self
+                .process
+                .call_head(&DriverExit { id: self.driver })
+                .await;
+        }
         if let Some(node) = &self.node {
             node.stop_all();
         }
         self.process.close();
+        if let Some(e) = &self.embedded {
+            if !e.keep.load(Ordering::Acquire) {
+                e.session.remove();
+            }
+        }
+    }
+
+    /// Keeps the session folder of the embedded cluster [`init`] started after [`Cluster::shutdown`] (e.g. for the
+    /// worker logs of a failed run, in its `logs/`), and returns it; `None` for any other cluster handle.
+    pub fn keep_session(&self) -> Option<PathBuf> {
+        let e = self.embedded.as_ref()?;
+        e.keep.store(true, Ordering::Release);
+        Some(e.session.dir.clone())
     }
 }

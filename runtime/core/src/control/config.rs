@@ -17,6 +17,8 @@ pub(crate) const ADDRESS_ENV: &str = "FERL_ADDRESS";
 pub(crate) const BIN_CACHE_ENV: &str = "FERL_BIN_CACHE";
 /// Environment variable: `1` makes a node always fetch the driver's binary (tests the fetch path).
 pub(crate) const FORCE_FETCH_ENV: &str = "FERL_NODE_FORCE_FETCH";
+/// Environment variable: set (and not `0`), an embedded cluster keeps its session folder after a clean shutdown.
+pub(crate) const KEEP_SESSION_ENV: &str = "FERL_KEEP_SESSION";
 /// Environment variable: worker threads of a worker process's tokio runtime (default: one per core).
 pub(crate) const WORKER_THREADS_ENV: &str = "FERL_WORKER_THREADS";
 
@@ -47,6 +49,9 @@ pub struct RuntimeConfig {
     /// Worker threads of a worker process's runtime (`FERL_WORKER_THREADS`; unset, 0 or not a number: one per
     /// core).
     pub worker_threads: Option<usize>,
+    /// An embedded cluster ([`crate::init`]) keeps its session folder, worker logs included, after a clean shutdown
+    /// (`FERL_KEEP_SESSION` set and not `0`; by default it is removed).
+    pub keep_session: bool,
     /// Values that were ignored, each naming its variable (also logged as warnings when read).
     pub warnings: Vec<String>,
 }
@@ -87,6 +92,7 @@ impl RuntimeConfig {
             worker_threads: lookup(WORKER_THREADS_ENV)
                 .and_then(|v| v.trim().parse().ok())
                 .filter(|n| *n > 0),
+            keep_session: lookup(KEEP_SESSION_ENV).is_some_and(|v| !v.is_empty() && v != "0"),
             warnings,
         }
     }
@@ -121,6 +127,7 @@ mod tests {
             ("HOME", "/home/u"),
             ("FERL_NODE_FORCE_FETCH", "1"),
             ("FERL_WORKER_THREADS", "3"),
+            ("FERL_KEEP_SESSION", "1"),
         ]);
         assert_eq!(cfg.heartbeat_bound, Duration::from_millis(750));
         assert!(!cfg.transport.lanes);
@@ -134,6 +141,8 @@ mod tests {
         assert_eq!(cfg.bin_cache, PathBuf::from("/home/u/.cache/ferl/bin"));
         assert!(cfg.force_fetch);
         assert_eq!(cfg.worker_threads, Some(3));
+        assert!(cfg.keep_session);
+        assert!(!from(&[("FERL_KEEP_SESSION", "0")]).keep_session && !from(&[]).keep_session);
         assert!(cfg.warnings.is_empty());
         assert_eq!(
             from(&[("FERL_BIN_CACHE", "/c"), ("FERL_SHM_BYTES", "0")]).bin_cache,

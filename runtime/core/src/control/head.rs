@@ -17,10 +17,13 @@ use crate::control::placement::PlaceError;
 use crate::protocol::*;
 use crate::transport::error::Error;
 
+mod drivers;
+mod jobs;
 mod recovery;
 mod state;
 mod status;
 
+pub(crate) use jobs::JobHost;
 use state::{HeadState, Refusal, Resolved};
 pub use status::JOBS_PREFIX;
 
@@ -29,6 +32,7 @@ struct HeadInner {
     state: Mutex<HeadState>,
     kv_changed: Notify,
     freed: Notify,
+    jobs: Arc<jobs::Jobs>,
 }
 
 /// The head service actor.
@@ -36,13 +40,14 @@ struct HeadInner {
 pub(crate) struct Head(Arc<HeadInner>);
 
 impl Head {
-    /// Starts the head service in `process` with a heartbeat bound.
-    pub(crate) fn start(process: &Arc<Process>, heartbeat_bound: Duration) -> Head {
+    /// Starts the head service in `process` with a heartbeat bound; it runs submitted jobs as `jobs` says.
+    pub(crate) fn start(process: &Arc<Process>, heartbeat_bound: Duration, jobs: JobHost) -> Head {
         let head = Head(Arc::new(HeadInner {
             process: process.clone(),
             state: Mutex::new(HeadState::new(heartbeat_bound)),
             kv_changed: Notify::new(),
             freed: Notify::new(),
+            jobs: Arc::new(jobs::Jobs::new(jobs)),
         }));
         let _ = process.head.set(process.addr);
         process.host(HEAD_ACTOR, head.clone(), 4096, 4096);
@@ -54,11 +59,20 @@ impl Head {
                 if Arc::strong_count(&ticker.0) <= 1 {
                     break;
                 }
-                let expired = ticker.lock().expire(Instant::now());
+                let now = Instant::now();
+                let expired = ticker.lock().expire(now);
                 for node in expired {
                     ticker.node_lost(
                         &node,
                         &format!("node {node} missed heartbeats for more than {heartbeat_bound:?}"),
+                    );
+                }
+                let lost_drivers = ticker.lock().drivers.expire(now);
+                for id in lost_drivers {
+                    let head = ticker.clone();
+                    let why = format!("was lost: no heartbeat for more than {heartbeat_bound:?}");
+                    tokio::spawn(
+                        async move { head.free_driver(id, &why, "failed: driver lost").await },
                     );
                 }
             }
@@ -123,6 +137,20 @@ impl Head {
         self.lock().started(id, addr)
     }
 
+    /// Removes a group: stops its actors (the reason says the group was removed because of `why`), then frees its
+    /// resources.
+    async fn remove_group(&self, group: u64, why: &str) -> Result<()> {
+        let g = self.lock().remove_group(group)?;
+        let reason = match why {
+            "removed" => format!("resource group {group} was removed"),
+            why => format!("resource group {group} was removed: {why}"),
+        };
+        self.stop_actors(&g.actors, &reason).await;
+        self.lock().release(&g.slots);
+        self.0.freed.notify_waiters();
+        Ok(())
+    }
+
     /// Marks actors dead on purpose and stops their workers.
     async fn stop_actors(&self, ids: &[u64], reason: &str) {
         let stops = self.lock().kill(ids, reason);
@@ -176,8 +204,9 @@ impl Actor for Head {
     }
 }
 
-crate::actor_dispatch!(Head, calls: [RegisterNode, Heartbeat, CreateGroup, RemoveGroup, SpawnActor, KillActor,
-    LookupActor, ResolveActor, KvPut, KvGet, KvWait, Status, WorkerExited, Shutdown], streams: [Subscribe]);
+crate::actor_dispatch!(Head, calls: [RegisterNode, Heartbeat, RegisterDriver, DriverHeartbeat, DriverExit,
+    CreateGroup, RemoveGroup, SpawnActor, KillActor, LookupActor, ResolveActor, KvPut, KvGet, KvWait, Status,
+    SubmitJob, JobStatus, JobLogs, StopJob, ListJobs, WorkerExited, Shutdown], streams: [Subscribe]);
 
 impl Handler<RegisterNode> for Head {
     async fn handle(&self, m: RegisterNode, _: &Context) -> Result<NodeAdmitted> {
@@ -213,7 +242,7 @@ impl Handler<CreateGroup> for Head {
         let deadline = Instant::now() + Duration::from_millis(m.timeout_ms);
         loop {
             let freed = self.0.freed.notified();
-            let outcome = self.lock().place_group(&m.bundles, m.strategy);
+            let outcome = self.lock().place_group(&m.bundles, m.strategy, m.owner);
             match outcome {
                 Ok(placed) => {
                     tracing::debug!(group = placed.group, nodes = ?placed.nodes, strategy = ?m.strategy, "resource group placed");
@@ -245,15 +274,7 @@ impl Handler<CreateGroup> for Head {
 
 impl Handler<RemoveGroup> for Head {
     async fn handle(&self, m: RemoveGroup, _: &Context) -> Result<()> {
-        let g = self.lock().remove_group(m.group)?;
-        self.stop_actors(
-            &g.actors,
-            &format!("resource group {} was removed", m.group),
-        )
-        .await;
-        self.lock().release(&g.slots);
-        self.0.freed.notify_waiters();
-        Ok(())
+        self.remove_group(m.group, "removed").await
     }
 }
 
@@ -340,6 +361,7 @@ impl Handler<WorkerExited> for Head {
 
 impl Handler<Shutdown> for Head {
     async fn handle(&self, _: Shutdown, _: &Context) -> Result<()> {
+        self.0.jobs.stop_all().await;
         let nodes = self.lock().live_node_addrs();
         let ids = self.lock().actor_ids();
         self.stop_actors(&ids, "cluster shut down").await;

@@ -39,6 +39,10 @@ impl Membership {
     pub(crate) fn join(&mut self, node: &str, now: Instant) {
         self.last.insert(node.to_string(), now);
     }
+    /// A node left on purpose: it is no longer watched.
+    pub(crate) fn leave(&mut self, node: &str) {
+        self.last.remove(node);
+    }
     /// A heartbeat arrived; `false` if the node is unknown (already declared dead).
     pub(crate) fn heartbeat(&mut self, node: &str, now: Instant) -> bool {
         match self.last.get_mut(node) {

@@ -1,6 +1,6 @@
 //! The node agent: registers a machine's resources with the head, sends heartbeats, starts one worker process per
 //! actor (the driver's binary in worker mode, fetched from the driver by sha256 when this machine lacks it), writes
-//! worker logs into the node's log folder, and reports worker exits to the head at once.
+//! worker logs into the node's log folder (which it serves: `logs.rs`), and reports worker exits to the head at once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -17,6 +17,10 @@ use crate::actor::process::{Process, BINARY_ACTOR, NODE_ACTOR};
 use crate::actor::{Actor, Context, Handler};
 use crate::control::worker::env as wenv;
 use crate::protocol::*;
+
+mod logs;
+
+pub(crate) use logs::read_log;
 
 /// How long a worker may take from spawn to a constructed actor.
 const START_TIMEOUT: Duration = Duration::from_secs(120);
@@ -49,6 +53,8 @@ pub(crate) struct NodeAgent(Arc<NodeInner>);
 pub(crate) struct NodeConfig {
     pub resources: Resources,
     pub log_dir: PathBuf,
+    /// The private folder (0700) of the worker credentials file (0600), outside `log_dir`.
+    pub secrets_dir: PathBuf,
     pub ip: String,
     /// Where fetched driver binaries (and shipped files) are cached (`RuntimeConfig::bin_cache`).
     pub bin_cache: PathBuf,
@@ -65,8 +71,10 @@ impl NodeAgent {
     ) -> Result<NodeAgent> {
         std::fs::create_dir_all(&cfg.log_dir)
             .with_context(|| format!("creating {}", cfg.log_dir.display()))?;
+        // Never in the log folder, which `ferl status` advertises and users ship: a private folder beside it.
+        crate::security::session::create_private_dir(&cfg.secrets_dir)?;
         let creds_path = cfg
-            .log_dir
+            .secrets_dir
             .join(format!("worker-credentials-{}", std::process::id()));
         process.creds.save(&creds_path)?;
         let register = RegisterNode {
@@ -374,7 +382,8 @@ impl Actor for NodeAgent {
     }
 }
 
-crate::actor_dispatch!(NodeAgent, calls: [StartWorker, StopWorker, FreePort, WorkerHello, WorkerReady, Shutdown]);
+crate::actor_dispatch!(NodeAgent, calls: [StartWorker, StopWorker, FreePort, WorkerHello, WorkerReady, Shutdown,
+    ListLogs, ReadLog]);
 
 impl Handler<StartWorker> for NodeAgent {
     async fn handle(&self, m: StartWorker, _: &Context) -> Result<(String, u32)> {

@@ -106,6 +106,14 @@ fn assign(
     let weight = |i: usize| bundles[i].values().sum::<f64>();
     order.sort_by(|a, b| weight(*b).total_cmp(&weight(*a)));
     match strategy {
+        Strategy::NodeBlocks(per_node) => {
+            let per_node = (per_node as usize).max(1);
+            let blocks: Vec<Resources> = bundles.chunks(per_node).map(sum).collect();
+            let nodes = assign(&avail, &blocks, Strategy::StrictSpread)?;
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = nodes[i / per_node].clone();
+            }
+        }
         Strategy::StrictPack => {
             let total = sum(bundles);
             let node = avail.iter().find(|(_, a)| fits(a, &total))?.0.clone();
@@ -273,6 +281,21 @@ impl Placement {
                 self.nodes.len(),
                 nodes.join(", ")
             ),
+            Strategy::NodeBlocks(per_node) => {
+                let per_node = (per_node as usize).max(1);
+                let block = sum(&bundles[..per_node.min(bundles.len())]);
+                let fit: Vec<&String> =
+                    self.nodes.iter().filter(|(_, c)| fits(&c.total, &block)).map(|(n, _)| n).collect();
+                format!(
+                    "{} nodes that can each hold {per_node} bundles {} are needed; the cluster has {} such \
+                     node(s) of {}: {}",
+                    bundles.len().div_ceil(per_node),
+                    show(&block),
+                    fit.len(),
+                    self.nodes.len(),
+                    nodes.join(", ")
+                )
+            }
             _ => format!("bundles {} do not fit nodes {}", show(&need), nodes.join(", ")),
         }
     }
@@ -387,5 +410,50 @@ mod tests {
         let c = p.reserve(&[res(&[("GPU", 2.0)])], Strategy::Pack).unwrap();
         assert_eq!(c[0].gpus, vec![0, 1]);
         assert_eq!(p.node("node-0").unwrap().free.get("GPU"), Some(&0.0));
+    }
+
+    #[test]
+    fn guarantee_4_node_blocks_put_each_block_on_its_own_node() {
+        let one = res(&[("CPU", 1.0)]);
+        // Pack would put both on one node; --nnodes 2 --nproc-per-node 1 means one on each.
+        let mut p = cluster(2, 4.0, 0.0);
+        let two = p
+            .reserve(&vec![one.clone(); 2], Strategy::NodeBlocks(1))
+            .unwrap();
+        assert_ne!(two[0].node, two[1].node);
+        p.release(&two);
+        // 2 blocks of 2: ranks 0-1 share a node, ranks 2-3 share the other.
+        let mut p = cluster(3, 2.0, 0.0);
+        let four = p
+            .reserve(&vec![one.clone(); 4], Strategy::NodeBlocks(2))
+            .unwrap();
+        let n = nodes(&four);
+        assert_eq!((n[0], n[2]), (n[1], n[3]), "{n:?}");
+        assert_ne!(n[0], n[2], "{n:?}");
+        // A third block of 2 fits only the third node; a fourth block fits nowhere: busy, not infeasible.
+        let six = p
+            .reserve(&vec![one.clone(); 2], Strategy::NodeBlocks(2))
+            .unwrap();
+        assert!(six.iter().all(|s| s.node != n[0] && s.node != n[2]));
+        assert!(matches!(
+            p.reserve(&vec![one.clone(); 2], Strategy::NodeBlocks(2)),
+            Err(PlaceError::Busy(_))
+        ));
+        // Never feasible: 4 nodes of 2 on a 3-node cluster, or blocks larger than any node; the message says so.
+        let err = cluster(3, 4.0, 0.0)
+            .reserve(&vec![one.clone(); 8], Strategy::NodeBlocks(2))
+            .unwrap_err();
+        assert!(
+            matches!(&err, PlaceError::Infeasible(m) if m.contains("4 nodes that can each hold 2 bundles")
+                && m.contains("the cluster has 3 such node(s) of 3")),
+            "{err}"
+        );
+        let err = cluster(3, 2.0, 0.0)
+            .reserve(&vec![one; 3], Strategy::NodeBlocks(3))
+            .unwrap_err();
+        assert!(
+            matches!(&err, PlaceError::Infeasible(m) if m.contains("0 such node(s)")),
+            "{err}"
+        );
     }
 }

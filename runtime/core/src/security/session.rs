@@ -1,4 +1,5 @@
-//! Session folders: where a head or node keeps its token, address, logs and pid files.
+//! Session folders: where a head or node keeps its token, address, logs, pid file and (in `secrets/`, mode 0700) the
+//! credentials its workers read.
 //!
 //! The root is `$FERL_TMPDIR` or `/tmp/ferl` (read by the bootstrap layer and passed here); each head or node agent
 //! makes `session_<time>_<pid>/` under it, and a head points `session_latest` at its own, so commands on the head's
@@ -15,6 +16,8 @@ use anyhow::{Context as _, Result};
 pub(crate) const ROOT_ENV: &str = "FERL_TMPDIR";
 /// Environment variable holding the cluster token (named in messages; the bootstrap layer reads it).
 pub(crate) const TOKEN_ENV: &str = "FERL_TOKEN";
+/// The session's private folder beside `logs/` ([`Session::secrets`]).
+const SECRETS: &str = "secrets";
 
 /// Creates the session root `root` private to this user (mode 0700), or checks that an existing one belongs to this
 /// user (and makes it private); a root owned by another user is refused, since its owner could read tokens or plant
@@ -43,6 +46,18 @@ pub(crate) fn ensure_private_root(root: &Path) -> Result<()> {
             .with_context(|| format!("making {} private", root.display()))?;
     }
     Ok(())
+}
+
+/// Creates the folder `dir` (and any missing parents) private to this user: mode 0700, also when it existed.
+pub(crate) fn create_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("making {} private", dir.display()))
 }
 
 /// Writes `bytes` to `path` with mode 0600 (created or truncated).
@@ -100,6 +115,7 @@ impl Session {
         let dir = create_unique_dir(root, &base)?;
         std::fs::create_dir_all(dir.join("logs"))
             .with_context(|| format!("creating {}", dir.display()))?;
+        create_private_dir(&dir.join(SECRETS))?;
         if kind == "head" {
             let latest = root.join("session_latest");
             // Unique per call: two heads started at once in one process (tests) must not share the temporary link.
@@ -121,6 +137,12 @@ impl Session {
         self.dir.join("logs")
     }
 
+    /// The private folder (mode 0700) for what workers must read but nobody should ship with the logs: the node's
+    /// worker credentials (mode 0600).
+    pub fn secrets(&self) -> PathBuf {
+        self.dir.join(SECRETS)
+    }
+
     /// Stores the token (0600) and prints nothing.
     pub fn save_token(&self, token: &str) -> Result<()> {
         write_private(&self.dir.join("token"), token.as_bytes())
@@ -129,6 +151,18 @@ impl Session {
     /// Stores the head address.
     pub fn save_address(&self, addr: &str) -> Result<()> {
         std::fs::write(self.dir.join("address"), addr).context("writing the session address file")
+    }
+
+    /// Removes the folder (an embedded cluster's clean shutdown), and `session_latest` beside it when it points here.
+    /// Returns whether it was removed.
+    pub(crate) fn remove(&self) -> bool {
+        if let Some(root) = self.dir.parent() {
+            let latest = root.join("session_latest");
+            if std::fs::read_link(&latest).is_ok_and(|to| to == self.dir) {
+                let _ = std::fs::remove_file(&latest);
+            }
+        }
+        std::fs::remove_dir_all(&self.dir).is_ok()
     }
 
     /// Records this process's pid so `ferl stop` can find it.

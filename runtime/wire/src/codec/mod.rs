@@ -26,7 +26,7 @@ pub use message::{Message, StreamMessage};
 pub use shared_bytes::SharedBytes;
 
 /// The version written in every frame header; a peer speaking another version is disconnected.
-pub const WIRE_VERSION: u16 = 4;
+pub const WIRE_VERSION: u16 = 5;
 /// Default largest frame a reader accepts (64 MiB); larger payloads must go on bulk streams.
 pub const DEFAULT_MAX_FRAME: usize = 64 << 20;
 /// Size of the frame header: length and version.

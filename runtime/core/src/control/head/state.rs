@@ -74,6 +74,8 @@ pub(super) struct GroupEntry {
     pub(super) master_port: Option<u16>,
     /// Bundles whose node died, with why: they are not re-placed (their ranks' peers are bound to the old layout).
     pub(super) lost: BTreeMap<usize, String>,
+    /// The driver that created it (0: none); the group is removed when that driver is lost.
+    pub(super) owner: u64,
 }
 
 /// The cluster as the head sees it.
@@ -92,6 +94,8 @@ pub(super) struct HeadState {
     named: HashMap<(String, String), u64>,
     /// The key-value store drivers and workers rendezvous through.
     pub(super) kv: HashMap<String, Vec<u8>>,
+    /// The drivers that joined and still beat (see `drivers.rs`).
+    pub(super) drivers: super::drivers::Drivers,
     next_node: u64,
     next_actor: u64,
     next_group: u64,
@@ -183,6 +187,7 @@ impl HeadState {
             groups: HashMap::new(),
             named: HashMap::new(),
             kv: HashMap::new(),
+            drivers: super::drivers::Drivers::new(heartbeat_bound),
             next_node: 0,
             next_actor: 100,
             next_group: 0,
@@ -432,6 +437,7 @@ impl HeadState {
         &mut self,
         bundles: &[Resources],
         strategy: Strategy,
+        owner: u64,
     ) -> Result<GroupPlaced, PlaceError> {
         let slots = self.placement.reserve(bundles, strategy)?;
         self.next_group += 1;
@@ -443,6 +449,7 @@ impl HeadState {
             actors: Vec::new(),
             master_port: None,
             lost: BTreeMap::new(),
+            owner,
         };
         self.groups.insert(group, entry);
         Ok(GroupPlaced { group, nodes })

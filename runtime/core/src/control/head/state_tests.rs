@@ -175,7 +175,7 @@ fn admit_refuses_unknown_groups_out_of_range_bundles_and_lost_bundles() {
         "resource group 7 does not exist"
     );
     let g = st
-        .place_group(&vec![res(&[("CPU", 1.0)]); 2], Strategy::StrictSpread)
+        .place_group(&vec![res(&[("CPU", 1.0)]); 2], Strategy::StrictSpread, 0)
         .unwrap();
     assert_eq!(g.nodes, ["node-1", "node-2"]);
     assert_eq!(
@@ -212,7 +212,7 @@ fn groups_pack_and_spread_and_removing_one_releases_its_slots() {
     let mut st = cluster(&vec![res(&[("CPU", 2.0)]); 2], Instant::now());
     let one = res(&[("CPU", 1.0)]);
     let packed = st
-        .place_group(&vec![one.clone(); 2], Strategy::Pack)
+        .place_group(&vec![one.clone(); 2], Strategy::Pack, 0)
         .unwrap();
     assert_eq!(packed.nodes, ["node-1", "node-1"]);
     let member = running(&mut st, in_bundle("W", packed.group, 1));
@@ -236,28 +236,28 @@ fn groups_pack_and_spread_and_removing_one_releases_its_slots() {
         st.remove_group(packed.group).unwrap_err().to_string(),
         format!("resource group {} does not exist", packed.group)
     );
-    let spread = st.place_group(&vec![one; 2], Strategy::Spread).unwrap();
+    let spread = st.place_group(&vec![one; 2], Strategy::Spread, 0).unwrap();
     assert_eq!(spread.nodes, ["node-1", "node-2"]);
     assert_ne!(spread.group, packed.group);
     let whole = [res(&[("CPU", 2.0)])];
     assert!(matches!(
-        st.place_group(&whole, Strategy::StrictPack),
+        st.place_group(&whole, Strategy::StrictPack, 0),
         Err(PlaceError::Busy(_))
     ));
     assert!(matches!(
-        st.place_group(&[res(&[("CPU", 3.0)])], Strategy::Pack),
+        st.place_group(&[res(&[("CPU", 3.0)])], Strategy::Pack, 0),
         Err(PlaceError::Infeasible(_))
     ));
     let g = st.remove_group(spread.group).unwrap();
     st.release(&g.slots);
-    assert!(st.place_group(&whole, Strategy::StrictPack).is_ok());
+    assert!(st.place_group(&whole, Strategy::StrictPack, 0).is_ok());
 }
 
 #[test]
 fn rank_env_describes_a_group_over_two_nodes() {
     let mut st = cluster(&vec![res(&[("CPU", 2.0), ("GPU", 2.0)]); 2], Instant::now());
     let bundle = res(&[("CPU", 1.0), ("GPU", 1.0)]);
-    let g = st.place_group(&vec![bundle; 3], Strategy::Pack).unwrap();
+    let g = st.place_group(&vec![bundle; 3], Strategy::Pack, 0).unwrap();
     assert_eq!(g.nodes, ["node-1", "node-1", "node-2"]);
     assert_eq!(st.master_port_node(g.group).unwrap(), Some(agent(1)));
     st.set_master_port(g.group, 41000);
@@ -316,7 +316,7 @@ fn losing_a_node_loses_its_bundles_and_restarts_or_kills_its_actors() {
     let node1 = res(&[("CPU", 4.0), ("ssd", 3.0)]);
     let mut st = cluster(&[node1, res(&[("CPU", 4.0)])], Instant::now());
     let g = st
-        .place_group(&vec![res(&[("CPU", 1.0)]); 2], Strategy::Spread)
+        .place_group(&vec![res(&[("CPU", 1.0)]); 2], Strategy::Spread, 0)
         .unwrap();
     assert_eq!(g.nodes, ["node-1", "node-2"]);
     let member = running(&mut st, in_bundle("B", g.group, 0));
@@ -457,7 +457,7 @@ fn recovery_moves_a_free_actor_to_a_live_node_with_its_resources() {
 fn recovery_refuses_to_move_actors_of_bundles_or_with_no_live_node() {
     let mut st = cluster(&[res(&[("CPU", 2.0)])], Instant::now());
     let g = st
-        .place_group(&[res(&[("CPU", 1.0)])], Strategy::Pack)
+        .place_group(&[res(&[("CPU", 1.0)])], Strategy::Pack, 0)
         .unwrap();
     let member = running(&mut st, in_bundle("B", g.group, 0));
     let free = running(
@@ -586,4 +586,89 @@ fn an_abandoned_start_frees_the_name_and_the_reservation() {
     );
     assert_eq!(st.actor_ids(), Vec::<u64>::new());
     assert!(st.admit(spec).is_ok());
+}
+
+#[test]
+fn guarantee_17_a_lost_driver_frees_its_groups_and_actors_but_not_detached_ones_or_others() {
+    use super::super::drivers::DriverEntry;
+    let t0 = Instant::now();
+    let mut st = cluster(&[res(&[("CPU", 4.0)])], t0);
+    let entry = |pid| DriverEntry {
+        pid,
+        host: "h".into(),
+        command: "ferl sft".into(),
+    };
+    let (a, b) = (
+        st.drivers.register(entry(10), t0),
+        st.drivers.register(entry(11), t0),
+    );
+    assert!(a != 0 && b != 0 && a != b, "driver ids {a} {b}");
+    let owned = |owner: u64, detached: bool| SpawnSpec {
+        owner,
+        detached,
+        ..spec("A")
+    };
+    let group = st
+        .place_group(&vec![res(&[("CPU", 1.0)]); 2], Strategy::Pack, a)
+        .unwrap()
+        .group;
+    let in_group = running(
+        &mut st,
+        SpawnSpec {
+            owner: a,
+            ..in_bundle("R", group, 0)
+        },
+    );
+    let mine = running(&mut st, owned(a, false));
+    let detached = running(&mut st, owned(a, true));
+    let theirs = running(&mut st, owned(b, false));
+    let nobody = running(&mut st, owned(0, false));
+    let job = |driver: u64, state: &str| {
+        serde_json::json!({"name": "j", "state": state, "driver": driver})
+            .to_string()
+            .into_bytes()
+    };
+    st.kv.insert("jobs/a".into(), job(a, "running"));
+    st.kv.insert("jobs/a-done".into(), job(a, "finished"));
+    st.kv.insert("jobs/b".into(), job(b, "running"));
+
+    // b beats, a falls silent: only a is lost, once the bound has passed.
+    let period = st.check_period();
+    let mut now = t0;
+    let mut lost = Vec::new();
+    while now < t0 + BOUND * 2 {
+        now += period;
+        assert!(st.drivers.heartbeat(b, now));
+        lost.extend(st.drivers.expire(now).into_iter().map(|id| (id, now)));
+    }
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!(lost[0].0, a);
+    assert!(lost[0].1 > t0 + BOUND && lost[0].1 <= t0 + BOUND + period);
+    assert!(!st.drivers.heartbeat(a, now), "a lost driver stays lost");
+
+    let gone = st.driver_gone(a);
+    assert_eq!(gone.entry.map(|e| e.pid), Some(10));
+    assert_eq!(
+        gone.groups,
+        [group],
+        "its group (whose actors stop with it)"
+    );
+    assert_eq!(
+        gone.actors,
+        [mine],
+        "its own actor, not {in_group} (in the group) nor {detached} (detached)"
+    );
+    assert!(![theirs, nobody, detached]
+        .iter()
+        .any(|id| gone.actors.contains(id)));
+    assert_eq!(st.fail_jobs_of(a, "failed: driver lost"), ["jobs/a"]);
+    let state =
+        |k: &str| serde_json::from_slice::<serde_json::Value>(&st.kv[k]).unwrap()["state"].clone();
+    assert_eq!(state("jobs/a"), "failed: driver lost");
+    assert_eq!(state("jobs/a-done"), "finished");
+    assert_eq!(state("jobs/b"), "running");
+    assert_eq!(
+        st.drivers.entries().keys().copied().collect::<Vec<_>>(),
+        [b]
+    );
 }

@@ -11,8 +11,9 @@ pub const JOBS_PREFIX: &str = "jobs/";
 
 impl Head {
     /// The cluster's state as `ferl status --json` prints it: `nodes` (resources total and used, log folder),
-    /// `actors`, `groups` (with lost bundles), `jobs` (the JSON values drivers keep under [`JOBS_PREFIX`]) and the
-    /// number of KV keys.
+    /// `actors`, `groups` (with lost bundles and owning driver), `jobs` (the JSON values drivers keep under
+    /// [`JOBS_PREFIX`]), the `drivers` that joined and still beat, the `submitted_jobs` the head runs (`ferl job`),
+    /// and the number of KV keys.
     pub(super) fn status_json(&self) -> serde_json::Value {
         let st = self.lock();
         let used = |n: &str| -> Resources {
@@ -53,7 +54,7 @@ impl Head {
             .iter()
             .map(|(id, g)| {
                 let bundles: Vec<_> = g.slots.iter().enumerate().map(|(b, s)| serde_json::json!({"node": s.node, "resources": s.resources, "gpus": s.gpus, "lost": g.lost.get(&b)})).collect();
-                serde_json::json!({"id": id, "strategy": format!("{:?}", g.strategy), "bundles": bundles, "actors": g.actors})
+                serde_json::json!({"id": id, "strategy": format!("{:?}", g.strategy), "bundles": bundles, "actors": g.actors, "driver": g.owner})
             })
             .collect();
         let jobs: Vec<serde_json::Value> = st
@@ -62,6 +63,12 @@ impl Head {
             .filter(|(k, _)| k.starts_with(JOBS_PREFIX))
             .filter_map(|(_, v)| serde_json::from_slice(v).ok())
             .collect();
-        serde_json::json!({"head": self.0.process.addr.to_string(), "nodes": nodes, "actors": actors, "groups": groups, "jobs": jobs, "kv_keys": st.kv.len()})
+        let drivers: Vec<serde_json::Value> = st
+            .drivers
+            .entries()
+            .iter()
+            .map(|(id, d)| serde_json::json!({"id": id, "pid": d.pid, "host": d.host, "command": d.command}))
+            .collect();
+        serde_json::json!({"head": self.0.process.addr.to_string(), "nodes": nodes, "actors": actors, "groups": groups, "jobs": jobs, "drivers": drivers, "submitted_jobs": self.0.jobs.json(), "kv_keys": st.kv.len()})
     }
 }
