@@ -1,5 +1,5 @@
-//! The run's loggers: `trainer.logger` names built from one [`LoggerRegistry`] — the built-in `console` and `jsonl`
-//! (`metrics.jsonl` under `trainer.default_local_dir`) and every logger plugin the plugin host has loaded, e.g.
+//! The run's loggers: `trainer.logger` names built from one [`LoggerRegistry`] — the built-in `console`, `jsonl`
+//! (`metrics.jsonl` under `trainer.default_local_dir`) and `mlflow` (MLflow's file store) and every logger plugin the plugin host has loaded, e.g.
 //! `tensorboard`, by name. The run loop logs through [`build_loggers`]; the [`Metrics`] actor offers the same loggers
 //! to driver scripts that want them behind an actor.
 
@@ -10,8 +10,8 @@ use ferl_config::{expand_path, SftConfig};
 use ferl_plugin_bridge::register_logger_plugins;
 use ferl_plugin_host::PluginHost;
 use ferl_runtime::{Actor, Context, Handler};
-use ferl_trainer::metrics::{LoggerContext, LoggerRegistry, MetricsLogger};
-use indicatif::ProgressBar;
+use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
+use ferl_trainer::run::Progress;
 
 use crate::messages::{FlushLogs, Log};
 
@@ -28,13 +28,14 @@ pub fn logger_registry(host: Option<&Arc<PluginHost>>) -> LoggerRegistry {
 pub fn build_loggers(
     cfg: &SftConfig,
     registry: &LoggerRegistry,
-    progress: Option<ProgressBar>,
+    progress: Option<Progress>,
 ) -> Result<Vec<Box<dyn MetricsLogger>>> {
     let ctx = LoggerContext {
         run_dir: expand_path(&cfg.trainer.default_local_dir),
         project: cfg.trainer.project_name.clone(),
         experiment: cfg.trainer.experiment_name.clone(),
         progress,
+        params: config_params(cfg),
     };
     registry.build(cfg.trainer.logger.as_slice(), &ctx)
 }

@@ -415,7 +415,7 @@ pub struct TrainerConfig {
     pub total_epochs: usize,
     /// Optimizer steps to train; overrides `total_epochs` when set.
     pub total_training_steps: Option<usize>,
-    /// Loggers: `console`, `jsonl` (ferl), or a logger plugin's name. ferl's default is `[console]`, not verl's
+    /// Loggers: `console`, `jsonl`, `mlflow` (ferl), or a logger plugin's name. ferl's default is `[console]`, not verl's
     /// `[console, wandb]`, because ferl has no wandb client.
     pub logger: StringList,
     /// Seed of shuffling and of everything else random.

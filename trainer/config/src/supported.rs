@@ -77,13 +77,18 @@ impl Supported {
         if bad.is_empty() {
             return None;
         }
-        let bad: Vec<String> = bad.iter().map(|b| format!("`{b}`")).collect();
         let ok: Vec<&str> = allowed.iter().map(|s| s.as_str()).collect();
-        Some(format!(
-            "{} not supported by ferl yet (supported: {})",
-            bad.join(", "),
-            ok.join(", ")
-        ))
+        let plain: Vec<String> = bad
+            .iter()
+            .filter(|b| instead(key, b, &ok).is_none())
+            .map(|b| format!("`{b}`"))
+            .collect();
+        let mut why: Vec<String> = Vec::new();
+        if !plain.is_empty() {
+            why.push(format!("{} not supported by ferl yet", plain.join(", ")));
+        }
+        why.extend(bad.iter().filter_map(|b| instead(key, b, &ok)));
+        Some(format!("{} (supported: {})", why.join("; "), ok.join(", ")))
     }
 
     /// Checks `changed` (key, value) pairs; one error listing every refused key.
@@ -101,6 +106,33 @@ impl Supported {
         }
         Ok(())
     }
+}
+
+/// The working alternative to a value ferl will not honour, naming only what this engine supports (`allowed`):
+/// `trainer.logger=wandb` (wandb has no Rust client) points at the TensorBoard files `wandb sync` uploads and at
+/// mlflow. The same text on every path that honours the same loggers.
+fn instead(key: &str, value: &str, allowed: &[&str]) -> Option<String> {
+    if key != "trainer.logger" || value != "wandb" {
+        return None;
+    }
+    let mut ways = Vec::new();
+    if allowed.contains(&"tensorboard") {
+        ways.push(
+            "log with trainer.logger=[console,tensorboard] and upload with `wandb sync --sync-tensorboard \
+             <trainer.default_local_dir>/tensorboard_log/<trainer.project_name>/<trainer.experiment_name>` (the \
+             folder is $TENSORBOARD_DIR when set)"
+                .to_string(),
+        );
+    }
+    if allowed.contains(&"mlflow") {
+        ways.push("use trainer.logger=[console,mlflow]".to_string());
+    }
+    let ways = if ways.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", ways.join(", or "))
+    };
+    Some(format!("`wandb` has no Rust client in ferl{ways}"))
 }
 
 fn matches(pattern: &str, key: &str) -> bool {
@@ -166,8 +198,41 @@ mod tests {
         let why = s.refusal("trainer.logger", &list).unwrap();
         assert_eq!(
             why,
-            "`wandb` not supported by ferl yet (supported: console, jsonl)"
+            "`wandb` has no Rust client in ferl (supported: console, jsonl)"
         );
+        let list: Value = serde_yaml::from_str("[swanlab, wandb]").unwrap();
+        let why = s.refusal("trainer.logger", &list).unwrap();
+        assert_eq!(
+            why,
+            "`swanlab` not supported by ferl yet; `wandb` has no Rust client in ferl (supported: console, jsonl)"
+        );
+    }
+
+    #[test]
+    fn wandb_is_refused_naming_the_supported_alternatives() {
+        let s = Supported::new().values("trainer.logger", &["console", "tensorboard", "mlflow"]);
+        let list: Value = serde_yaml::from_str("[console, wandb]").unwrap();
+        let why = s.refusal("trainer.logger", &list).unwrap();
+        assert!(
+            why.starts_with(
+                "`wandb` has no Rust client in ferl: log with trainer.logger=[console,tensorboard]"
+            ),
+            "{why}"
+        );
+        assert!(
+            why.contains(
+                "`wandb sync --sync-tensorboard <trainer.default_local_dir>/tensorboard_log/"
+            ),
+            "{why}"
+        );
+        assert!(
+            why.contains("or use trainer.logger=[console,mlflow]"),
+            "{why}"
+        );
+        assert!(s
+            .refusal("trainer.logger", &Value::from("wandb2"))
+            .unwrap()
+            .starts_with("`wandb2` not supported by ferl yet"));
     }
 
     #[test]

@@ -282,7 +282,7 @@ fn unsupported_changes_are_refused_and_defaults_pass() {
         "{err}"
     );
     assert!(
-        err.contains("trainer.logger=[console,wandb]: `wandb` not supported"),
+        err.contains("trainer.logger=[console,wandb]: `wandb` has no Rust client in ferl"),
         "{err}"
     );
     assert!(!err.contains("optim.lr="), "{err}");

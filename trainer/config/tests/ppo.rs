@@ -410,7 +410,7 @@ fn unsupported_changes_are_refused_and_defaults_pass() {
         "{e}"
     );
     assert!(
-        e.contains("trainer.logger=[console,wandb]: `wandb` not supported"),
+        e.contains("trainer.logger=[console,wandb]: `wandb` has no Rust client in ferl"),
         "{e}"
     );
     assert!(!e.contains("rollout.n="), "{e}");

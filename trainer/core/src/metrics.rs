@@ -1,16 +1,19 @@
 //! Where per-step metrics go: the [`MetricsLogger`] trait and a [`LoggerRegistry`] of logger kinds by name.
 //!
 //! `trainer.logger` lists kinds by name; the trainer asks the registry to build each. Built in: `console` (one line
-//! per step, printed above the progress bar) and `jsonl` (`<default_local_dir>/metrics.jsonl`, one JSON object per
-//! step). Another kind — e.g. a logger plugin loaded by the plugin host — is added with [`LoggerRegistry::register`]
+//! per step, printed above the progress bar), `jsonl` (`<default_local_dir>/metrics.jsonl`, one JSON object per
+//! step) and `mlflow` (MLflow's file store, see [`mlflow`]). Another kind — e.g. a logger plugin loaded by the plugin host — is added with [`LoggerRegistry::register`]
 //! before the run starts; nothing else changes.
 
 use anyhow::{bail, Context, Result};
-use indicatif::ProgressBar;
+use ferl_data::Progress;
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::PathBuf;
+
+pub mod mlflow;
+pub use mlflow::MlflowLogger;
 
 /// Receives the metrics of each step (`train/loss`, `train/lr`, `val/loss`, ...).
 pub trait MetricsLogger: Send {
@@ -31,8 +34,24 @@ pub struct LoggerContext {
     pub project: String,
     /// `trainer.experiment_name`.
     pub experiment: String,
-    /// The run's progress bar, if one is shown (print through it so the bar stays intact).
-    pub progress: Option<ProgressBar>,
+    /// The run's progress, if one is shown (print through it: the bar stays intact, and a printed line counts as
+    /// one of its plain lines in a log).
+    pub progress: Option<Progress>,
+    /// The run's resolved config as `(dotted key, value)` pairs ([`config_params`]), for loggers that record them
+    /// (mlflow's params).
+    pub params: Vec<(String, String)>,
+}
+
+/// Every set leaf of `cfg`'s resolved config as `(dotted key, value as typed in an override)`; nulls left out.
+pub fn config_params<T: serde::Serialize>(cfg: &T) -> Vec<(String, String)> {
+    let Ok(tree) = serde_yaml::to_value(cfg) else {
+        return Vec::new();
+    };
+    ferl_config::tree::leaves(&tree)
+        .into_iter()
+        .filter(|(_, v)| !v.is_null() && !v.is_mapping())
+        .map(|(k, v)| (k, ferl_config::supported::inline(&v)))
+        .collect()
 }
 
 /// Builds a logger of one kind.
@@ -55,6 +74,14 @@ impl Default for LoggerRegistry {
                 Ok(Box::new(ConsoleLogger {
                     progress: ctx.progress.clone(),
                 }))
+            }),
+        );
+        r.register(
+            "mlflow",
+            Box::new(|ctx| {
+                let uri = std::env::var("MLFLOW_TRACKING_URI").ok();
+                let root = mlflow::tracking_root(uri.as_deref())?;
+                Ok(Box::new(MlflowLogger::create(&root, ctx)?))
             }),
         );
         r.register(
@@ -106,7 +133,7 @@ impl LoggerRegistry {
 
 /// Prints `step N | key value ...` lines.
 pub struct ConsoleLogger {
-    progress: Option<ProgressBar>,
+    progress: Option<Progress>,
 }
 
 impl MetricsLogger for ConsoleLogger {
@@ -116,8 +143,8 @@ impl MetricsLogger for ConsoleLogger {
             line.push_str(&format!(" | {k} {v:.6}"));
         }
         match &self.progress {
-            Some(pb) if !pb.is_hidden() => pb.println(line),
-            _ => println!("{line}"),
+            Some(p) => p.println(line),
+            None => println!("{line}"),
         }
         Ok(())
     }
@@ -174,6 +201,7 @@ mod tests {
             project: "p".into(),
             experiment: "e".into(),
             progress: None,
+            params: Vec::new(),
         };
         let reg = LoggerRegistry::default();
         let mut loggers = reg.build(&["jsonl".into()], &ctx).unwrap();

@@ -79,7 +79,7 @@ pub(crate) fn supported() -> Supported {
         .values("actor_rollout_ref.rollout.do_sample", &["true"])
         .values("algorithm.adv_estimator", &["grpo", "rloo"])
         .values("reward_model.reward_manager", &["naive"])
-        .values("trainer.logger", &["console", "jsonl"])
+        .values("trainer.logger", &["console", "jsonl", "mlflow"])
         .values("trainer.device", &["cpu"])
         .values("trainer.resume_mode", &["auto", "disable"])
         .values("trainer.nnodes", &["1"])

@@ -424,7 +424,7 @@ pub struct TrainerConfig {
     pub project_name: String,
     /// Experiment name (default checkpoint directory, loggers).
     pub experiment_name: String,
-    /// Loggers: `console`, `jsonl` (ferl), or a logger plugin's name. ferl's default is `[console]`, not verl's
+    /// Loggers: `console`, `jsonl`, `mlflow` (ferl), or a logger plugin's name. ferl's default is `[console]`, not verl's
     /// `[console, wandb]`, because ferl has no wandb client.
     pub logger: StringList,
     /// Validation generations printed to the loggers.
