@@ -66,6 +66,31 @@ pub fn plan_shares(
         .collect())
 }
 
+/// Validation runs in at most this many calls of whole micro-batch rounds, so that its rows are reported as it goes.
+pub const VALIDATION_CALLS: usize = 64;
+
+/// The calls of a validation of `rounds` micro-batch rounds (every rank runs the same rounds): consecutive ranges of
+/// rounds, at most [`VALIDATION_CALLS`] of them.
+pub fn validation_calls(rounds: usize) -> Vec<std::ops::Range<usize>> {
+    let per = rounds.div_ceil(VALIDATION_CALLS).max(1);
+    (0..rounds)
+        .step_by(per)
+        .map(|a| a..(a + per).min(rounds))
+        .collect()
+}
+
+/// The samples of a rank's `shard` that the rounds `call` of `micro` samples each take (fewer, or none, at its end).
+pub fn call_samples<'a, T>(shard: &'a [T], call: &std::ops::Range<usize>, micro: usize) -> &'a [T] {
+    let micro = micro.max(1);
+    let end = (call.end * micro).min(shard.len());
+    &shard[(call.start * micro).min(end)..end]
+}
+
+/// The validation rows of `len` reported done after `rounds_done` of `rounds` rounds.
+pub fn rows_done(len: usize, rounds_done: usize, rounds: usize) -> u64 {
+    (len * rounds_done / rounds.max(1)) as u64
+}
+
 /// Loads the training set (and the validation set when files are given: the last step always validates); with
 /// `data.plugin` set, through that dataset plugin of this process's plugin host
 /// ([`crate::plugins::actor_plugin_host`]: the plugins shipped to this worker, else `$FERL_PLUGIN_PATH`).
@@ -201,5 +226,44 @@ impl Handler<ValShards> for DataLoader {
         let all: Vec<usize> = (0..val.len()).collect();
         let shards = split_samples(val, &all, self.ranks.dp_world());
         Ok(self.ranks.per_rank(shards))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_calls_cover_every_round_once_in_at_most_64_calls() {
+        for rounds in [0, 1, 5, 64, 65, 330, 1000] {
+            let calls = validation_calls(rounds);
+            assert!(
+                calls.len() <= VALIDATION_CALLS,
+                "{rounds}: {} calls",
+                calls.len()
+            );
+            let covered: Vec<usize> = calls.iter().flat_map(|c| c.clone()).collect();
+            assert_eq!(covered, (0..rounds).collect::<Vec<_>>(), "{rounds} rounds");
+        }
+        assert_eq!(validation_calls(5), [0..1, 1..2, 2..3, 3..4, 4..5]);
+        assert_eq!(
+            validation_calls(130),
+            (0..130)
+                .step_by(3)
+                .map(|a| a..(a + 3).min(130))
+                .collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn call_samples_take_each_rounds_micro_batches_and_run_dry_at_the_shards_end() {
+        let shard: Vec<u32> = (0..7).collect();
+        assert_eq!(call_samples(&shard, &(0..2), 2), [0, 1, 2, 3]);
+        assert_eq!(call_samples(&shard, &(2..3), 2), [4, 5]);
+        assert_eq!(call_samples(&shard, &(3..5), 2), [6]);
+        assert!(call_samples(&shard, &(5..6), 2).is_empty());
+        assert_eq!(rows_done(1319, 165, 330), 659);
+        assert_eq!(rows_done(1319, 330, 330), 1319);
+        assert_eq!(rows_done(0, 0, 0), 0);
     }
 }

@@ -8,10 +8,11 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result};
 use ferl_trainer::checkpoint::{RunMeta, HF_DIR};
-use ferl_trainer::run::{RestartPolicy, RestartRecord, StepExecutor, StepOutcome};
+use ferl_trainer::run::{Phase, RestartPolicy, RestartRecord, StepExecutor, StepOutcome};
 use tokio::runtime::Handle;
 
 use crate::cluster_run::{cause_kind, ClusterRun, RunActors};
+use crate::data_loader::{call_samples, rows_done, validation_calls};
 use crate::messages::*;
 use crate::rank::micro_batches;
 use crate::trainer_rank::TrainerRank;
@@ -26,8 +27,8 @@ pub struct ClusterExecutor {
     pub actors: RunActors,
     /// `data.micro_batch_size_per_gpu` (validation rounds).
     pub micro_batch_size: usize,
-    /// Whether the loader holds a validation set.
-    pub has_val: bool,
+    /// Rows of the loader's validation set (0: none).
+    pub val_len: usize,
 }
 
 impl ClusterExecutor {
@@ -94,24 +95,34 @@ impl StepExecutor for ClusterExecutor {
         })
     }
 
-    fn validate(&mut self) -> Result<Option<f64>> {
-        if !self.has_val {
+    fn validate(&mut self, progress: &Phase) -> Result<Option<f64>> {
+        if self.val_len == 0 {
             return Ok(None);
         }
+        progress.set_length(self.val_len as u64);
+        progress.set_position(0);
         let shards = self.handle.block_on(self.actors.loader.call(ValShards))?;
+        let micro = self.micro_batch_size;
         let rounds = shards
             .iter()
-            .map(|s| micro_batches(s.len(), self.micro_batch_size))
+            .map(|s| micro_batches(s.len(), micro))
             .max()
-            .unwrap_or(0) as u64;
-        let messages = shards
-            .into_iter()
-            .map(|samples| Validate { samples, rounds })
-            .collect();
-        let parts = self.each("validation", messages)?;
-        let (sum, count) = parts
-            .iter()
-            .fold((0.0, 0), |(s, c), (ps, pc)| (s + ps, c + pc));
+            .unwrap_or(0);
+        let (mut sum, mut count) = (0.0, 0);
+        for call in validation_calls(rounds) {
+            let messages = shards
+                .iter()
+                .map(|shard| Validate {
+                    samples: call_samples(shard, &call, micro).to_vec(),
+                    rounds: call.len() as u64,
+                })
+                .collect();
+            for (s, c) in self.each("validation", messages)? {
+                sum += s;
+                count += c;
+            }
+            progress.set_position(rows_done(self.val_len, call.end, rounds));
+        }
         Ok(Some(sum / count.max(1) as f64))
     }
 

@@ -11,10 +11,10 @@ use ferl_config::expand_path;
 use ferl_data::{rank_shard, Batching, SftDataset};
 use ferl_trainer::checkpoint::{commit, RunMeta, HF_DIR};
 use ferl_trainer::metrics::LoggerRegistry;
-use ferl_trainer::run::{RestartPolicy, StepExecutor, StepOutcome};
+use ferl_trainer::run::{Phase, RestartPolicy, StepExecutor, StepOutcome};
 use tch::Device;
 
-use crate::data_loader::{plan_batch, rank_share};
+use crate::data_loader::{call_samples, plan_batch, rank_share, rows_done, validation_calls};
 use crate::messages::Sample;
 use crate::rank::{micro_batches, RankState};
 
@@ -119,7 +119,7 @@ impl StepExecutor for SpmdExecutor {
         })
     }
 
-    fn validate(&mut self) -> Result<Option<f64>> {
+    fn validate(&mut self, progress: &Phase) -> Result<Option<f64>> {
         let Some(val) = &self.val else {
             return Ok(None);
         };
@@ -128,7 +128,16 @@ impl StepExecutor for SpmdExecutor {
         let mine = my_samples(val, &all, dp_rank, dp_world);
         let micro = self.state.cfg.data.micro_batch_size_per_gpu;
         let rounds = micro_batches(val.len().div_ceil(dp_world), micro);
-        let (sum, count) = self.state.validate(&mine, rounds)?;
+        progress.set_length(val.len() as u64);
+        progress.set_position(0);
+        let (mut sum, mut count) = (0.0, 0);
+        for call in validation_calls(rounds) {
+            let samples = call_samples(&mine, &call, micro);
+            let (s, c) = self.state.validate(samples, call.len())?;
+            sum += s;
+            count += c;
+            progress.set_position(rows_done(val.len(), call.end, rounds));
+        }
         let sums = self.state.sum_over_ranks(&[sum, count as f64])?;
         Ok(Some(sums[0] / sums[1].max(1.0)))
     }
@@ -185,7 +194,7 @@ pub fn world_of_one(device: Device) -> Result<Arc<dyn Communicator>> {
 pub struct InProcessOptions {
     /// Stop after this many steps of this run (an interruption, in tests).
     pub stop_after_steps: Option<u64>,
-    /// Draw the progress bar.
+    /// Show the run's progress (a bar in a terminal, plain lines in a log: [`ferl_trainer::run::Progress`]).
     pub progress: bool,
     /// Extra logger kinds `trainer.logger` may name, besides the built-in ones and loaded plugins.
     pub loggers: Option<LoggerRegistry>,

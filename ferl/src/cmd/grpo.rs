@@ -12,7 +12,7 @@ use clap::Args;
 use ferl_data::SftTokenizer;
 use ferl_trainer::config::PpoConfig;
 use ferl_trainer::engine::{Engine, EngineOptions};
-use ferl_trainer::metrics::{LoggerContext, LoggerRegistry, MetricsLogger};
+use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
 use ferl_trainer::params::LocalParams;
 use ferl_trainer::rl::{GrpoPrompt, GrpoTrainer};
 use rand::seq::SliceRandom;
@@ -123,9 +123,9 @@ fn train(
         .total_training_steps
         .map(|s| s as u64)
         .unwrap_or(per_epoch * cfg.trainer.total_epochs as u64);
-    let mut loggers = loggers(cfg, run_dir)?;
-    let progress = indicatif::ProgressBar::new(total);
+    let progress = ferl_data::Progress::new("training", "steps", total);
     progress.set_position(trainer.global_step());
+    let mut loggers = loggers(cfg, run_dir, &progress)?;
     while trainer.global_step() < total {
         let step = trainer.global_step();
         let order = epoch_order(cfg, prompts.len(), step / per_epoch);
@@ -137,15 +137,15 @@ fn train(
         let out = trainer.step(&chosen)?;
         let metrics: Vec<(String, f64)> = out.metrics.into_iter().collect();
         for l in loggers.iter_mut() {
-            progress.suspend(|| l.log(out.step as i64, &metrics))?;
+            l.log(out.step as i64, &metrics)?;
         }
-        progress.inc(1);
+        progress.set_position(out.step);
         let save = cfg.trainer.save_freq > 0 && out.step % cfg.trainer.save_freq as u64 == 0;
         if save || (cfg.trainer.save_freq > 0 && out.step == total) {
             save_step(trainer, run_dir, out.step)?;
         }
     }
-    progress.finish_and_clear();
+    progress.finish();
     for l in loggers.iter_mut() {
         l.finish()?;
     }
@@ -163,14 +163,19 @@ fn epoch_order(cfg: &PpoConfig, n: usize, epoch: u64) -> Vec<usize> {
     order
 }
 
-/// `trainer.logger`'s loggers, writing under `run_dir`.
-fn loggers(cfg: &PpoConfig, run_dir: &Path) -> Result<Vec<Box<dyn MetricsLogger>>> {
+/// `trainer.logger`'s loggers, writing under `run_dir` (the console's lines printed through `progress`).
+fn loggers(
+    cfg: &PpoConfig,
+    run_dir: &Path,
+    progress: &ferl_data::Progress,
+) -> Result<Vec<Box<dyn MetricsLogger>>> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     let ctx = LoggerContext {
         run_dir: run_dir.to_path_buf(),
         project: cfg.trainer.project_name.clone(),
         experiment: cfg.trainer.experiment_name.clone(),
-        progress: None,
+        progress: Some(progress.clone()),
+        params: config_params(cfg),
     };
     let names: Vec<String> = cfg.trainer.logger.as_slice().to_vec();
     LoggerRegistry::default().build(&names, &ctx)

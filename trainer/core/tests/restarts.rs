@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use ferl_config::SftConfig;
 use ferl_trainer::checkpoint::{commit, RunMeta};
 use ferl_trainer::run::{
-    self, RestartPolicy, RestartRecord, RunOptions, StepExecutor, StepOutcome,
+    self, Phase, RestartPolicy, RestartRecord, RunOptions, StepExecutor, StepOutcome,
 };
 use std::path::Path;
 
@@ -59,7 +59,7 @@ impl StepExecutor for Scripted {
         })
     }
 
-    fn validate(&mut self) -> Result<Option<f64>> {
+    fn validate(&mut self, _progress: &Phase) -> Result<Option<f64>> {
         Ok(None)
     }
 

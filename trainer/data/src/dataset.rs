@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use ferl_config::DataConfig;
-use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 
+use crate::progress::Progress;
 use crate::read::{Fields, FileSource};
 use crate::sample::{SampleBuilder, TokenizedSample};
 use crate::source::{DataSource, SourcedExample};
@@ -91,11 +91,8 @@ impl SftDataset {
             truncation: cfg.truncation,
             template_kwargs: &cfg.apply_chat_template_kwargs,
         };
-        let bar = ProgressBar::new(examples.len() as u64).with_message("tokenizing");
-        bar.set_style(
-            ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} [{elapsed}] {per_sec}")
-                .expect("a valid template"),
-        );
+        let bar = Progress::new("tokenizing", "rows", examples.len() as u64);
+        bar.set_position(0);
         let built: Vec<Result<TokenizedSample>> = examples
             .par_iter()
             .map(|ex| {
@@ -104,7 +101,7 @@ impl SftDataset {
                 s
             })
             .collect();
-        bar.finish_and_clear();
+        bar.finish();
         let samples = built.into_iter().collect::<Result<Vec<_>>>()?;
         Ok(Self {
             samples,

@@ -7,7 +7,8 @@
 //!   a dataset plugin implements the same trait.
 //! - A [`TokenizedSample`] is `input_ids: Vec<i64>` and `loss_mask: Vec<bool>`, where `loss_mask[t]` means token
 //!   `t` is a target: the engine predicts token `t` from position `t - 1`, so `loss_mask[0]` is always false.
-//! - An [`SftDataset`] holds every sample of some files, tokenized up front (in parallel, with a progress bar).
+//! - An [`SftDataset`] holds every sample of some files, tokenized up front (in parallel, with a [`Progress`]:
+//!   a bar in a terminal, plain lines in a log).
 //!
 //! # Contract for the engine
 //! ```no_run
@@ -41,6 +42,7 @@ pub mod batch;
 pub mod dataset;
 pub mod gsm8k;
 pub mod plan;
+pub mod progress;
 pub mod read;
 pub mod sample;
 pub mod source;
@@ -56,6 +58,7 @@ pub use batch::{
 pub use dataset::SftDataset;
 pub use ferl_config::expand_path;
 pub use plan::{DataPlan, DataPosition};
+pub use progress::{Phase, Progress};
 pub use sample::{SampleBuilder, TokenizedSample};
 pub use source::{DataSource, Origin, Prompt, RawExample, SourcedExample};
 pub use tokenizer::SftTokenizer;

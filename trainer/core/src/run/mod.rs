@@ -14,6 +14,7 @@ pub mod parallel;
 pub mod plan;
 mod report;
 pub mod restart;
+pub mod threads;
 
 pub use gate::{check, compute_kind, cuda_is_available, device_of, LaunchShape};
 pub use parallel::RankLayout;
@@ -27,7 +28,7 @@ use crate::metrics::MetricsLogger;
 use anyhow::Result;
 use ferl_config::{expand_path, SftConfig};
 use ferl_data::DataPlan;
-use indicatif::{ProgressBar, ProgressStyle};
+pub use ferl_data::{Phase, Progress};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -56,8 +57,9 @@ pub trait StepExecutor {
     fn world_size(&self) -> usize;
     /// Trains one global batch: the training-set indices `batch`, in order (the executor splits them by rank).
     fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome>;
-    /// The token-mean validation loss over the whole validation set; `None` when there is none.
-    fn validate(&mut self) -> Result<Option<f64>>;
+    /// The token-mean validation loss over the whole validation set; `None` when there is none. Reports the rows
+    /// done to `progress` (its length, then positions) as it goes.
+    fn validate(&mut self, progress: &Phase) -> Result<Option<f64>>;
     /// Writes a complete checkpoint into `dir` and commits it with `meta` (`meta.json` last); with `hf_model` also
     /// its `huggingface/` folder. May finish in the background; [`StepExecutor::finish`] waits.
     fn save(&mut self, dir: &Path, meta: &RunMeta, hf_model: bool) -> Result<()>;
@@ -88,8 +90,9 @@ pub struct RunOptions {
     pub loggers: Vec<Box<dyn MetricsLogger>>,
     /// Called after every training step, before logging (e.g. the plugin host's step boundary).
     pub on_step_end: Option<Box<dyn FnMut(i64) + Send>>,
-    /// The progress bar (it hides itself when stderr is not a terminal).
-    pub progress: Option<ProgressBar>,
+    /// The run's progress over its steps, validation inside it ([`progress`]: a bar in a terminal, plain lines in a
+    /// log).
+    pub progress: Option<Progress>,
     /// What `perf/mfu` needs; none omits the metric.
     pub mfu: Option<MfuInputs>,
     /// Stop after this many steps of this run (an interruption, in tests); none runs to the end.
@@ -136,15 +139,10 @@ impl RunSummary {
     }
 }
 
-/// A progress bar over the run's steps, for the process that logs.
-pub fn progress_bar(total_steps: u64) -> ProgressBar {
-    let pb = ProgressBar::new(total_steps);
-    let style = ProgressStyle::with_template(
-        "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-    )
-    .expect("valid template");
-    pb.set_style(style);
-    pb
+/// The progress of the run's steps, for the process that logs: a bar in a terminal, plain lines (at least every few
+/// seconds, validation's rows included) when stderr is a log file ([`ferl_data::progress`]).
+pub fn progress(total_steps: u64) -> Progress {
+    Progress::new("training", "steps", total_steps)
 }
 
 /// Trains `cfg` on a training set of `train_len` samples through `exec`: resumes per `trainer.resume_mode`, then
@@ -280,7 +278,7 @@ impl Loop {
         if self.summary.steps.is_empty() && self.step >= self.plan.total_steps {
             // Resumed at the very end: still report the final validation loss.
             let mut values = Vec::new();
-            validate(exec, self.step, &mut values, &mut self.summary)?;
+            validate(exec, opts, self.step, &mut values, &mut self.summary)?;
             log(opts, self.step, &values)?;
         }
         Ok(())
@@ -309,7 +307,7 @@ impl Loop {
         let mut values = step_values(&out, seconds, opts.mfu.as_ref());
         values.append(&mut self.after_restart);
         if self.plan.validates_at(step) {
-            validate(exec, step, &mut values, &mut self.summary)?;
+            validate(exec, opts, step, &mut values, &mut self.summary)?;
         }
         log(opts, step, &values)?;
         show_progress(opts, step, &out, seconds);
@@ -343,11 +341,18 @@ fn stopped(opts: &RunOptions, summary: &RunSummary) -> bool {
 
 fn validate(
     exec: &mut dyn StepExecutor,
+    opts: &RunOptions,
     step: u64,
     values: &mut Vec<(String, f64)>,
     summary: &mut RunSummary,
 ) -> Result<()> {
-    if let Some(v) = exec.validate()? {
+    let phase = match &opts.progress {
+        Some(p) => p.phase("validation", "rows", 0),
+        None => Phase::hidden(),
+    };
+    let loss = exec.validate(&phase)?;
+    phase.finish();
+    if let Some(v) = loss {
         values.push((metric::VAL_LOSS.to_string(), v));
         summary.val_losses.push((step, v));
     }
