@@ -16,7 +16,7 @@ use ferl_trainer::run::{RestartPolicy, RestartRecord};
 
 use crate::checkpoint::{Checkpointer, CheckpointerArgs};
 use crate::data_loader::{DataLoader, DataLoaderArgs};
-use crate::messages::{DatasetInfo, GetDatasetInfo};
+use crate::messages::{DatasetInfo, GetDatasetInfo, IntraOpThreads};
 use crate::trainer_rank::{SecretHex, TrainerRank, TrainerRankArgs};
 
 /// How long a run waits for its first resource group.
@@ -37,6 +37,8 @@ pub struct ClusterRun {
     pub total_steps: u64,
     /// The run's name in `ferl status` (KV key `jobs/<job>`).
     pub job: String,
+    /// `--nproc-per-node` when the ranks must be spread over `--nnodes` distinct nodes, that many on each.
+    pub per_node: Option<usize>,
 }
 
 /// The actors one attempt of a cluster run trains with.
@@ -82,28 +84,63 @@ impl ClusterRun {
         Ok((loader, info))
     }
 
-    /// Reserves `world` bundles, waiting up to `wait` while they are busy or their nodes are away.
-    pub async fn reserve(&self, world: usize, wait: Duration) -> Result<ResourceGroup> {
+    /// How `world` ranks are placed: `per_node` on each of `world / per_node` distinct nodes (torchrun's
+    /// `--nnodes M --nproc-per-node N`), else packed onto as few nodes as hold them.
+    fn strategy(&self, world: usize) -> Strategy {
+        match self.per_node {
+            Some(n) if n > 0 && world > n && world.is_multiple_of(n) => {
+                Strategy::NodeBlocks(n as u32)
+            }
+            _ => Strategy::Pack,
+        }
+    }
+
+    /// What placing `world` ranks means, for messages.
+    fn placing(&self, world: usize, kind: &str) -> String {
+        match self.strategy(world) {
+            Strategy::NodeBlocks(n) => format!(
+                "placing {n} {kind} rank(s) on each of {} distinct nodes (--nnodes {} --nproc-per-node {n})",
+                world / n as usize,
+                world / n as usize
+            ),
+            _ => format!("reserving {world} {kind} bundles"),
+        }
+    }
+
+    /// Reserves `world` bundles, waiting up to `wait` while they are busy or their nodes are away. With
+    /// `infeasible_is_final` (a first attempt), a placement the cluster can never hold fails at once, naming the
+    /// shortfall; a restart waits for nodes to come back instead.
+    pub async fn reserve(
+        &self,
+        world: usize,
+        wait: Duration,
+        infeasible_is_final: bool,
+    ) -> Result<ResourceGroup> {
         let kind = if self.gpus() { "GPU" } else { "CPU" };
+        let what = self.placing(world, kind);
         let deadline = Instant::now() + wait;
+        let mut told = false;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let bundles = vec![self.bundle(); world];
             match self
                 .cluster
-                .create_group(bundles, Strategy::Pack, left)
+                .create_group(bundles, self.strategy(world), left)
                 .await
             {
                 Ok(group) => return Ok(group),
+                Err(e @ ferl_runtime::Error::Infeasible { .. }) if infeasible_is_final => {
+                    return Err(e).context(what);
+                }
                 Err(e) if Instant::now() + Duration::from_millis(500) < deadline => {
-                    tracing::debug!("reserving {world} {kind} bundles: {e}; retrying");
+                    if !told {
+                        eprintln!("{what}: {e}; waiting up to {wait:?}");
+                        told = true;
+                    }
+                    tracing::debug!("{what}: {e}; retrying");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
-                Err(e) => {
-                    return Err(e).with_context(|| {
-                        format!("reserving {world} {kind} bundles (waited {wait:?})")
-                    })
-                }
+                Err(e) => return Err(e).with_context(|| format!("{what} (waited {wait:?})")),
             }
         }
     }
@@ -135,6 +172,11 @@ impl ClusterRun {
         )
         .await
         .context("spawning the trainer ranks")?;
+        let threads = ranks
+            .call_all(IntraOpThreads)
+            .await
+            .context("asking the trainer ranks for their threads")?;
+        print_rank_threads(&group, &threads);
         let checkpointer_args = CheckpointerArgs {
             root: ferl_config::expand_path(&self.cfg.trainer.default_local_dir)
                 .display()
@@ -156,7 +198,7 @@ impl ClusterRun {
 
     /// Spawns every actor of a first attempt at `world` ranks.
     pub async fn start(&self, world: usize, loader: ActorRef<DataLoader>) -> Result<RunActors> {
-        let group = self.reserve(world, FIRST_GROUP_WAIT).await?;
+        let group = self.reserve(world, FIRST_GROUP_WAIT, true).await?;
         self.spawn_ranks(group, loader).await
     }
 
@@ -166,6 +208,8 @@ impl ClusterRun {
         let record = serde_json::json!({
             "name": self.job, "kind": "sft", "state": state, "world_size": world,
             "experiment": self.cfg.trainer.experiment_name, "restarts": restarts,
+            // The head marks the job `failed: driver lost` when this driver stops beating.
+            "driver": self.cluster.driver_id(),
         });
         let key = format!("{JOBS_PREFIX}{}", self.job);
         if let Err(e) = self
@@ -231,7 +275,7 @@ impl ClusterRun {
         let deadline = Instant::now() + wait;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let group = self.reserve(world, left).await?;
+            let group = self.reserve(world, left, false).await?;
             let spawned = async {
                 let (loader, _) = self.spawn_loader(world).await?;
                 match self.spawn_ranks(group.clone(), loader.clone()).await {
@@ -322,4 +366,19 @@ pub fn cause_kind(cause: &anyhow::Error) -> String {
         None => "error",
     };
     kind.to_string()
+}
+
+/// Prints where the ranks run and their intra-op threads: a line per node (and per choice, should ranks of one
+/// node differ), e.g. `trainer ranks [0, 1] on node-0: 1 intra-op thread per rank (2 cores / 2 ranks on its host; …)`.
+fn print_rank_threads(group: &ResourceGroup, threads: &[String]) {
+    let mut lines: Vec<(&str, &str, Vec<usize>)> = Vec::new();
+    for (rank, (line, node)) in threads.iter().zip(&group.nodes).enumerate() {
+        match lines.iter_mut().find(|(n, l, _)| *n == node && *l == line) {
+            Some((_, _, ranks)) => ranks.push(rank),
+            None => lines.push((node, line, vec![rank])),
+        }
+    }
+    for (node, line, ranks) in lines {
+        println!("trainer ranks {ranks:?} on {node}: {line}");
+    }
 }

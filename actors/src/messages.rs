@@ -168,6 +168,10 @@ pub struct Log {
     pub values: Vec<(String, f64)>,
 }
 
+/// Trainer rank: the intra-op threads it chose, as one line ([`ferl_trainer::run::threads::ThreadChoice::describe`]).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone)]
+pub struct IntraOpThreads;
+
 /// Metrics: flush the loggers.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone)]
 pub struct FlushLogs;
@@ -179,6 +183,7 @@ ferl_runtime::message! {
     FinishSave => ();
     LoadShard => ();
     Export => bool;
+    IntraOpThreads => String;
     GetDatasetInfo => DatasetInfo;
     BatchOf => GlobalBatch;
     ValShards => Vec<Vec<Sample>>;

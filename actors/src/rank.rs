@@ -21,6 +21,7 @@ use ferl_fsdp::{
     load_sharded, save_sharded, FsdpOptions, ShardGroups, ShardSnapshot, ShardedParams, WithTensors,
 };
 use ferl_trainer::batch::{Layout, SampleRef};
+use ferl_trainer::checkpoint::HF_DIR;
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::kernels::KernelRegistry;
 use ferl_trainer::model::config::ModelConfig;
@@ -371,7 +372,7 @@ impl RankState {
             .iter()
             .map(|f| f.display().to_string())
             .collect();
-        self.save_adapter(dir)?;
+        self.save_side_files(dir)?;
         let dir = dir.to_path_buf();
         self.pending_save = Some(std::thread::spawn(move || snap.write(&dir)));
         Ok((meta, files))
@@ -390,7 +391,19 @@ impl RankState {
             step,
             dir,
         )?;
-        self.save_adapter(dir)
+        self.save_side_files(dir)
+    }
+
+    /// What a checkpoint holds beside the shards: the LoRA adapter (see [`Self::save_adapter`]) and, as verl
+    /// keeps them, the model's tokenizer and generation files in `huggingface/` (rank 0), so `ferl export` needs
+    /// no source folder.
+    fn save_side_files(&mut self, dir: &Path) -> Result<()> {
+        self.save_adapter(dir)?;
+        if self.rank_and_world().0 == 0 {
+            let src = resolve_model_dir(&self.cfg)?;
+            weights::copy_side_files(&[src.as_path()], &dir.join(HF_DIR))?;
+        }
+        Ok(())
     }
 
     /// With LoRA, writes the adapter in PEFT's format into `dir/lora_adapter` (every rank calls it: the adapters

@@ -9,7 +9,7 @@ use crate::rl::messages::*;
 use crate::rl::{PolicyActor, Rollout};
 use crate::trainer_rank::TrainerRank;
 
-ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, Validate, SaveShard, FinishSave, LoadShard, Export]);
+ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, Validate, SaveShard, FinishSave, LoadShard, Export, IntraOpThreads]);
 ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, BatchOf, ValShards]);
 ferl_runtime::register_actor!(Checkpointer, calls: [Commit, Flush]);
 ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);

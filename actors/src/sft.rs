@@ -19,6 +19,7 @@ use ferl_plugin_bridge::StepBoundary;
 use ferl_plugin_host::PluginHost;
 use ferl_runtime::{Cluster, HeadOptions, NodeOptions, SpawnOptions};
 use ferl_trainer::metrics::LoggerRegistry;
+use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads};
 use ferl_trainer::run::{
     self, check, device_of, peak_flops, LaunchShape, MfuInputs, RunOptions, StepExecutor,
 };
@@ -61,12 +62,16 @@ pub fn run(cfg: SftConfig, launch: &Launch) -> Result<RunSummary> {
     check_launch(launch)?;
     let run_dir = ferl_config::expand_path(&cfg.trainer.default_local_dir);
     let existed = run_dir.exists();
-    let coordinator = match launch {
-        Launch::Launcher => LaunchEnv::from_env().map_or(true, |l| l.rank == 0),
-        _ => true,
-    };
+    let coordinator = coordinates(launch);
     let result = match launch {
-        Launch::OneProcess => run_in_process(cfg, InProcessOptions::default()),
+        Launch::OneProcess => {
+            println!("{}", set_rank_threads(1)?.describe());
+            let opts = InProcessOptions {
+                progress: true,
+                ..InProcessOptions::default()
+            };
+            run_in_process(cfg, opts)
+        }
         Launch::Launcher => run_from_env(cfg),
         Launch::Cluster {
             nproc_per_node,
@@ -78,6 +83,15 @@ pub fn run(cfg: SftConfig, launch: &Launch) -> Result<RunSummary> {
         remove_if_untouched(&run_dir);
     }
     result
+}
+
+/// Whether this process coordinates the run `launch` makes: logs, commits checkpoints and reports the summary (rank
+/// 0 of an external launch; the one process otherwise).
+pub fn coordinates(launch: &Launch) -> bool {
+    match launch {
+        Launch::Launcher => LaunchEnv::from_env().map_or(true, |l| l.rank == 0),
+        _ => true,
+    }
 }
 
 /// Flags that cannot make a launch, refused before anything is created.
@@ -151,7 +165,7 @@ fn coordinator_options(
     progress: bool,
     mfu: Option<MfuInputs>,
 ) -> Result<RunOptions> {
-    let bar = progress.then(|| run::progress_bar(0));
+    let bar = progress.then(|| run::progress(0));
     let loggers = build_loggers(cfg, registry, bar.clone())?;
     let mut boundary = StepBoundary::new(host.clone());
     Ok(RunOptions {
@@ -298,6 +312,11 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
         "no --nproc-per-node given and no launcher environment (RANK/WORLD_SIZE/MASTER_ADDR or SLURM variables)",
     )?;
     let coordinator = launch.rank == 0;
+    let threads = set_rank_threads(local_ranks_from_env())
+        .with_context(|| format!("rank {}", launch.rank))?;
+    if coordinator {
+        println!("{}", threads.describe());
+    }
     // Only rank 0 logs: the other ranks take the logger names as given (rank 0 checks them).
     let world = launch.world_size;
     let (plugins, registry) = if coordinator {
@@ -383,7 +402,14 @@ fn run_cluster(
                 ferl_runtime::init(HeadOptions::new().node(node)).await?
             }
         };
-        let result = train_checked(&cluster, cfg, world, plugins, registry).await;
+        let per_node = (nnodes > 1).then_some(nproc);
+        let result = train_checked(&cluster, cfg, world, per_node, plugins, registry).await;
+        // An embedded cluster's session folder goes with it, unless the run failed: its worker logs tell why.
+        if result.is_err() {
+            if let Some(dir) = cluster.keep_session() {
+                eprintln!("worker logs of this run: {}", dir.join("logs").display());
+            }
+        }
         cluster.shutdown().await;
         result
     })
@@ -399,13 +425,14 @@ pub async fn train_on_cluster(
 ) -> Result<RunSummary> {
     let mut cfg = cfg.clone();
     let (plugins, registry) = checked_coordinator(&mut cfg, None, &[], world, false, true)?;
-    train_checked(cluster, cfg, world, plugins, registry).await
+    train_checked(cluster, cfg, world, None, plugins, registry).await
 }
 
 async fn train_checked(
     cluster: &Cluster,
     cfg: SftConfig,
     world: usize,
+    per_node: Option<usize>,
     plugins: DriverPlugins,
     registry: LoggerRegistry,
 ) -> Result<RunSummary> {
@@ -419,9 +446,13 @@ async fn train_checked(
         cfg: cfg.clone(),
         total_steps: 0,
         job: format!("sft-{}", std::process::id()),
+        per_node,
     };
+    let waiting = run::Progress::waiting("data loader: reading and tokenizing the data");
     let (loader, info) = run.spawn_loader(world).await?;
+    waiting.finish();
     run.total_steps = run::RunPlan::new(&cfg, info.train_len as usize)?.total_steps;
+    let waiting = run::Progress::waiting(&format!("starting {world} trainer rank(s)"));
     let actors = match run.start(world, loader.clone()).await {
         Ok(actors) => actors,
         Err(e) => {
@@ -429,6 +460,7 @@ async fn train_checked(
             return Err(e);
         }
     };
+    waiting.finish();
     let num_params = num_params_of(&cfg)?;
     let device = match run.cfg.trainer.device == "cuda" {
         true => Device::Cuda(0),
@@ -447,7 +479,7 @@ async fn train_checked(
         run: run.clone(),
         actors,
         micro_batch_size: cfg.data.micro_batch_size_per_gpu,
-        has_val: info.val_len > 0,
+        val_len: info.val_len as usize,
     };
     let train_len = info.train_len as usize;
     let (summary, exec) = tokio::task::spawn_blocking(move || {

@@ -14,6 +14,7 @@ use anyhow::{Context as _, Result};
 use ferl_collective::{GroupOptions, JobSecret, Subgroups};
 use ferl_config::SftConfig;
 use ferl_runtime::{Actor, Context, Handler};
+use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads, ThreadChoice};
 
 use crate::messages::*;
 use crate::rank::RankState;
@@ -50,6 +51,8 @@ impl std::fmt::Debug for SecretHex {
 /// A training rank hosted by the runtime.
 pub struct TrainerRank {
     state: Arc<Mutex<RankState>>,
+    /// Its intra-op threads: its node's cores split over the group's ranks there (`LOCAL_WORLD_SIZE`).
+    threads: ThreadChoice,
 }
 
 impl TrainerRank {
@@ -83,6 +86,9 @@ impl Actor for TrainerRank {
         };
         let handle = tokio::runtime::Handle::current();
         let (rank, world) = (args.rank as usize, args.world_size as usize);
+        let threads = set_rank_threads(local_ranks_from_env())
+            .with_context(|| format!("trainer rank {rank}/{world}"))?;
+        tracing::info!("trainer rank {rank}/{world}: {}", threads.describe());
         let state = tokio::task::spawn_blocking(move || {
             let rendezvous = Arc::new(ClusterRendezvous::new(cluster, handle, &args.group_prefix));
             let secret = JobSecret::from_hex(&args.job_secret.0)
@@ -117,6 +123,7 @@ impl Actor for TrainerRank {
         .context("trainer rank: start task")??;
         Ok(Self {
             state: Arc::new(Mutex::new(state)),
+            threads,
         })
     }
 }
@@ -168,5 +175,11 @@ impl Handler<Export> for TrainerRank {
     async fn handle(&self, m: Export, _: &Context) -> Result<bool> {
         self.with_state("export", move |s| s.export(&PathBuf::from(m.dir)))
             .await
+    }
+}
+
+impl Handler<IntraOpThreads> for TrainerRank {
+    async fn handle(&self, _: IntraOpThreads, _: &Context) -> Result<String> {
+        Ok(self.threads.describe())
     }
 }

@@ -1,5 +1,6 @@
-//! The `ferl` command line: cluster bootstrap (`start`, `status`, `stop`), SFT (`sft`, `data`, `model`, `export`),
-//! generation (`generate`) and plugins (`plugin`). Each subcommand lives in its own module under `cmd/`.
+//! The `ferl` command line: cluster bootstrap (`start`, `status`, `stop`), jobs and logs (`job`, `logs`), SFT (`sft`,
+//! `data`, `model`, `export`), generation (`generate`) and plugins (`plugin`). Each subcommand lives in its own module
+//! under `cmd/`.
 
 mod cmd;
 
@@ -26,6 +27,11 @@ enum Command {
     Status(cmd::cluster::StatusArgs),
     /// Stop the head and node processes started on this machine.
     Stop(cmd::cluster::StopArgs),
+    /// Jobs the cluster owns: submit a driver command for the head to run, see its status and logs, stop it.
+    #[command(subcommand)]
+    Job(cmd::job::JobCommand),
+    /// Node logs through their node agents: `--node NAME` lists them, `--node NAME FILE` or `--actor ID` prints one.
+    Logs(cmd::logs::LogsArgs),
     /// Supervised fine-tuning with verl's config keys (`key=value` overrides).
     Sft(cmd::sft::SftArgs),
     /// Prepare datasets (`ferl data gsm8k`).
@@ -54,6 +60,8 @@ fn main() -> anyhow::Result<()> {
         Command::Start(a) => cmd::cluster::start(a),
         Command::Status(a) => cmd::cluster::status(a),
         Command::Stop(a) => cmd::cluster::stop(a),
+        Command::Job(c) => cmd::job::run(c),
+        Command::Logs(a) => cmd::logs::run(a),
         Command::Sft(a) => cmd::sft::run(a),
         Command::Grpo(a) => cmd::grpo::run(a),
         Command::Data(c) => cmd::data::run(c),

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: a tiny model folder with the real Qwen tokenizer, a GSM8K slice, the
 //! config overrides of a short run, the single-process reference run, and the driver binary's path.
 
+pub mod cluster;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 

@@ -6,39 +6,16 @@
 //! - the keys refused where they cannot act (under torchrun/SLURM, `elastic` without restarts).
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use ferl_actors::sft::{read_summary, RunSummary};
 use ferl_config::SftConfig;
-use ferl_tests::{
-    driver_command, ferl_binary, field, reference_run, run_path, Fixture, LaunchPath,
-};
+use ferl_tests::cluster::{wait_for_step, LoopbackCluster};
+use ferl_tests::{driver_command, reference_run, run_path, Fixture, LaunchPath};
 use ferl_trainer::run::{check, LaunchShape};
 
 const DRIVER: &str = env!("CARGO_BIN_EXE_ferl-sft-driver");
-
-/// The highest step `metrics.jsonl` under `root` has logged.
-fn logged_step(root: &Path) -> u64 {
-    let text = std::fs::read_to_string(root.join("metrics.jsonl")).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter_map(|v| v["step"].as_u64())
-        .max()
-        .unwrap_or(0)
-}
-
-/// Waits until the run logs step `step`, failing if `child` exits first or `within` passes.
-fn wait_for_step(child: &mut Child, root: &Path, step: u64, within: Duration) {
-    let t0 = Instant::now();
-    while logged_step(root) < step {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the run exited ({status}) before step {step}");
-        }
-        assert!(t0.elapsed() < within, "no step {step} within {within:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// Processes whose parent is `parent`.
 fn children_of(parent: u32) -> Vec<u32> {
@@ -176,80 +153,10 @@ fn a_killed_rank_restarts_from_the_last_checkpoint_with_the_uninterrupted_losses
     );
 }
 
-/// A loopback cluster of this test: a head and one more node agent, one CPU each, with a private session root.
-struct TwoNodes {
-    dir: tempfile::TempDir,
-    address: String,
-    pids: Vec<u32>,
-}
-
-impl Drop for TwoNodes {
-    fn drop(&mut self) {
-        for pid in &self.pids {
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-        }
-    }
-}
-
-impl TwoNodes {
-    fn command(&self) -> Command {
-        let mut cmd = Command::new(ferl_binary());
-        cmd.env("HOME", self.dir.path())
-            .env("FERL_TMPDIR", self.dir.path().join("state"))
-            .env("RUST_LOG", "warn")
-            .env_remove("FERL_TOKEN")
-            .env_remove("FERL_ADDRESS");
-        cmd
-    }
-
-    fn start() -> Self {
-        let mut c = Self {
-            dir: tempfile::tempdir().unwrap(),
-            address: String::new(),
-            pids: Vec::new(),
-        };
-        let text = c.start_one(&["start", "--head", "--port", "0", "--num-cpus", "1"]);
-        c.address = field(&text, "ferl head started at ").to_string();
-        let address = c.address.clone();
-        c.start_one(&["start", "--address", &address, "--num-cpus", "1"]);
-        c
-    }
-
-    /// Runs `ferl ARGS` (a daemon start), keeps the daemon's pid, returns what it printed.
-    fn start_one(&mut self, args: &[&str]) -> String {
-        let out = self
-            .command()
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "ferl {args:?}: {text}{err}");
-        self.pids.push(field(&text, "(pid ").parse().unwrap());
-        text
-    }
-
-    fn status(&self) -> serde_json::Value {
-        let out = self
-            .command()
-            .args(["status", "--address", &self.address, "--json"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    }
-}
-
 #[test]
 fn a_lost_node_with_elastic_finishes_at_world_one_with_the_same_losses() {
     let fx = Fixture::new().unwrap();
-    let cluster = TwoNodes::start();
+    let cluster = LoopbackCluster::start(&[1, 1]);
     let extra = [
         "trainer.save_freq=2",
         "trainer.logger=[console,jsonl]",

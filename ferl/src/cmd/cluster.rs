@@ -203,7 +203,8 @@ fn daemonize() -> Result<()> {
     }
 }
 
-fn head_address(given: Option<String>) -> Result<String> {
+/// `given`, else the address of the head started on this machine.
+pub(crate) fn head_address(given: Option<String>) -> Result<String> {
     given.or_else(session::local_address).with_context(|| {
         format!(
             "no head address: pass --address (no head started on this machine under {})",
@@ -217,7 +218,7 @@ pub(crate) fn status(args: StatusArgs) -> Result<()> {
     let address = head_address(args.address)?;
     let rt = tokio::runtime::Runtime::new()?;
     let status = rt.block_on(async {
-        let cluster = ferl_runtime::connect(&address, args.token).await?;
+        let cluster = ferl_runtime::connect_observer(&address, args.token).await?;
         let s = cluster.status().await?;
         cluster.shutdown().await;
         anyhow::Ok(s)
@@ -296,7 +297,7 @@ pub(crate) fn stop(args: StopArgs) -> Result<()> {
     if let Some(address) = &address {
         let rt = tokio::runtime::Runtime::new()?;
         let asked = rt.block_on(async {
-            let cluster = ferl_runtime::connect(address, args.token).await?;
+            let cluster = ferl_runtime::connect_observer(address, args.token).await?;
             cluster.shutdown_cluster().await?;
             anyhow::Ok(())
         });

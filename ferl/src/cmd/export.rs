@@ -4,6 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferl_fsdp::checkpoint::LoraExport;
+use ferl_trainer::checkpoint::HF_DIR;
 use ferl_trainer::model::lora::CHECKPOINT_ADAPTER_DIR;
 use std::path::{Path, PathBuf};
 
@@ -20,7 +21,8 @@ pub(crate) struct ExportArgs {
     #[arg(long, default_value = "fp32")]
     pub dtype: String,
     /// For a sharded checkpoint: a folder whose tokenizer and generation-config files are copied into the export
-    /// (typically the `model.partial_pretrain` folder the run started from).
+    /// (typically the `model.partial_pretrain` folder the run started from). Without it they come from the
+    /// checkpoint's `huggingface/` folder, where every save keeps them.
     #[arg(long, value_name = "DIR")]
     pub copy_from: Option<PathBuf>,
     /// For a LoRA checkpoint: write the merged model `W + (α/r)·B·A` (the default).
@@ -58,7 +60,21 @@ fn export(a: &ExportArgs) -> Result<()> {
         // Every file the checkpoint's meta.json records must verify: a corrupted shard is not exported.
         ferl_trainer::checkpoint::verify(&a.checkpoint)
             .with_context(|| format!("--checkpoint {}", a.checkpoint.display()))?;
-        let side: Vec<&Path> = a.copy_from.iter().map(PathBuf::as_path).collect();
+        // The tokenizer comes from --copy-from, else from the checkpoint's own huggingface/ folder.
+        let kept = a.checkpoint.join(HF_DIR);
+        let side: Vec<&Path> = a
+            .copy_from
+            .iter()
+            .map(PathBuf::as_path)
+            .chain([kept.as_path()])
+            .collect();
+        if !side.iter().any(|d| d.join("tokenizer.json").is_file()) {
+            eprintln!(
+                "warning: {} keeps no tokenizer (checkpoints before this build did not); the export has none. \
+                 Add --copy-from MODEL_DIR (the model.partial_pretrain folder) to copy it",
+                a.checkpoint.display()
+            );
+        }
         let adapter = a.checkpoint.join(CHECKPOINT_ADAPTER_DIR);
         if a.merge_lora && !adapter.is_dir() {
             bail!(

@@ -5,6 +5,8 @@ pub(crate) mod data;
 pub(crate) mod export;
 pub(crate) mod generate;
 pub(crate) mod grpo;
+pub(crate) mod job;
+pub(crate) mod logs;
 pub(crate) mod model;
 pub(crate) mod plugin;
 pub(crate) mod sft;

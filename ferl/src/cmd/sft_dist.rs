@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use clap::Args;
-use ferl_actors::sft::{run as run_sft, Launch, RunSummary};
+use ferl_actors::sft::{coordinates, run as run_sft, Launch, RunSummary};
 use ferl_trainer::config::SftConfig;
 
 /// The distribution flags of `ferl sft`.
@@ -13,7 +13,8 @@ pub(crate) struct DistArgs {
     /// Ranks per machine: one trainer actor per bundle of a resource group (GPU bundles on GPU machines).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node")]
     pub nproc_per_node: Option<usize>,
-    /// Machines of a running cluster to spread the ranks over (needs --address).
+    /// Machines of a running cluster: --nproc-per-node ranks on each of --nnodes distinct nodes, as torchrun
+    /// places them, or a refusal naming the shortfall (needs --address).
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
     /// A running cluster's head, `HOST:PORT` (token from FERL_TOKEN or the local head); default: FERL_ADDRESS, else
@@ -52,10 +53,14 @@ impl DistArgs {
     }
 }
 
-/// Trains `cfg` as the flags say and prints what happened.
+/// Trains `cfg` as the flags say and prints what happened (only rank 0 of an external launch: every rank's summary
+/// is the same).
 pub(crate) fn run(cfg: SftConfig, args: &DistArgs) -> Result<()> {
-    let summary = run_sft(cfg, &args.launch())?;
-    print_summary(&summary);
+    let launch = args.launch();
+    let summary = run_sft(cfg, &launch)?;
+    if coordinates(&launch) {
+        print_summary(&summary);
+    }
     Ok(())
 }
 

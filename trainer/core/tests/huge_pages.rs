@@ -40,9 +40,16 @@ fn large_cpu_tensors_are_advised_into_huge_pages() {
     );
     let t = Tensor::empty([64 << 18], (Kind::Float, tch::Device::Cpu)); // 64 MiB
     let flags = vm_flags_at(t.data_ptr() as usize);
+    // A kernel built without transparent huge pages (no /sys/kernel/mm/transparent_hugepage) refuses the advice
+    // (madvise says EINVAL), so no mapping is marked there: the flag depends on the machine's kernel, and the test
+    // expects it only where the kernel has the feature (any mode, `never` included, records the advice).
+    let kernel_has_thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists();
+    if !kernel_has_thp {
+        println!("this kernel has no transparent huge pages: no mapping can be marked `hg`");
+    }
     assert_eq!(
         flags.iter().any(|f| f == "hg"),
-        expected == "1",
+        expected == "1" && kernel_has_thp,
         "VmFlags {flags:?}"
     );
 }

@@ -3,7 +3,8 @@
 //! global_step_N/model_world_size_W_rank_R.safetensors   rank R's fp32 master shards (ferl-fsdp's format)
 //! global_step_N/optim_world_size_W_rank_R.safetensors   rank R's AdamW moment shards
 //! global_step_N/fsdp_meta.json      the sharded layout and model config; loads at any world size and strategy
-//! global_step_N/huggingface/        the model as a Hugging Face folder, when `save_contents` has `hf_model`
+//! global_step_N/huggingface/        the model's tokenizer and generation files (always, as verl keeps them), and
+//!                                   the model as a Hugging Face folder when `save_contents` has `hf_model`
 //! global_step_N/meta.json           written last: global step, data position, world size
 //! latest_checkpointed_iteration.txt N of the newest complete checkpoint (verl's file name)
 //! ```

@@ -426,11 +426,21 @@ pub fn save_hf_folder(
         .map(|((n, _), t)| (n.clone(), t.to_kind(kind)))
         .collect();
     write_safetensors(&out.join("model.safetensors"), &named)?;
+    copy_side_files(side_from, out)?;
+    Ok(())
+}
+
+/// Copies each of [`SIDE_FILES`] from the first folder of `side_from` that has it into `out` (created when
+/// needed); returns how many were copied.
+pub fn copy_side_files(side_from: &[&Path], out: &Path) -> Result<usize> {
+    let mut copied = 0;
     for file in SIDE_FILES {
-        if let Some(src) = side_from.iter().map(|d| d.join(file)).find(|p| p.exists()) {
+        if let Some(src) = side_from.iter().map(|d| d.join(file)).find(|p| p.is_file()) {
+            std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
             std::fs::copy(&src, out.join(file))
                 .with_context(|| format!("copying {}", src.display()))?;
+            copied += 1;
         }
     }
-    Ok(())
+    Ok(copied)
 }
