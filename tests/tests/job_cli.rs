@@ -225,6 +225,13 @@ fn stop_the_long_training_job(cluster: &LoopbackCluster, root: &std::path::Path)
         "job-4 stopped and its resource group freed {:.2} s after `ferl job stop`",
         asked.elapsed().as_secs_f64()
     );
+    // Its driver's run record says it was stopped, not lost.
+    let status = cluster.status();
+    let runs = status["jobs"].as_array().unwrap();
+    assert!(
+        runs.iter().any(|r| r["state"] == "stopped"),
+        "no run record says `stopped`:\n{status:#}"
+    );
 }
 
 /// `ferl job list` and `ferl status --json` list the four jobs; the 2-step sft ran in this cluster (its run record).

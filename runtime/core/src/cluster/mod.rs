@@ -353,9 +353,7 @@ impl Cluster {
     /// Registers this process as a driver with the head and beats at the head's rate until it leaves: when the beats
     /// stop, the head frees this driver's non-detached actors and resource groups (guarantee 17).
     async fn register_driver(&mut self) -> Result<()> {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_default();
+        let host = crate::control::head::host_name();
         let command: Vec<String> = std::env::args().collect();
         let admitted = self
             .process

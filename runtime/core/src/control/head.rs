@@ -23,6 +23,7 @@ mod recovery;
 mod state;
 mod status;
 
+pub(crate) use drivers::host_name;
 pub(crate) use jobs::JobHost;
 use state::{HeadState, Refusal, Resolved};
 pub use status::JOBS_PREFIX;

@@ -80,6 +80,15 @@ impl Drivers {
     pub(super) fn entries(&self) -> &BTreeMap<u64, DriverEntry> {
         &self.entries
     }
+
+    /// The live drivers that are process `pid` on host `host` (a submitted job's driver, when it joined).
+    pub(super) fn with_pid(&self, pid: u32, host: &str) -> Vec<u64> {
+        self.entries
+            .iter()
+            .filter(|(_, d)| d.pid == pid && d.host == host)
+            .map(|(id, _)| *id)
+            .collect()
+    }
 }
 
 /// What the head frees when a driver goes.
@@ -199,4 +208,11 @@ impl Handler<DriverExit> for Head {
             .await;
         Ok(())
     }
+}
+
+/// This host's name, as drivers report it in [`RegisterDriver`].
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
 }

@@ -293,7 +293,21 @@ impl Handler<JobLogs> for Head {
 impl Handler<StopJob> for Head {
     async fn handle(&self, m: StopJob, _: &Context) -> Result<JobInfo> {
         let n = self.0.jobs.find(&m.id)?;
-        Ok(self.0.jobs.stop(n, Duration::from_millis(m.grace_ms)).await)
+        let info = self.0.jobs.stop(n, Duration::from_millis(m.grace_ms)).await;
+        // Its driver, if it joined, is freed now rather than when its beats lapse, and its run says `stopped`.
+        let drivers = self
+            .lock()
+            .drivers
+            .with_pid(info.pid, &super::drivers::host_name());
+        for id in drivers {
+            self.free_driver(
+                id,
+                &format!("was stopped (ferl job stop {})", m.id),
+                "stopped",
+            )
+            .await;
+        }
+        Ok(info)
     }
 }
 
