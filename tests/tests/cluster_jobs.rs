@@ -6,7 +6,7 @@
 //!   on two nodes is refused at once naming the shortfall.
 
 use std::collections::BTreeMap;
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferl_tests::cluster::{wait_for_step, LoopbackCluster};
@@ -50,16 +50,7 @@ fn wait_freed(cluster: &LoopbackCluster, name: &str, state: &str, within: Durati
 /// frees its group, CPUs and actors and marks its job `failed: driver lost` within the bound.
 fn kill_driver_mid_run(cluster: &LoopbackCluster, fx: &Fixture, signal: i32, name: &str) {
     let root = fx.dir.path().join(name);
-    let mut driver = cluster
-        .command()
-        .args([
-            "sft",
-            "--address",
-            &cluster.address,
-            "--nproc-per-node",
-            "2",
-        ])
-        .args(fx.overrides(1000, name, &EXTRA))
+    let mut driver = sft_two_ranks(cluster, fx, 1000, name)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -108,6 +99,20 @@ fn kill_driver_mid_run(cluster: &LoopbackCluster, fx: &Fixture, signal: i32, nam
     assert!(alive.is_empty(), "{name}: actors left alive: {alive:?}");
 }
 
+/// `ferl sft --address … --nproc-per-node 2` of `steps` steps with checkpoints under `name`, on `cluster`.
+fn sft_two_ranks(cluster: &LoopbackCluster, fx: &Fixture, steps: usize, name: &str) -> Command {
+    let mut cmd = cluster.command();
+    cmd.args([
+        "sft",
+        "--address",
+        &cluster.address,
+        "--nproc-per-node",
+        "2",
+    ])
+    .args(fx.overrides(steps, name, &EXTRA));
+    cmd
+}
+
 /// Keys of these runs beyond the fixture's.
 const EXTRA: [&str; 2] = ["trainer.logger=[console,jsonl]", "trainer.save_freq=-1"];
 
@@ -119,18 +124,7 @@ fn a_killed_or_terminated_driver_frees_its_job_within_the_bound_and_the_next_job
     kill_driver_mid_run(&cluster, &fx, libc::SIGTERM, "SIGTERM");
     // The next job reserves at once: it never waits for busy resources, and finishes.
     let t0 = Instant::now();
-    let out = cluster
-        .command()
-        .args([
-            "sft",
-            "--address",
-            &cluster.address,
-            "--nproc-per-node",
-            "2",
-        ])
-        .args(fx.overrides(2, "next", &EXTRA))
-        .output()
-        .unwrap();
+    let out = sft_two_ranks(&cluster, &fx, 2, "next").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "the next job failed:\n{err}");
     assert!(
