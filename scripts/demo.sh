@@ -11,11 +11,6 @@ source scripts/env.sh
 cargo build --release -p ferl -p ferl-plugin-tensorboard -p ferl-plugin-csv -p ferl-plugin-alpaca -p ferl-plugin-liger \
   -p ferl-plugin-gsm8k
 ferl="${CARGO_TARGET_DIR:-target}/release/ferl"
-out="${FERL_DEMO_DIR:-runs/demo}"
-mkdir -p "$out"
-[ -f "$out/model/model.safetensors" ] || "$ferl" model init --config assets/models/tiny-qwen2/config.json \
-  --tokenizer assets/tokenizers/qwen3 --out "$out/model" --seed 0
-[ -f "$out/data/train.parquet" ] || "$ferl" data gsm8k --input-dir assets/data/gsm8k --local-dir "$out/data"
-"$ferl" sft --nproc-per-node "${FERL_DEMO_NPROC:-2}" --config examples/configs/gsm8k_tiny.yaml \
-  data.train_files="$out/data/train.parquet" data.val_files="$out/data/test.parquet" \
-  model.partial_pretrain="$out/model" trainer.default_local_dir="$out/checkpoints" "$@"
+# `ferl demo` makes the model and the data when missing (under --out) and trains with examples/configs/gsm8k_tiny.yaml;
+# a pip-installed ferl runs the same command with the files its wheel carries.
+"$ferl" demo --assets . --out "${FERL_DEMO_DIR:-runs/demo}" --nproc-per-node "${FERL_DEMO_NPROC:-2}" "$@"

@@ -1,5 +1,5 @@
 //! The `ferl` command line: cluster bootstrap (`start`, `status`, `stop`), jobs and logs (`job`, `logs`), SFT (`sft`,
-//! `data`, `model`, `export`), generation (`generate`) and plugins (`plugin`). Each subcommand lives in its own module
+//! `demo`, `data`, `model`, `export`), generation (`generate`) and plugins (`plugin`). Each subcommand lives in its own module
 //! under `cmd/`.
 
 mod cmd;
@@ -34,6 +34,8 @@ enum Command {
     Logs(cmd::logs::LogsArgs),
     /// Supervised fine-tuning with verl's config keys (`key=value` overrides).
     Sft(cmd::sft::SftArgs),
+    /// The main job on its embedded default: a tiny Qwen2, GSM8K, 2 SFT ranks on an embedded cluster (`--out`).
+    Demo(cmd::demo::DemoArgs),
     /// Prepare datasets (`ferl data gsm8k`).
     #[command(subcommand)]
     Data(cmd::data::DataCommand),
@@ -64,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         Command::Logs(a) => cmd::logs::run(a),
         Command::Sft(a) => cmd::sft::run(a),
         Command::Grpo(a) => cmd::grpo::run(a),
+        Command::Demo(a) => cmd::demo::run(a),
         Command::Data(c) => cmd::data::run(c),
         Command::Model(c) => cmd::model::run(c),
         Command::Export(a) => cmd::export::run(a),

@@ -2,6 +2,7 @@
 
 pub(crate) mod cluster;
 pub(crate) mod data;
+pub(crate) mod demo;
 pub(crate) mod export;
 pub(crate) mod generate;
 pub(crate) mod grpo;
