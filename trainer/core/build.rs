@@ -10,6 +10,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/storage.cpp");
     println!("cargo:rerun-if-changed=csrc/packed_attention.cpp");
     println!("cargo:rerun-if-changed=csrc/skinny_gemm.cpp");
+    println!("cargo:rerun-if-changed=csrc/skinny_tiles.inc");
     println!("cargo:rerun-if-changed=csrc/vjp.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = std::env::var("DEP_TCH_LIBTORCH_LIB")

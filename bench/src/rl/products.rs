@@ -1,14 +1,14 @@
 //! The weight products of one decode step, sgemm beside ferl's kernel ([`ferl::trainer::model::skinny`]): every
 //! projection matrix of every decoder layer (q, k, v, o, gate, up, down: separate random matrices per layer, so that,
 //! as in a real step, they come from memory, not from the caches) and the output matrix, each times `--batch` rows,
-//! `W·xᵀ`. The two take turns, [`ROUNDS`] times, and each reports its median. Rows
-//! `gen_step_products_ms_{sgemm,kernel}_<model>` and the kernel's `gen_step_products_GBps_kernel_<model>` (weight bytes
-//! read ÷ time); on a CPU without AVX-512F the kernel row is sgemm again.
+//! `W·xᵀ`. sgemm and each kernel the CPU runs (AVX2, and AVX-512 where it has it) take turns, [`ROUNDS`] times, and
+//! each reports its median. Rows `gen_step_products_ms_{sgemm,avx2,avx512}_<model>` and
+//! `gen_step_products_GBps_<side>_<model>` (weight bytes read ÷ time).
 
 use super::median;
 use crate::report::Report;
 use ferl::trainer::model::config::ModelConfig;
-use ferl::trainer::model::skinny;
+use ferl::trainer::model::skinny::{self, KernelIsa};
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
@@ -22,44 +22,45 @@ struct Product {
     out: Tensor,
 }
 
-/// Measures both sides on `cfg`'s shapes with `batch` rows and prints the rows.
+/// Measures sgemm and every kernel this CPU runs (an AVX-512 CPU runs the AVX2 one too) on `cfg`'s shapes with
+/// `batch` rows, taking turns, and prints the rows.
 pub(super) fn run(name: &str, cfg: &ModelConfig, batch: i64, out: &mut Report) {
     let products = step_products(cfg, batch);
     let bytes: i64 = products.iter().map(|p| p.w.numel() as i64 * 4).sum();
-    let pass = |kernel: bool| {
+    let sides: Vec<Option<KernelIsa>> = [None, Some(KernelIsa::Avx2), Some(KernelIsa::Avx512)]
+        .into_iter()
+        .filter(|side| {
+            side.is_none_or(|isa| skinny::cpu_kernel_isa().is_some_and(|cpu| cpu >= isa))
+        })
+        .collect();
+    let pass = |isa: Option<KernelIsa>| {
         let started = Instant::now();
         for p in &products {
-            if kernel {
-                let _ = skinny::w_xt_out(&p.out, &p.w, &p.x);
-            } else {
-                let _ = p.w.mm_out(&p.out, &p.x.tr());
-            }
+            let _ = skinny::w_xt_out_with(isa, &p.out, &p.w, &p.x);
         }
         started.elapsed().as_secs_f64()
     };
-    let (mut sgemm, mut kernel) = (Vec::new(), Vec::new());
-    pass(false);
-    pass(true);
+    let mut times = vec![Vec::new(); sides.len()];
+    sides.iter().for_each(|side| drop(pass(*side)));
     for _ in 0..ROUNDS {
-        sgemm.push(pass(false));
-        kernel.push(pass(true));
+        for (side, t) in sides.iter().zip(&mut times) {
+            t.push(pass(*side));
+        }
     }
-    let (sgemm, kernel) = (median(sgemm), median(kernel));
-    out.row(
-        &format!("gen_step_products_ms_sgemm_{name}"),
-        sgemm * 1e3,
-        "ms",
-    );
-    out.row(
-        &format!("gen_step_products_ms_kernel_{name}"),
-        kernel * 1e3,
-        "ms",
-    );
-    out.row(
-        &format!("gen_step_products_GBps_kernel_{name}"),
-        bytes as f64 / kernel / 1e9,
-        "GB/s",
-    );
+    for (side, t) in sides.iter().zip(times) {
+        let seconds = median(t);
+        let label = side.map_or("sgemm", KernelIsa::name);
+        out.row(
+            &format!("gen_step_products_ms_{label}_{name}"),
+            seconds * 1e3,
+            "ms",
+        );
+        out.row(
+            &format!("gen_step_products_GBps_{label}_{name}"),
+            bytes as f64 / seconds / 1e9,
+            "GB/s",
+        );
+    }
 }
 
 /// Every weight product of one decode step of `cfg` with `batch` rows.

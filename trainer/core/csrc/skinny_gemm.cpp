@@ -1,10 +1,12 @@
 // `W·xᵀ` for a decode step: a weight matrix `W` `[m, k]` against a few rows `x` `[n, k]` (n is the batch of
 // sequences, up to 64), fp32 on the CPU. MKL's sgemm tiles `W` for large products and, against a matrix that does not
-// fit the caches, reads it well below the memory's streaming rate. Here `W` is read once, a tile of 4 to 16 rows at a
-// time, front to back: each element of `W` is broadcast and multiplied into 16 columns of `xᵀ` (the batch in the
+// fit the caches, reads it well below the memory's streaming rate. Here `W` is read once, a tile of rows at a time,
+// front to back: each element of `W` is broadcast and multiplied into a vector of columns of `xᵀ` (the batch in the
 // vector lanes, `xᵀ` in the L1/L2 caches), so the sums need no horizontal additions and each output row is stored
-// whole; software prefetches keep the tile's row streams ahead of it. The rows of `W` are split over torch's intra-op threads (`at::parallel_for`, the pool torch's own ops use).
-// Each output is the same products as sgemm's, added in order of `k`.
+// whole; software prefetches keep the tile's row streams ahead of it. The rows of `W` are split over torch's intra-op
+// threads (`at::parallel_for`, the pool torch's own ops use). The tiles (`skinny_tiles.inc`) are written once and
+// compiled twice, for AVX-512F (16 lanes, 32 registers) and for AVX2 with FMA (8 lanes, 16 registers); the caller
+// picks one the CPU has. Each output is the same products as sgemm's, added in order of `k`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <algorithm>
@@ -16,112 +18,75 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-namespace {
-
 // Elements of `W` a thread's share holds at least, so that small matrices stay on one thread.
 constexpr int64_t kMinShare = 1 << 16;
-// Rows of `W` per tile for 1 block of 16 columns, for 2, and for 3 or 4 (16 accumulators or fewer).
-constexpr int kRowsOne = 16;
-constexpr int kRowsTwo = 8;
-constexpr int kRowsWide = 4;
-// Rows of at most this many elements prefetch the next tile rather than further along their own row.
-constexpr int64_t kShortRow = 256;
 
-// `y[r * n + c] = Σ_i w[r * k + i] * xt[i * np + c]` for the R rows of `w` given and the G blocks of 16 columns from
-// `c0`: the sums of 16 columns sit in the lanes of one register, so no horizontal sums are needed. `xt` is `xᵀ` padded
-// with zeros to `np` columns (a multiple of 16); columns from `n` on are not stored.
-template <int R, int G>
-__attribute__((target("avx512f"))) void tile(const float *w, int64_t k, const float *xt, int64_t np, float *y,
-                                             int64_t n, int64_t c0) {
-    __m512 acc[R][G];
-    for (int r = 0; r < R; ++r) {
-        for (int g = 0; g < G; ++g) {
-            acc[r][g] = _mm512_setzero_ps();
-        }
-    }
-    // The hardware prefetchers miss the tile's R row streams: every 16 steps, ask for what comes next — the rows'
-    // bytes 256 ahead, or for short rows the next tile, R floats per step (`w` is contiguous across tiles).
-    const bool short_rows = k <= kShortRow;
-    for (int64_t i0 = 0; i0 < k; i0 += 16) {
-        if (short_rows) {
-            for (int64_t j = 0; j < 16; j += std::max(1, 16 / R)) {
-                _mm_prefetch(reinterpret_cast<const char *>(w + R * k + (i0 + j) * R), _MM_HINT_T0);
-            }
-        } else {
-            for (int r = 0; r < R; ++r) {
-                _mm_prefetch(reinterpret_cast<const char *>(w + r * k + i0 + 64), _MM_HINT_T0);
-            }
-        }
-        const int64_t end = std::min<int64_t>(i0 + 16, k);
-        for (int64_t i = i0; i < end; ++i) {
-            __m512 xv[G];
-            for (int g = 0; g < G; ++g) {
-                xv[g] = _mm512_loadu_ps(xt + i * np + c0 + 16 * g);
-            }
-            for (int r = 0; r < R; ++r) {
-                const __m512 wv = _mm512_set1_ps(w[r * k + i]);
-                for (int g = 0; g < G; ++g) {
-                    acc[r][g] = _mm512_fmadd_ps(wv, xv[g], acc[r][g]);
-                }
-            }
-        }
-    }
-    for (int g = 0; g < G; ++g) {
-        const int64_t c = c0 + 16 * g;
-        const int64_t lanes = std::min<int64_t>(16, n - c);
-        const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-        for (int r = 0; r < R; ++r) {
-            _mm512_mask_storeu_ps(y + r * n + c, mask, acc[r][g]);
-        }
-    }
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+using Vec = __m512;
+constexpr int kLanes = 16;
+// 16 accumulators or fewer of the 32 registers: 16 rows for one block of columns, 8 for two, 4 for three or four.
+constexpr int rows_for(int g) { return g == 1 ? 16 : g == 2 ? 8 : 4; }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float *p) { return _mm512_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float *p, Vec v, int64_t lanes) {
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << lanes) - 1), v);
 }
+#include "skinny_tiles.inc"
+} // namespace avx512
+#pragma GCC pop_options
 
-// Rows `[r0, r1)` of `W` against the G column blocks from `c0`.
-template <int G>
-void row_range(const float *w, int64_t k, const float *xt, int64_t np, float *y, int64_t n, int64_t r0, int64_t r1,
-               int64_t c0) {
-    constexpr int R = G == 1 ? kRowsOne : G == 2 ? kRowsTwo : kRowsWide;
-    int64_t r = r0;
-    for (; r + R <= r1; r += R) {
-        tile<R, G>(w + r * k, k, xt, np, y + r * n, n, c0);
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+using Vec = __m256;
+constexpr int kLanes = 8;
+// Accumulators, the G column vectors and the broadcast within the 16 registers: 12 rows for one block of columns, 6
+// for two, 4 for three, 2 for four.
+constexpr int rows_for(int g) { return g == 1 ? 12 : g == 2 ? 6 : g == 3 ? 4 : 2; }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float *p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float *p, Vec v, int64_t lanes) {
+    if (lanes == kLanes) {
+        _mm256_storeu_ps(p, v);
+        return;
     }
-    for (; r < r1; ++r) {
-        tile<1, G>(w + r * k, k, xt, np, y + r * n, n, c0);
-    }
+    alignas(32) float tail[kLanes];
+    _mm256_store_ps(tail, v);
+    std::memcpy(p, tail, static_cast<size_t>(lanes) * sizeof(float));
 }
+#include "skinny_tiles.inc"
+} // namespace avx2
+#pragma GCC pop_options
 
-// Rows `[r0, r1)` of `W` against every column, four blocks of 16 at a time.
-void rows(const float *w, int64_t k, const float *xt, int64_t np, float *y, int64_t n, int64_t r0, int64_t r1) {
-    for (int64_t c0 = 0; c0 < n; c0 += 64) {
-        switch (std::min<int64_t>(4, (n - c0 + 15) / 16)) {
-        case 1: row_range<1>(w, k, xt, np, y, n, r0, r1, c0); break;
-        case 2: row_range<2>(w, k, xt, np, y, n, r0, r1, c0); break;
-        case 3: row_range<3>(w, k, xt, np, y, n, r0, r1, c0); break;
-        default: row_range<4>(w, k, xt, np, y, n, r0, r1, c0); break;
-        }
-    }
-}
-
-} // namespace
 #endif
 
 extern "C" {
 
-// Whether this CPU runs the kernel (AVX-512F; never off x86-64).
-int ferl_w_xt_supported() {
+// The widest kernel this CPU runs: 2 with AVX-512F, 1 with AVX2 and FMA, 0 without either (and never off x86-64).
+int ferl_w_xt_isa() {
 #if defined(__x86_64__)
-    return __builtin_cpu_supports("avx512f") ? 1 : 0;
+    if (__builtin_cpu_supports("avx512f")) {
+        return 2;
+    }
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 #else
     return 0;
 #endif
 }
 
 // `out = w · xᵀ` for fp32 CPU tensors `w` `[m, k]` and `out` `[m, n]`, contiguous, and `x` `[n, k]`, any strides (a
-// decode step's activations are often transposed views). Returns null on
-// success or a malloc'd message (freed by ferl_storage_message_free).
-char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out) {
+// decode step's activations are often transposed views), with the tiles of `isa` (2: AVX-512F, 1: AVX2; at most
+// `ferl_w_xt_isa()`). Returns null on success or a malloc'd message (freed by ferl_storage_message_free).
+char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out, int isa) {
     try {
-        TORCH_CHECK(ferl_w_xt_supported(), "w_xt: this CPU has no AVX-512F");
+        TORCH_CHECK(isa >= 1 && isa <= ferl_w_xt_isa(), "w_xt: this CPU cannot run kernel ", isa, " (it has ",
+                    ferl_w_xt_isa(), ")");
 #if defined(__x86_64__)
         for (const at::Tensor *t : {w, x, out}) {
             TORCH_CHECK(t->defined() && t->dim() == 2 && t->scalar_type() == at::kFloat && t->device().is_cpu() &&
@@ -149,7 +114,13 @@ char *ferl_w_xt(const at::Tensor *w, const at::Tensor *x, const at::Tensor *out)
         const int64_t grain = std::max<int64_t>(1, kMinShare / std::max<int64_t>(k, 1));
         // The pointer, not the name: inside the lambda `xt` would be each worker thread's own (empty) buffer.
         const float *xtp = xt.data();
-        at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) { rows(wp, k, xtp, np, yp, n, r0, r1); });
+        at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
+            if (isa == 2) {
+                avx512::rows(wp, k, xtp, np, yp, n, r0, r1);
+            } else {
+                avx2::rows(wp, k, xtp, np, yp, n, r0, r1);
+            }
+        });
 #endif
         return nullptr;
     } catch (const std::exception &e) {
