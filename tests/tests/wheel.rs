@@ -88,10 +88,9 @@ fn venv_ferl(venv: &Path, cwd: &Path) -> Command {
     cmd
 }
 
-#[test]
-fn the_wheel_installs_into_a_fresh_venv_and_runs_the_demo_config() {
-    let wheel = build_wheel();
-    let (names, requires) = wheel_contents(&wheel);
+/// Asserts the wheel's metadata and that it carries the binary, a plugin and the demo's files.
+fn assert_wheel_contents(wheel: &Path) {
+    let (names, requires) = wheel_contents(wheel);
     assert_eq!(
         requires,
         ["Requires-Dist: torch==2.11.0"],
@@ -111,11 +110,13 @@ fn the_wheel_installs_into_a_fresh_venv_and_runs_the_demo_config() {
             wheel.display()
         );
     }
+}
 
-    let dir = tempfile::tempdir().unwrap();
-    let venv = dir.path().join("venv");
+/// Makes a fresh venv that sees ferl's torch through one `.pth` line and installs the wheel into it
+/// with `pip --no-index`; returns that `.pth` file.
+fn install_into_fresh_venv(wheel: &Path, venv: &Path) -> PathBuf {
     run_ok(
-        Command::new("python3").args(["-m", "venv"]).arg(&venv),
+        Command::new("python3").args(["-m", "venv"]).arg(venv),
         "python3 -m venv",
     );
     let py = venv.join("bin/python");
@@ -128,7 +129,8 @@ fn the_wheel_installs_into_a_fresh_venv_and_runs_the_demo_config() {
         Path::new("python3"),
         "import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))",
     );
-    std::fs::write(site.join("torch-elsewhere.pth"), format!("{torch_site}\n")).unwrap();
+    let pth = site.join("torch-elsewhere.pth");
+    std::fs::write(&pth, format!("{torch_site}\n")).unwrap();
     run_ok(
         Command::new(&py)
             .args([
@@ -139,31 +141,15 @@ fn the_wheel_installs_into_a_fresh_venv_and_runs_the_demo_config() {
                 "--disable-pip-version-check",
                 "-q",
             ])
-            .arg(&wheel),
+            .arg(wheel),
         "pip install --no-index <wheel>",
     );
+    pth
+}
 
-    let work = dir.path().join("elsewhere");
-    std::fs::create_dir_all(&work).unwrap();
-    let out = run_ok(
-        venv_ferl(&venv, &work).args([
-            "demo",
-            "--out",
-            "demo",
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=2",
-            "trainer.save_freq=4",
-            "data.val_max_samples=8",
-            "trainer.logger=[console,jsonl,csv]",
-        ]),
-        "the installed `ferl demo`",
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        stdout.contains("trained steps 1..4 on 2 rank(s)"),
-        "{stdout}"
-    );
-    let ckpt = work.join("demo/checkpoints");
+/// Asserts what the 4-step demo wrote under `ckpt`: four jsonl records with falling loss, a
+/// validation at step 4, the csv plugin's file and the step-4 checkpoint.
+fn assert_demo_outputs(ckpt: &Path) {
     let records: Vec<serde_json::Value> = std::fs::read_to_string(ckpt.join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
@@ -187,8 +173,39 @@ fn the_wheel_installs_into_a_fresh_venv_and_runs_the_demo_config() {
         std::fs::read_to_string(ckpt.join("metrics.csv")).expect("the csv plugin's metrics.csv");
     assert!(csv.lines().any(|l| l.starts_with("4,train/loss,")), "{csv}");
     assert!(ckpt.join("global_step_4").is_dir());
+}
 
-    std::fs::remove_file(site.join("torch-elsewhere.pth")).unwrap();
+#[test]
+fn the_wheel_installs_into_a_fresh_venv_and_runs_the_demo_config() {
+    let wheel = build_wheel();
+    assert_wheel_contents(&wheel);
+    let dir = tempfile::tempdir().unwrap();
+    let venv = dir.path().join("venv");
+    let torch_pth = install_into_fresh_venv(&wheel, &venv);
+
+    let work = dir.path().join("elsewhere");
+    std::fs::create_dir_all(&work).unwrap();
+    let out = run_ok(
+        venv_ferl(&venv, &work).args([
+            "demo",
+            "--out",
+            "demo",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=2",
+            "trainer.save_freq=4",
+            "data.val_max_samples=8",
+            "trainer.logger=[console,jsonl,csv]",
+        ]),
+        "the installed `ferl demo`",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("trained steps 1..4 on 2 rank(s)"),
+        "{stdout}"
+    );
+    assert_demo_outputs(&work.join("demo/checkpoints"));
+
+    std::fs::remove_file(torch_pth).unwrap();
     let out = venv_ferl(&venv, &work).arg("--version").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
