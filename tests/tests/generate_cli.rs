@@ -1,7 +1,8 @@
 //! `ferl generate` (verl's `main_generation`) on verl's GSM8K parquet: the output keeps every input column and adds
 //! `responses`, `--n-samples` texts per row equal to what `ferl_trainer::rollout` generates for the chat-templated
-//! prompts (batches of `--batch-size`, batch k seeded with `--seed + k`); the same command writes the same file, and
-//! impossible arguments or a missing prompt column are refused by name.
+//! prompts (batches of `--batch-size`, batch k seeded with `--seed + k`) and decoded with special tokens skipped, as
+//! verl does; the same command writes the same file, and impossible arguments or a missing prompt column are refused
+//! by name.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -57,7 +58,7 @@ fn library_responses(model_dir: &Path, rows: &[Value]) -> Vec<Vec<String>> {
     for (k, batch) in prompts.chunks(4).enumerate() {
         config.sampling.seed = 5 + k as u64;
         for g in model.generate(batch, &config).unwrap() {
-            texts.push(tok.decode(&g.response).unwrap());
+            texts.push(tok.decode_skip_special(&g.response).unwrap());
         }
     }
     texts.chunks(2).map(<[String]>::to_vec).collect()

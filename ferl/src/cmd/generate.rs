@@ -4,7 +4,8 @@
 //! string taken as one user message) is rendered with the tokenizer's chat template and the generation prompt, then
 //! `--n-samples` responses are generated with the trainer's model code ([`ferl_trainer::rollout`]). The output is the
 //! input's rows and columns with a `responses` column added: per row a list of `--n-samples` texts, decoded with
-//! special tokens kept (the EOS token ends a response that stopped on it), as verl's `main_generation` writes them.
+//! special tokens skipped (no EOS `<|im_end|>` at the end of a response that stopped on it, no padding), as verl's
+//! `main_generation` writes them (`tokenizer.decode(ids, skip_special_tokens=True)`).
 //!
 //! Prompts run in batches of `--batch-size` sequences (row-major: a row's samples are consecutive); batch `k` samples
 //! with seed `--seed + k`, so a run is reproducible for a given batch size. A sequence stops at the model folder's
@@ -184,7 +185,7 @@ fn generate_texts(
         let mut c = config.clone();
         c.sampling.seed = config.sampling.seed.wrapping_add(k as u64);
         for g in model.generate(batch, &c)? {
-            texts.push(tok.decode(&g.response)?);
+            texts.push(tok.decode_skip_special(&g.response)?);
         }
         eprintln!("generated {} of {} responses", texts.len(), seqs.len());
     }

@@ -10,6 +10,7 @@ mod setup;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferl_data::SftTokenizer;
+use ferl_trainer::checkpoint::{latest_step, step_dir, write_atomic, LATEST_FILE};
 use ferl_trainer::config::PpoConfig;
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
@@ -28,9 +29,6 @@ pub(crate) struct GrpoArgs {
     #[command(flatten)]
     pub config: super::ConfigArgs,
 }
-
-/// The file naming the newest saved step, as verl writes it.
-const LATEST: &str = "latest_checkpointed_iteration.txt";
 
 /// Loads the config, checks it, and trains.
 pub(crate) fn run(args: GrpoArgs) -> Result<()> {
@@ -54,7 +52,13 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     if cfg.trainer.resume_mode == ferl_trainer::config::ResumeMode::Auto {
         resume(&mut trainer, &run_dir)?;
     }
-    train(&cfg, &mut trainer, &prompts, &run_dir)
+    let fresh = !run_dir.exists();
+    let trained = train(&cfg, &mut trainer, &prompts, &run_dir);
+    if trained.is_err() && fresh && trainer.global_step() == 0 {
+        // A run that made the folder and failed in its first step (a reward scoring NaN, say) leaves nothing.
+        let _ = std::fs::remove_dir_all(&run_dir);
+    }
+    trained
 }
 
 /// The policy (fp32, on the CPU) from the model folder, with its reward and tokenizer.
@@ -74,7 +78,10 @@ fn build_trainer(
     let engine = Engine::new(loaded.config, store, Kind::Float, opts);
     let mut trainer = GrpoTrainer::new(settings, engine, reward)?;
     let decoder = Arc::clone(tok);
-    trainer.set_decoder(Box::new(move |ids| decoder.decode(ids).unwrap_or_default()));
+    // As verl hands responses to its reward functions: special tokens (the EOS that ends a response) skipped.
+    trainer.set_decoder(Box::new(move |ids| {
+        decoder.decode_skip_special(ids).unwrap_or_default()
+    }));
     Ok(trainer)
 }
 
@@ -93,15 +100,10 @@ fn plugin_host() -> Result<Arc<ferl_plugin_host::PluginHost>> {
 
 /// Restores the newest `global_step_N/` of `run_dir`, if any.
 fn resume(trainer: &mut GrpoTrainer<LocalParams>, run_dir: &Path) -> Result<()> {
-    let latest = run_dir.join(LATEST);
-    let Ok(text) = std::fs::read_to_string(&latest) else {
+    let Some(step) = latest_step(run_dir)? else {
         return Ok(());
     };
-    let step: u64 = text
-        .trim()
-        .parse()
-        .with_context(|| format!("{}: `{}` is not a step", latest.display(), text.trim()))?;
-    let dir = run_dir.join(format!("global_step_{step}"));
+    let dir = step_dir(run_dir, step);
     trainer
         .load(&dir)
         .with_context(|| format!("resuming from {}", dir.display()))?;
@@ -181,11 +183,10 @@ fn loggers(
     LoggerRegistry::default().build(&names, &ctx)
 }
 
-/// Writes `global_step_N/` and then points [`LATEST`] at it.
+/// Writes `global_step_N/` and then points [`LATEST_FILE`] at it, atomically (a temporary file renamed over it,
+/// with the writer SFT's checkpoints use): a crash never leaves a half-written pointer.
 fn save_step(trainer: &mut GrpoTrainer<LocalParams>, run_dir: &Path, step: u64) -> Result<()> {
-    let dir = run_dir.join(format!("global_step_{step}"));
+    let dir = step_dir(run_dir, step);
     trainer.save(&dir)?;
-    let latest = run_dir.join(LATEST);
-    std::fs::write(&latest, step.to_string())
-        .with_context(|| format!("writing {}", latest.display()))
+    write_atomic(&run_dir.join(LATEST_FILE), step.to_string().as_bytes())
 }

@@ -4,7 +4,8 @@
 //!   when asked to log step `STEP`. Its version is `FERL_TESTKIT_VERSION` at build time, so a test can build v1 and v2.
 //! - `dataset`: config `count=N[;panic_at=I]`; example `i` is the tokens `[i, i+1]` with mask `[0, 1]`; panics on `I`.
 //! - `reward`: config `[panic_at=I][;nan_at=J]`; the score of a row is its response's length in characters, extra
-//!   `gt_chars` the ground truth's; panics at row `I` of a batch, scores row `J` NaN.
+//!   `gt_chars` the ground truth's; panics at row `I` of a batch, scores row `J` NaN. An empty config (what a
+//!   trainer's `custom_reward_function.path` opens it with) is read from `$FERL_TESTKIT_REWARD` instead.
 //! - `abi-mismatch`, `missing-table`: broken manifests the host must refuse.
 
 use ferl_plugin_abi::Plugin;
@@ -97,7 +98,7 @@ mod dataset {
     use ferl_plugin_abi::dataset::{DatasetPlugin, ExampleData};
 
     /// Synthetic examples.
-    pub struct TestDataset {
+    pub(crate) struct TestDataset {
         count: u64,
         panic_at: Option<u64>,
     }
@@ -143,7 +144,7 @@ mod reward {
     use ferl_plugin_abi::reward::{RewardInput, RewardPlugin, RewardScore};
 
     /// Lengths as scores, with panics and NaNs on request.
-    pub struct TestReward {
+    pub(crate) struct TestReward {
         panic_at: Option<u64>,
         nan_at: Option<u64>,
     }
@@ -156,6 +157,13 @@ mod reward {
 
     impl RewardPlugin for TestReward {
         fn open(config: &str) -> Result<Self, String> {
+            let from_env;
+            let config = if config.is_empty() {
+                from_env = std::env::var("FERL_TESTKIT_REWARD").unwrap_or_default();
+                from_env.as_str()
+            } else {
+                config
+            };
             Ok(Self {
                 panic_at: option(config, "panic_at")?,
                 nan_at: option(config, "nan_at")?,

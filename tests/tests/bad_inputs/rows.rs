@@ -137,6 +137,22 @@ const fn ranks(name: &'static str, ranks: &'static [Env], expect: &'static [&'st
     Row::new("network", name, Cmd::Ranks(ranks)).expect(expect)
 }
 
+/// `ferl grpo` of one step (2 prompts x 2 responses of `{d}/grpo/train.jsonl` on the fixture's tiny model) into
+/// `{run}`, then the given arguments (a repeated key takes the later value).
+macro_rules! grpo {
+    ($($extra:expr),* $(,)?) => {
+        &[
+            "grpo", "data.train_files={d}/grpo/train.jsonl", "actor_rollout_ref.model.path={d}/model",
+            "trainer.default_local_dir={run}", "data.train_batch_size=2", "data.max_prompt_length=64",
+            "data.max_response_length=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "algorithm.adv_estimator=grpo", "trainer.device=cpu", "trainer.total_training_steps=1", "trainer.logger=[console]",
+            $($extra),*
+        ]
+    };
+}
+
+/// A refused `ferl grpo` leaves no run folder.
+const GRPO_RUN: &[&str] = &["{run}"];
 const EXPORT_OUT: &[&str] = &["{d}/exported"];
 const START_LOG: &[&str] = &["{state}/ferl-start-*"];
 
@@ -169,6 +185,18 @@ pub(crate) const ROWS: &[Row] = &[
     Row::new("config", "max_restarts under a torchrun env", Cmd::Ranks(&[&[("RANK", "0"), ("FERL_JOB_SECRET", "{secret}")]]))
         .args(&["trainer.max_restarts=1"])
         .expect(&["trainer.max_restarts=1: under torchrun/SLURM the launcher restarts ranks"]),
+    ferl("config", "grpo: rollout.n=1 with adv_estimator=grpo", grpo!["actor_rollout_ref.rollout.n=1"], &["actor_rollout_ref.rollout.n: must be above 1 with algorithm.adv_estimator=grpo: grpo compares each response with the others of its prompt", "(rloo and grpo_passk need groups too)"])
+        .gone(GRPO_RUN),
+    ferl("config", "grpo: rollout.n=1 with adv_estimator=rloo", grpo!["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], &["actor_rollout_ref.rollout.n: must be above 1 with algorithm.adv_estimator=rloo"])
+        .gone(GRPO_RUN),
+    ferl("config", "grpo: ppo_mini_batch_size not dividing the batch", grpo!["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=3"], &["actor_rollout_ref.actor.ppo_mini_batch_size: 3 does not divide data.train_batch_size (4)", "= 6 of the step's 8 responses"])
+        .gone(GRPO_RUN),
+    ferl("config", "grpo: ppo_mini_batch_size above the batch", grpo!["actor_rollout_ref.actor.ppo_mini_batch_size=4"], &["actor_rollout_ref.actor.ppo_mini_batch_size: must be at most data.train_batch_size (2)"])
+        .gone(GRPO_RUN),
+    ferl("config", "grpo: a KL estimator ferl does not compute", grpo!["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full"], &["actor_rollout_ref.actor.kl_loss_type=full: `full` not supported by ferl yet (supported: kl, abs, mse, low_var_kl)"])
+        .gone(GRPO_RUN),
+    ferl("config", "grpo: an estimator ferl does not run", grpo!["algorithm.adv_estimator=remax"], &["algorithm.adv_estimator=remax: `remax` not supported by ferl yet (supported: grpo, rloo)"])
+        .gone(GRPO_RUN),
     // ---- data
     sft("data", "missing file", &["data.train_files={d}/missing.jsonl"], &["loading data.train_files", "opening {d}/missing.jsonl"]),
     sft("data", "bad JSON line", &["data.train_files={d}/bad_line.jsonl"], &["{d}/bad_line.jsonl row 1: not a JSON object (line 2)"]),
@@ -179,6 +207,8 @@ pub(crate) const ROWS: &[Row] = &[
     sft("data", "empty file", &["data.train_files={d}/empty.jsonl"], &["data.train_files={d}/empty.jsonl: 0 samples is fewer than one batch"]),
     sft("data", "bad validation file", &["data.val_files={d}/bad_line.jsonl"], &["loading data.val_files", "{d}/bad_line.jsonl row 1"]),
     sft("data", "sample over max_length with truncation=error", &["data.truncation=error", "data.max_length=8"], &["{d}/train.jsonl row 0", "more than data.max_length=8"]),
+    ferl("data", "grpo: prompt over max_prompt_length without filter_overlong_prompts", grpo!["data.train_files={d}/grpo/long.jsonl", "data.filter_overlong_prompts=false"], &["{d}/grpo/long.jsonl row 1: the prompt has", "over data.max_prompt_length=64"])
+        .gone(GRPO_RUN),
     // ---- model folders
     sft("model", "missing folder", &["model.partial_pretrain={d}/no_model"], &["model `{d}/no_model` not found"]),
     sft("model", "bad config.json", &["model.partial_pretrain={d}/m_bad_json"], &["parsing {d}/m_bad_json/config.json"]),
@@ -197,6 +227,8 @@ pub(crate) const ROWS: &[Row] = &[
         .gone(&["{d}/c_auto/global_step_2"]),
     sft("checkpoint", "garbage latest pointer", &["trainer.default_local_dir={d}/c_latest", "trainer.resume_mode=auto"], &["{d}/c_latest/latest_checkpointed_iteration.txt: `abc` is not a step number"])
         .gone(&["{d}/c_latest/global_step_2"]),
+    ferl("checkpoint", "grpo: garbage latest pointer (read as SFT reads it)", grpo!["trainer.default_local_dir={d}/c_latest", "trainer.resume_mode=auto", "custom_reward_function.path={d}/grpo/testkit_reward.so"], &["{d}/c_latest/latest_checkpointed_iteration.txt: `abc` is not a step number"])
+        .gone(&["{d}/c_latest/global_step_2", "{d}/c_latest/metrics.jsonl"]),
     ferl("checkpoint", "export of a non-checkpoint", &["export", "--checkpoint", "{d}/bad_run", "--out", "{d}/exported"], &["--checkpoint {d}/bad_run: not a ferl checkpoint (no fsdp_meta.json) nor a Hugging Face folder"])
         .gone(EXPORT_OUT),
     ferl("checkpoint", "export of a corrupted shard", &["export", "--checkpoint", "{d}/c_corrupt/global_step_1", "--out", "{d}/exported"], &["checkpoint file {d}/c_corrupt/global_step_1/model_world_size_1_rank_0.safetensors is corrupted"])
@@ -214,6 +246,15 @@ pub(crate) const ROWS: &[Row] = &[
     sft("plugin", "non-library file as data.custom_cls", &["data.custom_cls.path={d}/plugins/libferl_plugin_fake.so", "data.custom_cls.name=Fake"], &["plugin {d}/plugins/libferl_plugin_fake.so: cannot load the library", "file too short"]),
     sft("plugin", "non-library file in FERL_PLUGIN_PATH", &["data.plugin=fake"], &["plugin skipped: plugin {d}/plugins/libferl_plugin_fake.so", "no dataset plugin named `fake`"])
         .env(&[("FERL_PLUGIN_PATH", "{d}/plugins")]),
+    ferl("plugin", "grpo: reward plugin file missing", grpo!["custom_reward_function.path={d}/grpo/nope.so"], &["custom_reward_function.path={d}/grpo/nope.so", "cannot read plugin file {d}/grpo/nope.so"])
+        .gone(GRPO_RUN),
+    ferl("plugin", "grpo: reward library exporting a logger, no reward", grpo!["custom_reward_function.path={d}/grpo/logger.so"], &["custom_reward_function.path={d}/grpo/logger.so", "says kind logger, but a reward plugin was expected"])
+        .gone(GRPO_RUN),
+    ferl("plugin", "grpo: reward file that is no library", grpo!["custom_reward_function.path={d}/plugins/libferl_plugin_fake.so"], &["custom_reward_function.path={d}/plugins/libferl_plugin_fake.so", "cannot load the library"])
+        .gone(GRPO_RUN),
+    ferl("plugin", "grpo: reward scoring a row NaN", grpo!["custom_reward_function.path={d}/grpo/testkit_reward.so"], &["plugin testkit@1.0.0", "row 1: score is NaN"])
+        .env(&[("FERL_TESTKIT_REWARD", "nan_at=1")])
+        .gone(GRPO_RUN),
     ferl("plugin", "bad plugin control file", &["plugin", "list", "--run-dir", "{d}/bad_run"], &["{d}/bad_run/plugins/state.json is not a plugin state file"]),
     ferl("plugin", "reload in a folder with no job", &["plugin", "reload", "alpaca", "--run-dir", "{d}/no_run", "--timeout-s", "1"], &["no job with plugins runs in this run directory"])
         .gone(&["{d}/no_run"]),

@@ -11,7 +11,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use ferl_tests::{ferl_binary, Fixture};
+use ferl::plugins::cargo_build::{build_plugin, cdylib_file_name, workspace_root, PluginBuild};
+use ferl_tests::{ferl_binary, repo_root, Fixture};
 use serde_json::Value;
 
 use super::rows::Peer;
@@ -25,6 +26,7 @@ pub(crate) fn prepare(fx: &Fixture, env: impl Fn(&mut Command)) -> Result<()> {
     let d = fx.dir.path();
     write_files(d)?;
     write_models(d)?;
+    write_grpo_inputs(d)?;
     let mut train = Command::new(ferl_binary());
     train.arg("sft").args(fx.overrides(1, "ckpt", &[]));
     env(&mut train);
@@ -61,6 +63,40 @@ fn write_files(d: &Path) -> Result<()> {
         std::fs::create_dir_all(file.parent().unwrap())?;
         std::fs::write(&file, bytes)?;
     }
+    Ok(())
+}
+
+/// What the `ferl grpo` rows read under `{d}/grpo`: two prompts in verl's RL layout (`train.jsonl`), the same with
+/// row 1 over `data.max_prompt_length=64` (`long.jsonl`), a logger plugin where a reward is expected (`logger.so`,
+/// the first-party CSV logger beside `ferl`), and the testkit reward (`testkit_reward.so`, which scores a row NaN
+/// when `$FERL_TESTKIT_REWARD` says `nan_at=ROW`).
+fn write_grpo_inputs(d: &Path) -> Result<()> {
+    let dir = d.join("grpo");
+    std::fs::create_dir_all(&dir)?;
+    let row = |content: &str| {
+        serde_json::json!({
+            "prompt": [{"role": "user", "content": content}],
+            "data_source": "testkit",
+            "reward_model": {"ground_truth": "4"},
+        })
+        .to_string()
+    };
+    let short = row("What is two plus two?");
+    std::fs::write(dir.join("train.jsonl"), format!("{short}\n{short}\n"))?;
+    let long = row(&"two plus two ".repeat(40));
+    std::fs::write(dir.join("long.jsonl"), format!("{short}\n{long}\n"))?;
+    let logger = ferl_binary().with_file_name(cdylib_file_name("ferl-plugin-csv"));
+    std::fs::copy(&logger, dir.join("logger.so"))
+        .with_context(|| format!("copying {}", logger.display()))?;
+    let spec = PluginBuild {
+        package: "ferl-plugin-testkit".into(),
+        features: vec!["reward".into()],
+        ..Default::default()
+    };
+    // The cache the plugin host's own tests build this into.
+    let target = std::env::temp_dir().join("ferl-plugin-builds/ferl-plugin-testkit-reward");
+    let built = build_plugin(&workspace_root(&repo_root())?, &target, &spec)?;
+    std::fs::copy(&built, dir.join("testkit_reward.so"))?;
     Ok(())
 }
 

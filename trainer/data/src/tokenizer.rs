@@ -84,11 +84,27 @@ impl SftTokenizer {
         Ok(enc.get_ids().iter().map(|&i| i as i64).collect())
     }
 
-    /// The text of token ids (special tokens kept).
+    /// The text of token ids (special tokens kept), for looking at what a model was given.
     pub fn decode(&self, ids: &[i64]) -> Result<String> {
-        let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+        self.decode_with(ids, false)
+    }
+
+    /// The text of a response as verl hands it to rewards and writes it (Hugging Face's
+    /// `tokenizer.decode(ids, skip_special_tokens=True)`): special tokens such as the EOS `<|im_end|>` that ends a
+    /// response, or padding, are left out.
+    pub fn decode_skip_special(&self, ids: &[i64]) -> Result<String> {
+        self.decode_with(ids, true)
+    }
+
+    fn decode_with(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
+        let ids = ids
+            .iter()
+            .map(|&i| {
+                u32::try_from(i).map_err(|_| anyhow!("decoding: token id {i} is out of range"))
+            })
+            .collect::<Result<Vec<u32>>>()?;
         self.tokenizer
-            .decode(&ids, false)
+            .decode(&ids, skip_special_tokens)
             .map_err(|e| anyhow!("decoding: {e}"))
     }
 
