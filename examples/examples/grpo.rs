@@ -1,22 +1,17 @@
-//! GRPO with its roles as actors, the loop written out in the driver (verl's single controller): a policy actor on
-//! one resource group, two rollout actors on another, and per step generate → reward → old and reference
-//! log-probabilities → advantages → update → weight sync. Change any stage here to change the algorithm.
+//! GRPO with its roles as actors, driven from this process (verl's single controller): a policy actor on one
+//! resource group, two rollout actors on another. Each step is `GrpoDriver::step`, the one step of the actor path
+//! (generate → reward → old and reference log-probabilities → advantages → update → weight sync); this file only
+//! chooses the task, the reward, the settings and the placement.
 //!
 //! The task: a tiny random Qwen2 made in a temp folder (vocabulary 16: BOS 1, EOS 2, digits 3..=12), prompted with
 //! `[BOS, d]`, earns 1 when its first response token is `d`. The mean reward climbs from about 0.06 to over 0.8.
 //! Run: `cargo run -p ferl-examples --example grpo` (CPU, no download, well under a minute).
-use ferl::actors::rl::{
-    spawn_roles, sync_weights, token_matrix, ComputeLogProb, Generate, Generations, GrpoRoles,
-    Placement, RoleOptions, UpdatePolicy, WeightSync, WireDtype,
-};
-use ferl::runtime::split_even;
+use ferl::actors::rl::{spawn_roles, GrpoDriver, Placement, RoleOptions};
 use ferl::trainer::optim::AdamWConfig;
 use ferl::trainer::rl::{
-    derive_seed, grpo_outcome_advantage, score_batch, ActorLossConfig, ActorUpdateConfig, FnReward,
-    GrpoPrompt, GrpoSettings, PolicyLossConfig, Reward, RewardRow,
+    ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, RewardRow,
 };
 use ferl::{HeadOptions, NodeOptions};
-use tch::Device;
 
 const STEPS: u64 = 20;
 const TINY_QWEN2: &str = r#"{"model_type": "qwen2", "vocab_size": 16, "hidden_size": 32,
@@ -33,12 +28,14 @@ fn settings() -> GrpoSettings {
         eos_token_ids: vec![2],
         ppo_mini_batch_size: 5,
         ppo_micro_batch_size: 16,
+        log_prob_micro_batch_size: 40,
+        ref_log_prob_micro_batch_size: 40,
         ppo_epochs: 2,
         shuffle: true,
         loss: ActorLossConfig {
-            policy: PolicyLossConfig {
+            policy: ClipConfig {
                 clip_ratio_high: Some(0.28),
-                ..PolicyLossConfig::default()
+                ..ClipConfig::default()
             },
             use_kl_loss: true,
             ..ActorLossConfig::default()
@@ -63,69 +60,6 @@ fn prompts() -> Vec<GrpoPrompt> {
         .collect()
 }
 
-/// One GRPO step (0-based `step`) on the roles; returns the mean reward, `actor/pg_loss` and the weight sync.
-async fn grpo_step(
-    roles: &GrpoRoles,
-    s: &GrpoSettings,
-    prompts: &[GrpoPrompt],
-    reward: &mut dyn Reward,
-    step: u64,
-) -> anyhow::Result<(f64, f64, WeightSync)> {
-    let (policy, rollouts) = (&roles.policy, &roles.rollouts);
-    // 1. generate: each rollout actor answers an even share of the prompts, with a seed of its own
-    let seed = derive_seed(s.seed, step, 0);
-    let chunks = split_even(prompts.to_vec(), rollouts.len());
-    let messages = (chunks.iter().enumerate())
-        .map(|(r, chunk)| Generate::new(chunk, s, seed + r as u64))
-        .collect();
-    let mut all = Generations::default();
-    for g in rollouts.call_each(messages).await? {
-        all.responses.extend(g.responses);
-        all.log_probs.extend(g.log_probs);
-        all.stopped_at_eos.extend(g.stopped_at_eos);
-    }
-    let mut batch = all.into_batch(prompts, s.n, None)?;
-    // 2. reward, in the driver
-    let rewards = score_batch(reward, &batch)?;
-    let mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
-    batch.rewards = Some(rewards);
-    // 3. old and reference log-probabilities, on the policy actor
-    let t = s.temperature;
-    let old = policy
-        .call(ComputeLogProb::policy(&batch, 40, t, false))
-        .await?;
-    batch.old_log_probs = Some(token_matrix(&batch, &old.log_probs, Device::Cpu)?);
-    let reference = policy
-        .call(ComputeLogProb::reference(&batch, 40, t))
-        .await?;
-    batch.ref_log_probs = Some(token_matrix(&batch, &reference.log_probs, Device::Cpu)?);
-    // 4. advantages, in the driver: GRPO's group-normalised scores
-    let mask = batch.response_mask(Device::Cpu);
-    let token_rewards = batch.token_level_rewards(Device::Cpu)?;
-    let adv = grpo_outcome_advantage(&token_rewards, &mask, &batch.uids(), 1e-6, true)?;
-    batch.advantages = Some(adv);
-    // 5. update, on the policy actor
-    let cfg = ActorUpdateConfig {
-        loss: s.loss,
-        ppo_mini_batch_size: s.ppo_mini_batch_size,
-        rollout_n: s.n,
-        ppo_micro_batch_size: s.ppo_micro_batch_size,
-        ppo_epochs: s.ppo_epochs,
-        shuffle: s.shuffle,
-        shuffle_seed: derive_seed(s.seed, step, 1),
-        grad_clip: s.grad_clip,
-        temperature: t,
-    };
-    let actor = policy.call(UpdatePolicy::new(&batch, &cfg)?).await?;
-    let pg_loss = actor
-        .iter()
-        .find(|(k, _)| k == "actor/pg_loss")
-        .map_or(0.0, |p| p.1);
-    // 6. weight sync: the policy publishes into the object store, every rollout actor reads
-    let sync = sync_weights(policy, rollouts, WireDtype::F32).await?;
-    Ok((mean, pg_loss, sync))
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     ferl::actors::ensure_linked(); // keeps the role actors registered in this binary
@@ -136,7 +70,7 @@ async fn main() -> anyhow::Result<()> {
     let model = dir.join("model");
     ferl::trainer::model::init_model(&dir.join("config.json"), None, &model, 7)?;
     let (s, prompts) = (settings(), prompts());
-    let mut reward = FnReward::new("echo_digit", |r: &RewardRow<'_>| {
+    let reward = FnReward::new("echo_digit", |r: &RewardRow<'_>| {
         f64::from(r.response_ids.first() == r.prompt_ids.get(1))
     });
 
@@ -146,16 +80,20 @@ async fn main() -> anyhow::Result<()> {
         ..RoleOptions::default()
     };
     let roles = spawn_roles(&cluster, &s, &model, Placement::Separate, &opts).await?;
-    for step in 0..STEPS {
-        let (mean, pg_loss, sync) = grpo_step(&roles, &s, &prompts, &mut reward, step).await?;
+    let mut driver = GrpoDriver::new(&cluster, roles, s, Box::new(reward))?;
+    for _ in 0..STEPS {
+        let out = driver.step(&prompts).await?;
+        let m = |key: &str| out.metrics.get(key).copied().unwrap_or(f64::NAN);
         println!(
-            "step {:2}: mean reward {mean:.3}  pg_loss {pg_loss:+.4}  weight sync {} bytes in {:.1} ms",
-            step + 1,
-            sync.bytes,
-            sync.seconds * 1e3
+            "step {:2}: mean reward {:.3}  pg_loss {:+.4}  weight sync {} bytes in {:.1} ms",
+            out.step,
+            m("critic/score/mean"),
+            m("actor/pg_loss"),
+            m("perf/weight_sync_bytes"),
+            m("timing_s/update_weights") * 1e3
         );
     }
-    roles.remove(&cluster).await?;
+    driver.shutdown().await?;
     cluster.shutdown().await;
     std::fs::remove_dir_all(&dir)?;
     Ok(())

@@ -26,9 +26,8 @@ use ferl_runtime::{
 };
 use ferl_trainer::rl::grpo::{data_metrics, Decoder};
 use ferl_trainer::rl::{
-    agg_loss, derive_seed, grpo_outcome_advantage, rloo_outcome_advantage, score_batch,
-    ActorUpdateConfig, AdvEstimator, GlobalBatch, GrpoPrompt, GrpoSettings, GrpoStepOutput, Reward,
-    RlBatch,
+    agg_loss, derive_seed, outcome_advantage, score_batch, ActorUpdateConfig, GlobalBatch,
+    GrpoPrompt, GrpoSettings, GrpoStepOutput, Reward, RlBatch,
 };
 use ferl_trainer::rollout::SamplingParams;
 use std::collections::BTreeMap;
@@ -384,6 +383,7 @@ impl GrpoDriver {
             None => None,
         };
         if s.loss.use_kl_loss {
+            let mbs = s.ref_log_prob_micro_batch_size;
             let call = policy.call(ComputeLogProb::reference(batch, mbs, t));
             let r = timed(timing, "ref", async { Ok(call.await?) }).await?;
             batch.ref_log_probs = Some(token_matrix(batch, &r.log_probs, Device::Cpu)?);
@@ -396,12 +396,13 @@ impl GrpoDriver {
         let rewards = batch.token_level_rewards(mask.device())?;
         let uids = batch.uids();
         let s = &self.settings;
-        match s.adv_estimator {
-            AdvEstimator::Grpo => {
-                grpo_outcome_advantage(&rewards, mask, &uids, 1e-6, s.norm_adv_by_std_in_grpo)
-            }
-            AdvEstimator::Rloo => rloo_outcome_advantage(&rewards, mask, &uids),
-        }
+        outcome_advantage(
+            s.adv_estimator,
+            &rewards,
+            mask,
+            &uids,
+            s.norm_adv_by_std_in_grpo,
+        )
     }
 
     /// verl's `update_policy` on the policy actor; returns its `actor/*` metrics.

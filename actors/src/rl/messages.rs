@@ -8,8 +8,8 @@
 use anyhow::{bail, Result};
 use ferl_runtime::{ObjectRef, SharedBytes};
 use ferl_trainer::rl::{
-    ActorLossConfig, ActorUpdateConfig, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode,
-    PolicyLossConfig, RlBatch, RlRow,
+    ActorLossConfig, ActorUpdateConfig, ClipConfig, GrpoPrompt, GrpoSettings, KlPenalty,
+    LossAggMode, RlBatch, RlRow,
 };
 use ferl_trainer::rollout::SamplingParams;
 use rkyv::{Archive, Deserialize, Serialize};
@@ -359,7 +359,7 @@ impl LossKeys {
     /// The loss config these keys name; an unknown spelling is an error naming the key.
     pub fn to_config(&self) -> Result<ActorLossConfig> {
         Ok(ActorLossConfig {
-            policy: PolicyLossConfig {
+            policy: ClipConfig {
                 clip_ratio: self.clip_ratio,
                 clip_ratio_low: self.clip_ratio_low,
                 clip_ratio_high: self.clip_ratio_high,

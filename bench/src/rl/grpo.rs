@@ -47,6 +47,7 @@ fn settings(pad_token_id: i64) -> GrpoSettings {
         ppo_mini_batch_size: PROMPTS,
         ppo_micro_batch_size: 8,
         log_prob_micro_batch_size: 16,
+        ref_log_prob_micro_batch_size: 16,
         loss: ActorLossConfig {
             use_kl_loss: true,
             ..ActorLossConfig::default()

@@ -10,12 +10,23 @@
 //! [`RewardModelConfig`] (`reward_model.*`), [`CustomRewardFunctionConfig`] (`custom_reward_function.*`),
 //! [`AlgorithmConfig`] (`algorithm.*`) and [`TrainerConfig`] (`trainer.*`).
 //!
+//! The value types of the algorithm keys ([`AdvEstimator`], [`LossAggMode`], [`KlPenalty`], [`PolicyLossConfig`])
+//! are defined here once; the trainer's RL code takes them as they are. Where verl spells a section of
+//! `ppo_trainer.yaml` as `sft_trainer.yaml` does, the type is [`SftConfig`](crate::SftConfig)'s own:
+//! [`CustomClsConfig`](crate::CustomClsConfig), [`WrapPolicy`](crate::WrapPolicy), [`Strategy`](crate::Strategy),
+//! [`LrScheduler`](crate::LrScheduler), [`ResumeMode`], [`Dtype`](crate::Dtype). The other sections have types of
+//! their own because verl's keys differ: `fsdp_config` (`param_offload`/`optimizer_offload`/`offload_policy` against
+//! SFT's `cpu_offload`/`offload_params`/`model_dtype`/`mixed_precision`), `optim` (`lr_scheduler_type`, no
+//! `clip_grad`/`optimizer`, against SFT's `lr_scheduler`), `checkpoint` (`async_save`), `data.truncation` (`middle`),
+//! and the `data`, `model` and `trainer` sections as a whole.
+//!
 //! # Keys that follow other keys
 //! As in verl, some defaults are references ([`LINKS`]): `actor_rollout_ref.rollout.response_length` is
 //! `${data.max_response_length}`, the critic's batch keys are the actor's, and so on. Such a key follows its
 //! reference unless the user sets it, and [`PpoConfig::changed_keys`] reports it only when it no longer does (the
 //! key it follows is reported instead, if changed).
 
+mod algos;
 mod rollout;
 mod sections;
 
@@ -25,6 +36,7 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use serde_yaml::Value;
 
+pub use algos::*;
 pub use rollout::*;
 pub use sections::*;
 
@@ -219,16 +231,26 @@ impl PpoConfig {
         let batch = self.data.train_batch_size;
         let mini = a.ppo_mini_batch_size;
         c.at_least_1(mini, "actor_rollout_ref.actor.ppo_mini_batch_size");
-        c.need(
-            mini <= batch,
-            "actor_rollout_ref.actor.ppo_mini_batch_size",
-            &format!("must be at most data.train_batch_size ({batch})"),
-        );
-        c.need(
-            mini == 0 || batch.is_multiple_of(mini),
-            "data.train_batch_size",
-            &format!("must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size ({mini})"),
-        );
+        let n = self.actor_rollout_ref.rollout.n;
+        if mini > batch {
+            c.need(
+                false,
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                &format!("must be at most data.train_batch_size ({batch})"),
+            );
+        } else if mini > 0 && !batch.is_multiple_of(mini) {
+            // verl's semantics: both count prompts; a mini-batch is `mini × n` of the step's `batch × n` responses.
+            c.need(
+                false,
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                &format!(
+                    "{mini} does not divide data.train_batch_size ({batch}): both count prompts, and each optimizer \
+                     step takes ppo_mini_batch_size × actor_rollout_ref.rollout.n = {} of the step's {} responses",
+                    mini * n,
+                    batch * n
+                ),
+            );
+        }
         c.micro_batch(
             "actor_rollout_ref.actor",
             "ppo_micro_batch_size",
@@ -278,13 +300,18 @@ impl PpoConfig {
         c.at_least_1(r.n, "actor_rollout_ref.rollout.n");
         let est = self.algorithm.adv_estimator;
         if est.needs_groups() && r.n == 1 {
-            let name = serde_yaml::to_value(est).expect("serialises");
-            let name = crate::supported::inline(&name);
+            let others: Vec<&str> = AdvEstimator::group_estimators()
+                .filter(|e| *e != est)
+                .map(AdvEstimator::as_str)
+                .collect();
             c.need(
                 false,
                 "actor_rollout_ref.rollout.n",
                 &format!(
-                    "must be above 1 with algorithm.adv_estimator={name} (it compares the responses of a prompt)"
+                    "must be above 1 with algorithm.adv_estimator={est}: {est} compares each response with the \
+                     others of its prompt (a group of rollout.n responses), so one response per prompt has no group \
+                     ({} need groups too)",
+                    others.join(" and ")
                 ),
             );
         }

@@ -301,16 +301,18 @@ fn ranges_and_verls_batch_rules_name_the_key() {
         "actor_rollout_ref.actor.ppo_mini_batch_size=6",
     ]);
     assert!(
-        e.contains("data.train_batch_size: must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (6)"),
+        e.contains("actor_rollout_ref.actor.ppo_mini_batch_size: 6 does not divide data.train_batch_size (16)"),
         "{e}"
     );
+    assert!(e.contains("= 6 of the step's 16 responses"), "{e}");
     let e = err(&["algorithm.adv_estimator=grpo"]);
     assert!(
         e.contains(
-            "actor_rollout_ref.rollout.n: must be above 1 with algorithm.adv_estimator=grpo"
+            "actor_rollout_ref.rollout.n: must be above 1 with algorithm.adv_estimator=grpo: grpo compares"
         ),
         "{e}"
     );
+    assert!(e.contains("(rloo and grpo_passk need groups too)"), "{e}");
     let e = err(&[
         "actor_rollout_ref.rollout.temperature=0",
         "actor_rollout_ref.rollout.top_p=0",
@@ -351,6 +353,65 @@ fn ranges_and_verls_batch_rules_name_the_key() {
     .unwrap();
     let a = &c.actor_rollout_ref.actor;
     assert_eq!((a.clip_low(), a.clip_high()), (0.2, 0.28));
+}
+
+#[test]
+fn group_estimators_need_n_above_1_and_mini_batches_count_prompts() {
+    let with = |extra: &[&str]| {
+        let mut args = GRPO.to_vec();
+        args.extend_from_slice(extra);
+        load(&args)
+    };
+    // GRPO's command line: 8 of 16 prompts per optimizer step, each with its 4 responses.
+    let c = with(&[]).unwrap();
+    assert_eq!(c.actor_rollout_ref.actor.ppo_mini_batch_size, 8);
+    let e = format!(
+        "{:#}",
+        with(&["actor_rollout_ref.actor.ppo_mini_batch_size=6"]).unwrap_err()
+    );
+    assert!(
+        e.contains("actor_rollout_ref.actor.ppo_mini_batch_size: 6 does not divide data.train_batch_size (16)"),
+        "{e}"
+    );
+    assert!(e.contains("= 24 of the step's 64 responses"), "{e}");
+    let e = format!(
+        "{:#}",
+        with(&["actor_rollout_ref.actor.ppo_mini_batch_size=32"]).unwrap_err()
+    );
+    assert!(
+        e.contains("must be at most data.train_batch_size (16)"),
+        "{e}"
+    );
+    assert!(!e.contains("does not divide"), "{e}");
+    for (est, others) in [
+        ("grpo", "rloo and grpo_passk"),
+        ("rloo", "grpo and grpo_passk"),
+        ("grpo_passk", "grpo and rloo"),
+    ] {
+        let e = format!(
+            "{:#}",
+            with(&[
+                &format!("algorithm.adv_estimator={est}"),
+                "actor_rollout_ref.rollout.n=1"
+            ])
+            .unwrap_err()
+        );
+        assert!(
+            e.contains(&format!(
+                "actor_rollout_ref.rollout.n: must be above 1 with algorithm.adv_estimator={est}"
+            )),
+            "{e}"
+        );
+        assert!(e.contains(&format!("({others} need groups too)")), "{e}");
+    }
+    // Estimators without groups take one response per prompt.
+    for est in ["gae", "reinforce_plus_plus", "remax"] {
+        with(&[
+            &format!("algorithm.adv_estimator={est}"),
+            "actor_rollout_ref.rollout.n=1",
+        ])
+        .unwrap();
+    }
 }
 
 #[test]

@@ -9,8 +9,8 @@ mod common;
 use common::{run_script, venv_python};
 use ferl_trainer::rl::{
     actor_loss, agg_loss, compute_policy_loss, entropy_from_logits, grpo_outcome_advantage,
-    kl_penalty, rloo_outcome_advantage, ActorLossConfig, ActorLossInputs, GlobalBatch, KlPenalty,
-    LossAggMode, PolicyLossConfig,
+    kl_penalty, outcome_advantage, rloo_outcome_advantage, ActorLossConfig, ActorLossInputs,
+    AdvEstimator, ClipConfig, GlobalBatch, KlPenalty, LossAggMode, AGG_MODES,
 };
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -91,7 +91,7 @@ fn global(case: &Value) -> GlobalBatch {
 
 /// The cases both sides compute.
 fn cases() -> Value {
-    let modes = LossAggMode::ALL.map(|(n, _)| n);
+    let modes = AGG_MODES.map(LossAggMode::as_str);
     let mut agg = Vec::new();
     let mut policy = Vec::new();
     let mut actor = Vec::new();
@@ -138,12 +138,18 @@ fn ours(x: &Inputs, cases: &Value) -> BTreeMap<String, Tensor> {
     let mut out = BTreeMap::new();
     for (k, g) in cases["grpo"].as_array().unwrap().iter().enumerate() {
         let (eps, norm) = (g[0].as_f64().unwrap(), g[1].as_bool().unwrap());
-        let adv = grpo_outcome_advantage(&x.rewards, &x.mask, &INDEX, eps, norm).unwrap();
+        // verl's epsilon through the estimator's dispatch, the others directly.
+        let adv = if eps == 1e-6 {
+            outcome_advantage(AdvEstimator::Grpo, &x.rewards, &x.mask, &INDEX, norm)
+        } else {
+            grpo_outcome_advantage(&x.rewards, &x.mask, &INDEX, eps, norm)
+        };
+        let adv = adv.unwrap();
         out.insert(format!("grpo/{k}"), adv);
     }
     out.insert(
         "rloo".into(),
-        rloo_outcome_advantage(&x.rewards, &x.mask, &INDEX).unwrap(),
+        outcome_advantage(AdvEstimator::Rloo, &x.rewards, &x.mask, &INDEX, true).unwrap(),
     );
     out.insert("entropy".into(), entropy_from_logits(&x.logits));
     for c in cases["agg"].as_array().unwrap() {
@@ -152,7 +158,7 @@ fn ours(x: &Inputs, cases: &Value) -> BTreeMap<String, Tensor> {
         out.insert(c["name"].as_str().unwrap().into(), v);
     }
     for c in cases["policy"].as_array().unwrap() {
-        let cfg = PolicyLossConfig {
+        let cfg = ClipConfig {
             clip_ratio: c["clip_ratio"].as_f64().unwrap(),
             clip_ratio_low: c["clip_ratio_low"].as_f64(),
             clip_ratio_high: c["clip_ratio_high"].as_f64(),
@@ -296,7 +302,7 @@ fn errors_name_the_argument_and_masked_values_never_leak() {
     );
     let e = rloo_outcome_advantage(&x.rewards, &x.mask, &INDEX[..4]).unwrap_err();
     assert!(e.to_string().contains("index has 4 uids for 6 rows"), "{e}");
-    let cfg = PolicyLossConfig {
+    let cfg = ClipConfig {
         clip_ratio_c: 1.0,
         ..Default::default()
     };
@@ -325,7 +331,7 @@ fn errors_name_the_argument_and_masked_values_never_leak() {
     assert!(e.to_string().contains("kl_loss_type `k4`"), "{e}");
     assert_eq!(
         KlPenalty::parse("low_var_kl+").unwrap(),
-        (KlPenalty::K3, true)
+        (KlPenalty::LowVarKl, true)
     );
     let global = GlobalBatch {
         dp_size: 2,
@@ -339,7 +345,7 @@ fn errors_name_the_argument_and_masked_values_never_leak() {
     );
     // NaN and infinity where the mask is 0 change nothing.
     let poisoned = x.adv.where_self(&x.mask.ne(0.0), &Tensor::from(f32::NAN));
-    for (_, mode) in LossAggMode::ALL {
+    for mode in AGG_MODES {
         let clean = agg_loss(&x.adv, &x.mask, mode, GlobalBatch::default()).unwrap();
         let dirty = agg_loss(&poisoned, &x.mask, mode, GlobalBatch::default()).unwrap();
         assert_eq!(
@@ -349,4 +355,30 @@ fn errors_name_the_argument_and_masked_values_never_leak() {
             mode.as_str()
         );
     }
+}
+
+/// What the config can spell but ferl does not compute is refused by name.
+#[test]
+fn values_the_config_spells_but_ferl_does_not_compute_are_refused() {
+    let x = inputs();
+    let e = kl_penalty(&x.new, &x.reference, KlPenalty::Full, false).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("kl_loss_type `full` is not supported"),
+        "{e}"
+    );
+    let e = agg_loss(
+        &x.adv,
+        &x.mask,
+        LossAggMode::SeqMeanTokenSumNorm,
+        GlobalBatch::default(),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("loss_agg_mode `seq-mean-token-sum-norm` is not supported"),
+        "{e}"
+    );
+    let e = outcome_advantage(AdvEstimator::Gae, &x.rewards, &x.mask, &INDEX, true).unwrap_err();
+    assert!(e.to_string().contains("algorithm.adv_estimator=gae"), "{e}");
 }

@@ -9,8 +9,8 @@ use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
 use ferl_trainer::config::{PpoConfig, Supported};
 use ferl_trainer::optim::AdamWConfig;
 use ferl_trainer::rl::{
-    ActorLossConfig, AdvEstimator, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode,
-    PolicyLossConfig, Reward,
+    ActorLossConfig, AdvEstimator, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode, Reward,
+    AGG_MODES, KL_PENALTIES, OUTCOME_ESTIMATORS,
 };
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -41,7 +41,6 @@ const HONOURED: &[&str] = &[
     "actor_rollout_ref.actor.entropy_coeff",
     "actor_rollout_ref.actor.use_kl_loss",
     "actor_rollout_ref.actor.kl_loss_coef",
-    "actor_rollout_ref.actor.kl_loss_type",
     "actor_rollout_ref.actor.ppo_epochs",
     "actor_rollout_ref.actor.shuffle",
     "actor_rollout_ref.actor.grad_clip",
@@ -73,11 +72,18 @@ pub(crate) fn supported() -> Supported {
         .keys(HONOURED)
         .values(
             "actor_rollout_ref.actor.loss_agg_mode",
-            &["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"],
+            &AGG_MODES.map(LossAggMode::as_str),
+        )
+        .values(
+            "actor_rollout_ref.actor.kl_loss_type",
+            &KL_PENALTIES.map(KlPenalty::as_str),
         )
         .values("actor_rollout_ref.rollout.name", &["ferl"])
         .values("actor_rollout_ref.rollout.do_sample", &["true"])
-        .values("algorithm.adv_estimator", &["grpo", "rloo"])
+        .values(
+            "algorithm.adv_estimator",
+            &OUTCOME_ESTIMATORS.map(AdvEstimator::as_str),
+        )
         .values("reward_model.reward_manager", &["naive"])
         .values("trainer.logger", &["console", "jsonl", "mlflow"])
         .values("trainer.device", &["cpu"])
@@ -89,40 +95,20 @@ pub(crate) fn supported() -> Supported {
         .values("critic.enable", &["false"])
 }
 
-/// A config value spelled as in YAML (`low_var_kl`, `token-mean`, `grpo`).
-fn spelled<T: serde::Serialize>(value: &T) -> Result<String> {
-    match serde_json::to_value(value)? {
-        Value::String(s) => Ok(s),
-        other => Ok(other.to_string()),
-    }
-}
-
 /// The trainer's settings from the config; stop and padding tokens from the tokenizer.
 pub(crate) fn settings(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<GrpoSettings> {
     let (actor, rollout) = (&cfg.actor_rollout_ref.actor, &cfg.actor_rollout_ref.rollout);
     let micro = actor
         .ppo_micro_batch_size_per_gpu
         .unwrap_or(cfg.data.train_batch_size * rollout.n);
-    let log_prob_micro = rollout
+    // Each key sizes its own forward, as in verl: the rollout's the old log-probabilities, the reference's its own;
+    // unset, each falls back to the update's micro-batch.
+    let log_prob_micro = rollout.log_prob_micro_batch_size_per_gpu.unwrap_or(micro);
+    let ref_log_prob_micro = cfg
+        .actor_rollout_ref
+        .reference
         .log_prob_micro_batch_size_per_gpu
-        .or(cfg
-            .actor_rollout_ref
-            .reference
-            .log_prob_micro_batch_size_per_gpu)
         .unwrap_or(micro);
-    let loss = ActorLossConfig {
-        policy: PolicyLossConfig {
-            clip_ratio: actor.clip_ratio,
-            clip_ratio_low: actor.clip_ratio_low,
-            clip_ratio_high: actor.clip_ratio_high,
-            clip_ratio_c: actor.clip_ratio_c,
-        },
-        loss_agg_mode: LossAggMode::parse(&spelled(&actor.loss_agg_mode)?)?,
-        entropy_coeff: actor.entropy_coeff,
-        use_kl_loss: actor.use_kl_loss,
-        kl_loss_coef: actor.kl_loss_coef,
-        kl_loss_type: KlPenalty::parse(&spelled(&actor.kl_loss_type)?)?,
-    };
     Ok(GrpoSettings {
         n: rollout.n,
         temperature: rollout.temperature,
@@ -135,10 +121,11 @@ pub(crate) fn settings(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<GrpoSettin
         ppo_mini_batch_size: actor.ppo_mini_batch_size,
         ppo_micro_batch_size: micro,
         log_prob_micro_batch_size: log_prob_micro,
+        ref_log_prob_micro_batch_size: ref_log_prob_micro,
         ppo_epochs: actor.ppo_epochs,
         shuffle: actor.shuffle,
-        loss,
-        adv_estimator: AdvEstimator::parse(&spelled(&cfg.algorithm.adv_estimator)?)?,
+        loss: ActorLossConfig::from(actor),
+        adv_estimator: cfg.algorithm.adv_estimator,
         norm_adv_by_std_in_grpo: cfg.algorithm.norm_adv_by_std_in_grpo,
         lr: actor.optim.lr,
         optim: AdamWConfig {
@@ -266,8 +253,8 @@ fn naive_reward(host: Arc<PluginHost>, prompts: &[GrpoPrompt]) -> Result<Box<dyn
 
 /// Values `ferl grpo` cannot run even where they are verl's defaults (an unchanged key passes the gate).
 pub(crate) fn check_values(cfg: &PpoConfig) -> Result<()> {
-    let estimator = spelled(&cfg.algorithm.adv_estimator)?;
-    if AdvEstimator::parse(&estimator).is_err() {
+    let estimator = cfg.algorithm.adv_estimator;
+    if !OUTCOME_ESTIMATORS.contains(&estimator) {
         bail!(
             "algorithm.adv_estimator={estimator}: ferl grpo runs `grpo` or `rloo` (critic-free estimators); set algorithm.adv_estimator=grpo"
         );
@@ -320,4 +307,55 @@ pub(crate) fn model_dir(cfg: &PpoConfig) -> Result<(PathBuf, Option<tempfile::Te
         bail!("{}: no config.json in {}", key(), dir.display());
     }
     Ok((dir, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings_of(overrides: &[&str]) -> GrpoSettings {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        let cfg = PpoConfig::load(None, &o).unwrap();
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tokenizers/qwen3");
+        let tok = SftTokenizer::from_dir(&dir, None).unwrap();
+        settings(&cfg, &tok).unwrap()
+    }
+
+    #[test]
+    fn the_rollout_and_reference_log_prob_micro_batches_are_each_their_own_key() {
+        let base = [
+            "data.train_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        ];
+        let both = [
+            &base[..],
+            &[
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            ],
+        ]
+        .concat();
+        let s = settings_of(&both);
+        assert_eq!(
+            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
+            (4, 2)
+        );
+        let ref_only = [
+            &base[..],
+            &["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
+        ]
+        .concat();
+        let s = settings_of(&ref_only);
+        assert_eq!(
+            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
+            (8, 2)
+        );
+        let s = settings_of(&base);
+        assert_eq!(
+            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
+            (8, 8)
+        );
+    }
 }

@@ -4,7 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::sections::{FsdpConfig, LossAggMode, OptimConfig};
+use super::algos::{AdvEstimator, KlPenalty, LossAggMode};
+use super::sections::{FsdpConfig, OptimConfig};
 use crate::sections::{Dtype, OpenMap, ResumeMode, Strategy};
 use crate::string_list::StringList;
 
@@ -156,7 +157,7 @@ pub struct AlgorithmConfig {
     /// Subtract a KL(policy ‖ reference) penalty from the reward.
     pub use_kl_in_reward: bool,
     /// Estimator of the in-reward KL penalty.
-    pub kl_penalty: super::KlPenalty,
+    pub kl_penalty: KlPenalty,
     /// Coefficient of the in-reward KL penalty.
     pub kl_ctrl: KlCtrlConfig,
 }
@@ -169,40 +170,9 @@ impl Default for AlgorithmConfig {
             adv_estimator: AdvEstimator::Gae,
             norm_adv_by_std_in_grpo: true,
             use_kl_in_reward: false,
-            kl_penalty: super::KlPenalty::Kl,
+            kl_penalty: KlPenalty::Kl,
             kl_ctrl: KlCtrlConfig::default(),
         }
-    }
-}
-
-/// `algorithm.adv_estimator`: verl's advantage estimators.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdvEstimator {
-    /// Generalised advantage estimation with a critic.
-    Gae,
-    /// Group-relative: each response's reward against its group's mean (and standard deviation).
-    Grpo,
-    /// REINFORCE++: discounted returns, normalised over the batch.
-    ReinforcePlusPlus,
-    /// REINFORCE++ with the group mean as baseline.
-    ReinforcePlusPlusBaseline,
-    /// ReMax: the greedy response's reward as baseline.
-    Remax,
-    /// REINFORCE leave-one-out: the other responses' mean as baseline.
-    Rloo,
-    /// Optimal-baseline policy optimisation (length-weighted group baseline).
-    Opo,
-    /// GRPO for pass@k.
-    GrpoPassk,
-    /// Group policy gradient.
-    Gpg,
-}
-
-impl AdvEstimator {
-    /// Whether the estimator compares each response with the others of its prompt, so `rollout.n` must be above 1.
-    pub fn needs_groups(self) -> bool {
-        matches!(self, Self::Grpo | Self::Rloo | Self::GrpoPassk)
     }
 }
 

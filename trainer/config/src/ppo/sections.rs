@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::algos::{KlPenalty, LossAggMode, PolicyLossConfig};
 use super::rollout::RolloutConfig;
 use crate::sections::{CustomClsConfig, LrScheduler, OpenMap, Strategy, WrapPolicy};
 use crate::string_list::StringList;
@@ -310,57 +311,6 @@ impl ActorConfig {
     pub fn clip_high(&self) -> f64 {
         self.clip_ratio_high.unwrap_or(self.clip_ratio)
     }
-}
-
-/// `actor_rollout_ref.actor.policy_loss.*`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PolicyLossConfig {
-    /// verl's policy-loss function: `vanilla` (PPO's clipped loss), `gspo`, `clip_cov`, `kl_cov`, ...
-    pub loss_mode: String,
-}
-
-impl Default for PolicyLossConfig {
-    fn default() -> Self {
-        Self {
-            loss_mode: "vanilla".into(),
-        }
-    }
-}
-
-/// `actor_rollout_ref.actor.loss_agg_mode` (and `critic.loss_agg_mode`): how token losses become one number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LossAggMode {
-    /// Mean over every response token of the batch.
-    TokenMean,
-    /// Sum over each sequence's tokens, mean over sequences.
-    SeqMeanTokenSum,
-    /// Mean over each sequence's tokens, mean over sequences.
-    SeqMeanTokenMean,
-    /// Sum over each sequence's tokens divided by the longest response length, mean over sequences (Dr. GRPO).
-    SeqMeanTokenSumNorm,
-}
-
-/// A KL estimator: `actor_rollout_ref.actor.kl_loss_type` and `algorithm.kl_penalty`. verl's `k1`/`k2`/`k3` names
-/// are accepted for `kl`/`mse`/`low_var_kl`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum KlPenalty {
-    /// `log π - log π_ref` (k1).
-    #[serde(rename = "kl", alias = "k1")]
-    Kl,
-    /// `|log π - log π_ref|`.
-    #[serde(rename = "abs")]
-    Abs,
-    /// `½ (log π - log π_ref)²` (k2).
-    #[serde(rename = "mse", alias = "k2")]
-    Mse,
-    /// Schulman's low-variance estimator `r - log r - 1`, `r = π_ref / π`, clamped (k3).
-    #[serde(rename = "low_var_kl", alias = "k3")]
-    LowVarKl,
-    /// The exact KL over the whole vocabulary.
-    #[serde(rename = "full")]
-    Full,
 }
 
 /// `actor_rollout_ref.actor.checkpoint.*`.

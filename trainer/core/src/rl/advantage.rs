@@ -2,7 +2,7 @@
 //! compared within its group (the responses to the same prompt, grouped by `uid`), spread over the response's
 //! tokens. As verl, both return the advantages, which are also the returns.
 
-use super::{matrix, same_shape};
+use super::{matrix, same_shape, AdvEstimator};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -102,4 +102,32 @@ pub fn rloo_outcome_advantage<K: Hash + Eq>(
     let loo = &scores * &n / (&n - 1.0) - &mean * &n / (&n - 1.0);
     let adv = loo.where_self(&n.gt(1.0), &scores);
     Ok(spread(&adv, response_mask))
+}
+
+/// The `algorithm.adv_estimator`s [`outcome_advantage`] computes: the critic-free outcome estimators.
+pub const OUTCOME_ESTIMATORS: [AdvEstimator; 2] = [AdvEstimator::Grpo, AdvEstimator::Rloo];
+
+/// The outcome advantages of `estimator` ([`grpo_outcome_advantage`] with verl's `epsilon` 1e-6, or
+/// [`rloo_outcome_advantage`]); any other estimator is an error naming the key and [`OUTCOME_ESTIMATORS`].
+pub fn outcome_advantage<K: Hash + Eq>(
+    estimator: AdvEstimator,
+    token_level_rewards: &Tensor,
+    response_mask: &Tensor,
+    index: &[K],
+    norm_adv_by_std_in_grpo: bool,
+) -> Result<Tensor> {
+    match estimator {
+        AdvEstimator::Grpo => grpo_outcome_advantage(
+            token_level_rewards,
+            response_mask,
+            index,
+            1e-6,
+            norm_adv_by_std_in_grpo,
+        ),
+        AdvEstimator::Rloo => rloo_outcome_advantage(token_level_rewards, response_mask, index),
+        other => bail!(
+            "algorithm.adv_estimator={other} is not a critic-free outcome estimator ferl runs; use one of {}",
+            OUTCOME_ESTIMATORS.map(AdvEstimator::as_str).join(", ")
+        ),
+    }
 }

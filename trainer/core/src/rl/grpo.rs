@@ -23,7 +23,7 @@ use super::batch::{RlBatch, RlRow};
 use super::policy_worker::{compute_log_prob, ActorUpdateConfig, PolicyWorker};
 use super::reward::{score_batch, Reward};
 use super::{
-    agg_loss, grpo_outcome_advantage, rloo_outcome_advantage, ActorLossConfig, GlobalBatch,
+    agg_loss, outcome_advantage, ActorLossConfig, AdvEstimator, GlobalBatch, OUTCOME_ESTIMATORS,
 };
 use crate::engine::Engine;
 use crate::optim::{AdamWConfig, LrSchedule, ScheduleKind};
@@ -36,26 +36,6 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 pub use super::state::{STATE_META, STATE_TENSORS};
-
-/// `algorithm.adv_estimator`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AdvEstimator {
-    /// `grpo`: score minus the group mean, over the group's standard deviation with `norm_adv_by_std_in_grpo`.
-    Grpo,
-    /// `rloo`: score minus the mean of the group's other scores.
-    Rloo,
-}
-
-impl AdvEstimator {
-    /// The estimator spelled `name` (`grpo`, `rloo`).
-    pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "grpo" => Ok(Self::Grpo),
-            "rloo" => Ok(Self::Rloo),
-            other => bail!("adv_estimator `{other}` is not one of grpo, rloo"),
-        }
-    }
-}
 
 /// Every knob of a GRPO run (verl's keys under `actor_rollout_ref` and `algorithm`).
 #[derive(Clone, Debug)]
@@ -80,8 +60,10 @@ pub struct GrpoSettings {
     pub ppo_mini_batch_size: usize,
     /// `actor.ppo_micro_batch_size_per_gpu`: rows per forward/backward of the update.
     pub ppo_micro_batch_size: usize,
-    /// `rollout.log_prob_micro_batch_size_per_gpu`: rows per forward of the old and reference log-probabilities.
+    /// `rollout.log_prob_micro_batch_size_per_gpu`: rows per forward of the old log-probabilities.
     pub log_prob_micro_batch_size: usize,
+    /// `ref.log_prob_micro_batch_size_per_gpu`: rows per forward of the reference log-probabilities.
+    pub ref_log_prob_micro_batch_size: usize,
     /// `actor.ppo_epochs`.
     pub ppo_epochs: usize,
     /// `actor.shuffle`: permute the rows before splitting them into mini-batches (seeded per step).
@@ -117,6 +99,7 @@ impl Default for GrpoSettings {
             ppo_mini_batch_size: 256,
             ppo_micro_batch_size: 8,
             log_prob_micro_batch_size: 16,
+            ref_log_prob_micro_batch_size: 16,
             ppo_epochs: 1,
             shuffle: false,
             loss: ActorLossConfig::default(),
@@ -141,11 +124,23 @@ impl GrpoSettings {
             ("ppo_mini_batch_size", self.ppo_mini_batch_size),
             ("ppo_micro_batch_size", self.ppo_micro_batch_size),
             ("log_prob_micro_batch_size", self.log_prob_micro_batch_size),
+            (
+                "ref_log_prob_micro_batch_size",
+                self.ref_log_prob_micro_batch_size,
+            ),
             ("ppo_epochs", self.ppo_epochs),
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             bail!("GRPO setting {key} must be positive");
         }
+        if !OUTCOME_ESTIMATORS.contains(&self.adv_estimator) {
+            bail!(
+                "algorithm.adv_estimator={} is not a critic-free outcome estimator ferl runs; use one of {}",
+                self.adv_estimator,
+                OUTCOME_ESTIMATORS.map(AdvEstimator::as_str).join(", ")
+            );
+        }
+        self.loss.validate()?;
         self.sampling(0).validate()?;
         if !(self.lr >= 0.0 && self.lr.is_finite()) {
             bail!("GRPO setting lr {} must be finite and >= 0", self.lr);
@@ -362,7 +357,7 @@ impl<P: ParamStore> GrpoTrainer<P> {
                 compute_log_prob(
                     reference,
                     &batch,
-                    s.log_prob_micro_batch_size,
+                    s.ref_log_prob_micro_batch_size,
                     temperature,
                     false,
                     device,
@@ -443,17 +438,14 @@ impl<P: ParamStore> GrpoTrainer<P> {
     /// The outcome advantages of `batch` (`[rows, width]`).
     fn advantages(&self, batch: &RlBatch, mask: &Tensor) -> Result<Tensor> {
         let rewards = batch.token_level_rewards(mask.device())?;
-        let uids = batch.uids();
-        match self.settings.adv_estimator {
-            AdvEstimator::Grpo => grpo_outcome_advantage(
-                &rewards,
-                mask,
-                &uids,
-                1e-6,
-                self.settings.norm_adv_by_std_in_grpo,
-            ),
-            AdvEstimator::Rloo => rloo_outcome_advantage(&rewards, mask, &uids),
-        }
+        let s = &self.settings;
+        outcome_advantage(
+            s.adv_estimator,
+            &rewards,
+            mask,
+            &batch.uids(),
+            s.norm_adv_by_std_in_grpo,
+        )
     }
 
     /// Writes the policy's state ([`crate::rl::state`]) with this run's step counter to `dir`. The reference policy

@@ -28,12 +28,16 @@ pub mod token_loss;
 use anyhow::{bail, Result};
 use tch::Tensor;
 
+/// The config crate's value types of verl's algorithm keys, used here as they are (defined once, in
+/// [`ferl_config::ppo`]).
+pub use crate::config::ppo::{AdvEstimator, KlPenalty, LossAggMode};
 pub use advantage::{grpo_outcome_advantage, rloo_outcome_advantage};
+pub use advantage::{outcome_advantage, OUTCOME_ESTIMATORS};
 pub use batch::{RlBatch, RlRow};
-pub use grpo::{derive_seed, AdvEstimator, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
+pub use grpo::{derive_seed, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
 pub use policy::{
     actor_loss, compute_policy_loss, entropy_from_logits, kl_penalty, ActorLoss, ActorLossConfig,
-    ActorLossInputs, KlPenalty, PolicyLoss, PolicyLossConfig,
+    ActorLossInputs, ClipConfig, PolicyLoss, KL_PENALTIES,
 };
 pub use policy_worker::{compute_log_prob, ActorUpdateConfig, PolicyWorker};
 pub use reward::{score_batch, FnReward, Reward, RewardRow};
@@ -63,45 +67,12 @@ pub fn masked_mean(values: &Tensor, mask: &Tensor, dim: Option<i64>) -> Tensor {
     masked_sum(values, mask, dim) / (count + 1e-8)
 }
 
-/// verl's `loss_agg_mode`: how a `[batch, tokens]` loss matrix becomes one number.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LossAggMode {
-    /// Sum over every response token of the batch, divided by their count (`token-mean`, the default).
-    TokenMean,
-    /// Per sequence the sum over its tokens, then the mean over sequences (`seq-mean-token-sum`).
-    SeqMeanTokenSum,
-    /// Per sequence the mean over its tokens, then the mean over sequences (`seq-mean-token-mean`).
-    SeqMeanTokenMean,
-}
-
-impl LossAggMode {
-    /// Every mode with its verl spelling.
-    pub const ALL: [(&'static str, LossAggMode); 3] = [
-        ("token-mean", Self::TokenMean),
-        ("seq-mean-token-sum", Self::SeqMeanTokenSum),
-        ("seq-mean-token-mean", Self::SeqMeanTokenMean),
-    ];
-
-    /// The mode spelled `name` as verl's `actor.loss_agg_mode`; the error lists the valid spellings.
-    pub fn parse(name: &str) -> Result<Self> {
-        match Self::ALL.iter().find(|(n, _)| *n == name) {
-            Some((_, m)) => Ok(*m),
-            None => bail!(
-                "loss_agg_mode `{name}` is not one of {}",
-                Self::ALL.map(|(n, _)| n).join(", ")
-            ),
-        }
-    }
-
-    /// verl's spelling.
-    pub fn as_str(self) -> &'static str {
-        Self::ALL
-            .iter()
-            .find(|(_, m)| *m == self)
-            .map(|(n, _)| *n)
-            .expect("every mode is listed")
-    }
-}
+/// The `loss_agg_mode`s [`agg_loss`] computes (verl's `seq-mean-token-sum-norm` is refused).
+pub const AGG_MODES: [LossAggMode; 3] = [
+    LossAggMode::TokenMean,
+    LossAggMode::SeqMeanTokenSum,
+    LossAggMode::SeqMeanTokenMean,
+];
 
 /// The global batch a micro-batch belongs to, so that losses summed over micro-batches and data-parallel ranks equal
 /// the loss of the whole batch (verl's `global_batch_info`). The default treats the micro-batch as the whole batch.
@@ -134,6 +105,12 @@ pub fn agg_loss(
     global: GlobalBatch,
 ) -> Result<Tensor> {
     same_shape(("loss_mat", loss_mat), ("loss_mask", loss_mask))?;
+    if !AGG_MODES.contains(&mode) {
+        bail!(
+            "loss_agg_mode `{mode}` is not supported by ferl; use one of {}",
+            AGG_MODES.map(LossAggMode::as_str).join(", ")
+        );
+    }
     if global.dp_size > 1
         && (mode == LossAggMode::TokenMean && global.batch_num_tokens.is_none()
             || mode != LossAggMode::TokenMean && global.global_batch_size.is_none())
@@ -160,6 +137,7 @@ pub fn agg_loss(
                 None => sum / mask.sum(kind) * dp,
             }
         }
+        LossAggMode::SeqMeanTokenSumNorm => unreachable!("refused above: not one of AGG_MODES"),
         LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
             let tokens = mask.sum_dim_intlist([-1i64].as_slice(), false, kind);
             let seq = masked_sum(loss_mat, &mask, Some(-1));

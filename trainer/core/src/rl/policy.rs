@@ -2,13 +2,16 @@
 //! ([`compute_policy_loss`], verl's `vanilla` policy loss), KL to the reference policy ([`kl_penalty`],
 //! `actor.kl_loss_type`), entropy from logits ([`entropy_from_logits`]) and their sum ([`actor_loss`]).
 
-use super::{agg_loss, masked_mean, matrix, same_shape, GlobalBatch, LossAggMode};
+use super::{agg_loss, masked_mean, matrix, same_shape, GlobalBatch, KlPenalty, LossAggMode};
+use crate::config::ppo::ActorConfig;
 use anyhow::{bail, Result};
 use tch::Tensor;
 
-/// verl's clip keys of `actor_rollout_ref.actor`.
+/// verl's clip keys of `actor_rollout_ref.actor` (`clip_ratio`, `_low`, `_high`, `_c`), as the policy loss takes
+/// them. (verl's `actor_rollout_ref.actor.policy_loss.*` is the config's
+/// [`PolicyLossConfig`](crate::config::ppo::PolicyLossConfig).)
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PolicyLossConfig {
+pub struct ClipConfig {
     /// `clip_ratio`: ε of PPO's clip (0.2).
     pub clip_ratio: f64,
     /// `clip_ratio_low`: the ratio is clipped below at `1 - clip_ratio_low` (default `clip_ratio`).
@@ -19,13 +22,19 @@ pub struct PolicyLossConfig {
     pub clip_ratio_c: f64,
 }
 
-impl Default for PolicyLossConfig {
+impl Default for ClipConfig {
     fn default() -> Self {
+        Self::from(&ActorConfig::default())
+    }
+}
+
+impl From<&ActorConfig> for ClipConfig {
+    fn from(a: &ActorConfig) -> Self {
         Self {
-            clip_ratio: 0.2,
-            clip_ratio_low: None,
-            clip_ratio_high: None,
-            clip_ratio_c: 3.0,
+            clip_ratio: a.clip_ratio,
+            clip_ratio_low: a.clip_ratio_low,
+            clip_ratio_high: a.clip_ratio_high,
+            clip_ratio_c: a.clip_ratio_c,
         }
     }
 }
@@ -53,7 +62,7 @@ pub fn compute_policy_loss(
     advantages: &Tensor,
     response_mask: &Tensor,
     mode: LossAggMode,
-    cfg: &PolicyLossConfig,
+    cfg: &ClipConfig,
     global: GlobalBatch,
 ) -> Result<PolicyLoss> {
     matrix("log_prob", log_prob)?;
@@ -98,57 +107,32 @@ pub fn compute_policy_loss(
     })
 }
 
-/// verl's `kl_penalty` estimators of KL(π ‖ π_ref) per token (`actor.kl_loss_type`, `algorithm.kl_penalty`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KlPenalty {
-    /// `k1` / `kl`: `log_prob - ref_log_prob`.
-    K1,
-    /// `abs`: `|log_prob - ref_log_prob|`.
-    Abs,
-    /// `k2` / `mse`: `0.5 · (log_prob - ref_log_prob)²`.
-    K2,
-    /// `k3` / `low_var_kl`: `exp(d) - d - 1` with `d = clamp(ref - log_prob, ±20)`, clamped to ±10.
-    K3,
-}
+/// The KL estimators [`kl_penalty`] computes (verl's `full`, the exact KL over the vocabulary, is refused).
+pub const KL_PENALTIES: [KlPenalty; 4] = [
+    KlPenalty::Kl,
+    KlPenalty::Abs,
+    KlPenalty::Mse,
+    KlPenalty::LowVarKl,
+];
 
-impl KlPenalty {
-    /// verl's spellings; a trailing `+` (e.g. `k3+`) keeps the value and takes k2's gradient (straight-through).
-    pub const NAMES: [(&'static str, KlPenalty); 6] = [
-        ("k1", Self::K1),
-        ("kl", Self::K1),
-        ("abs", Self::Abs),
-        ("k2", Self::K2),
-        ("mse", Self::K2),
-        ("k3", Self::K3),
-    ];
-
-    /// `(estimator, straight_through)` for `name` (`low_var_kl` is `k3`); the error lists the valid names.
-    pub fn parse(name: &str) -> Result<(Self, bool)> {
-        let (base, plus) = match name.strip_suffix('+') {
-            Some(b) => (b, true),
-            None => (name, false),
-        };
-        let base = if base == "low_var_kl" { "k3" } else { base };
-        match Self::NAMES.iter().find(|(n, _)| *n == base) {
-            Some((_, k)) => Ok((*k, plus)),
-            None => bail!(
-                "kl_loss_type `{name}` is not one of k1, kl, abs, k2, mse, k3, low_var_kl (each optionally with `+`)"
-            ),
+/// verl's `kl_penalty_forward`: `kind`'s per-token estimate of KL(π ‖ π_ref) (k1 `log_prob - ref_log_prob`, its
+/// absolute value, k2 `0.5 · (log_prob - ref_log_prob)²`, k3 `exp(d) - d - 1` with `d = clamp(ref - log_prob, ±20)`,
+/// clamped to ±10).
+fn kl_forward(kind: KlPenalty, log_prob: &Tensor, ref_log_prob: &Tensor) -> Result<Tensor> {
+    let diff = log_prob - ref_log_prob;
+    Ok(match kind {
+        KlPenalty::Kl => diff,
+        KlPenalty::Abs => diff.abs(),
+        KlPenalty::Mse => diff.square() * 0.5,
+        KlPenalty::LowVarKl => {
+            let kl = (ref_log_prob - log_prob).clamp(-20.0, 20.0);
+            (kl.exp() - &kl - 1.0).clamp(-10.0, 10.0)
         }
-    }
-
-    fn forward(self, log_prob: &Tensor, ref_log_prob: &Tensor) -> Tensor {
-        let diff = log_prob - ref_log_prob;
-        match self {
-            Self::K1 => diff,
-            Self::Abs => diff.abs(),
-            Self::K2 => diff.square() * 0.5,
-            Self::K3 => {
-                let kl = (ref_log_prob - log_prob).clamp(-20.0, 20.0);
-                (kl.exp() - &kl - 1.0).clamp(-10.0, 10.0)
-            }
-        }
-    }
+        KlPenalty::Full => bail!(
+            "kl_loss_type `full` is not supported by ferl; use one of {}",
+            KL_PENALTIES.map(KlPenalty::as_str).join(", ")
+        ),
+    })
 }
 
 /// The per-token KL estimate `kind` of `log_prob` against `ref_log_prob`. With `straight_through` (verl's `+`
@@ -160,11 +144,11 @@ pub fn kl_penalty(
     straight_through: bool,
 ) -> Result<Tensor> {
     same_shape(("log_prob", log_prob), ("ref_log_prob", ref_log_prob))?;
-    let forward = kind.forward(log_prob, ref_log_prob);
-    if !straight_through || kind == KlPenalty::K2 {
+    let forward = kl_forward(kind, log_prob, ref_log_prob)?;
+    if !straight_through || kind == KlPenalty::Mse {
         return Ok(forward);
     }
-    let backward = KlPenalty::K2.forward(log_prob, ref_log_prob);
+    let backward = kl_forward(KlPenalty::Mse, log_prob, ref_log_prob)?;
     Ok(&backward - backward.detach() + forward.detach())
 }
 
@@ -181,7 +165,7 @@ pub fn entropy_from_logits(logits: &Tensor) -> Tensor {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ActorLossConfig {
     /// The clip keys.
-    pub policy: PolicyLossConfig,
+    pub policy: ClipConfig,
     /// `loss_agg_mode` (token-mean).
     pub loss_agg_mode: LossAggMode,
     /// `entropy_coeff`: the entropy bonus (0 = no entropy term).
@@ -195,15 +179,50 @@ pub struct ActorLossConfig {
 }
 
 impl Default for ActorLossConfig {
+    /// verl's defaults (those of [`ActorConfig::default`]).
     fn default() -> Self {
+        Self::from(&ActorConfig::default())
+    }
+}
+
+impl From<&ActorConfig> for ActorLossConfig {
+    /// The loss keys of `actor_rollout_ref.actor` (its `kl_loss_type` without straight-through, which the config
+    /// cannot spell).
+    fn from(a: &ActorConfig) -> Self {
         Self {
-            policy: PolicyLossConfig::default(),
-            loss_agg_mode: LossAggMode::TokenMean,
-            entropy_coeff: 0.0,
-            use_kl_loss: false,
-            kl_loss_coef: 0.001,
-            kl_loss_type: (KlPenalty::K3, false),
+            policy: ClipConfig::from(a),
+            loss_agg_mode: a.loss_agg_mode,
+            entropy_coeff: a.entropy_coeff,
+            use_kl_loss: a.use_kl_loss,
+            kl_loss_coef: a.kl_loss_coef,
+            kl_loss_type: (a.kl_loss_type, false),
         }
+    }
+}
+
+impl ActorLossConfig {
+    /// Refuses keys the loss cannot compute, naming the key: a `loss_agg_mode` outside [`super::AGG_MODES`] or a
+    /// `kl_loss_type` outside [`KL_PENALTIES`] (with `use_kl_loss`), and a `clip_ratio_c` not above 1.
+    pub fn validate(&self) -> Result<()> {
+        if !super::AGG_MODES.contains(&self.loss_agg_mode) {
+            bail!(
+                "actor_rollout_ref.actor.loss_agg_mode={} is not supported by ferl; use one of {}",
+                self.loss_agg_mode,
+                super::AGG_MODES.map(LossAggMode::as_str).join(", ")
+            );
+        }
+        let kl = self.kl_loss_type.0;
+        if self.use_kl_loss && !KL_PENALTIES.contains(&kl) {
+            bail!(
+                "actor_rollout_ref.actor.kl_loss_type={kl} is not supported by ferl; use one of {}",
+                KL_PENALTIES.map(KlPenalty::as_str).join(", ")
+            );
+        }
+        let c = self.policy.clip_ratio_c;
+        if c.is_nan() || c <= 1.0 {
+            bail!("actor_rollout_ref.actor.clip_ratio_c must be greater than 1.0 for dual-clip PPO, got {c}");
+        }
+        Ok(())
     }
 }
 
@@ -292,4 +311,79 @@ pub fn actor_loss(
         entropy,
         kl_loss,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ppo::AdvEstimator;
+    use crate::config::PpoConfig;
+    use crate::rl::GrpoSettings;
+
+    fn actor(overrides: &[&str]) -> ActorConfig {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        PpoConfig::load(None, &o).unwrap().actor_rollout_ref.actor
+    }
+
+    #[test]
+    fn the_loss_keys_are_the_configs_own_values() {
+        let d = ActorLossConfig::default();
+        assert_eq!(d.policy.clip_ratio, 0.2);
+        assert_eq!(
+            (d.policy.clip_ratio_low, d.policy.clip_ratio_high),
+            (None, None)
+        );
+        assert_eq!(d.policy.clip_ratio_c, 3.0);
+        assert_eq!(d.loss_agg_mode, LossAggMode::TokenMean);
+        assert_eq!(d.kl_loss_type, (KlPenalty::LowVarKl, false));
+        assert_eq!((d.use_kl_loss, d.kl_loss_coef), (false, 0.001));
+        let a = actor(&[
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.clip_ratio_c=10",
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+            "actor_rollout_ref.actor.entropy_coeff=0.01",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_coef=0.05",
+            "actor_rollout_ref.actor.kl_loss_type=k1",
+        ]);
+        let c = ActorLossConfig::from(&a);
+        assert_eq!(c.policy.clip_ratio_high, Some(0.28));
+        assert_eq!(c.policy.clip_ratio_c, 10.0);
+        assert_eq!(c.loss_agg_mode, LossAggMode::SeqMeanTokenMean);
+        assert_eq!(c.entropy_coeff, 0.01);
+        assert!(c.use_kl_loss);
+        assert_eq!(c.kl_loss_coef, 0.05);
+        assert_eq!(c.kl_loss_type, (KlPenalty::Kl, false));
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn what_the_config_spells_but_ferl_does_not_compute_is_refused_by_key() {
+        let norm = actor(&["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]);
+        let e = ActorLossConfig::from(&norm).validate().unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm is not supported"
+            ),
+            "{e}"
+        );
+        let full = actor(&[
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_type=full",
+        ]);
+        let e = ActorLossConfig::from(&full).validate().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("actor_rollout_ref.actor.kl_loss_type=full is not supported"),
+            "{e}"
+        );
+        let mut s = GrpoSettings {
+            adv_estimator: AdvEstimator::Gae,
+            ..GrpoSettings::default()
+        };
+        let e = s.validate().unwrap_err();
+        assert!(e.to_string().contains("algorithm.adv_estimator=gae"), "{e}");
+        s.adv_estimator = AdvEstimator::Rloo;
+        s.validate().unwrap();
+    }
 }

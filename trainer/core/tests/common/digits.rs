@@ -6,8 +6,8 @@ use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::model::{init_model, load_model};
 use ferl_trainer::params::LocalParams;
 use ferl_trainer::rl::{
-    ActorLossConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer, KlPenalty,
-    LossAggMode, PolicyLossConfig, Reward, RewardRow,
+    ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer,
+    KlPenalty, LossAggMode, Reward, RewardRow,
 };
 use std::path::{Path, PathBuf};
 use tch::Kind;
@@ -48,10 +48,11 @@ pub(crate) fn settings() -> GrpoSettings {
         ppo_mini_batch_size: 5, // four optimizer steps per epoch
         ppo_micro_batch_size: 16,
         log_prob_micro_batch_size: 40,
+        ref_log_prob_micro_batch_size: 40,
         ppo_epochs: 2,
         shuffle: true,
         loss: ActorLossConfig {
-            policy: PolicyLossConfig {
+            policy: ClipConfig {
                 clip_ratio: 0.2,
                 clip_ratio_low: Some(0.2),
                 clip_ratio_high: Some(0.28),
@@ -61,7 +62,7 @@ pub(crate) fn settings() -> GrpoSettings {
             entropy_coeff: 0.0,
             use_kl_loss: true,
             kl_loss_coef: 0.001,
-            kl_loss_type: (KlPenalty::K3, false),
+            kl_loss_type: (KlPenalty::LowVarKl, false),
         },
         lr: 3e-3,
         optim: ferl_trainer::optim::AdamWConfig {
