@@ -186,7 +186,11 @@ fn plugin_file(name: &str) -> PathBuf {
 fn grpo_refuses_what_it_cannot_honour_by_key() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let cases: [(&str, &str); 5] = [
+    let cases: [(&str, &str); 6] = [
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4: `4` not supported by ferl yet (supported: 1)",
+        ),
         (
             "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.name",

@@ -3,6 +3,10 @@
 //! batch is one mini-batch), a KL loss to the initial weights (so the `ref` phase runs), and a trivial reward: the
 //! share of the decoded response's characters that are ASCII digits (it varies between responses, so advantages are
 //! not all zero). The first step is a warm-up; each `timing_s/*` is averaged over the `--grpo-steps` after it.
+//!
+//! The same steps then run with the whole batch as one micro-batch, so the update's time with micro-batches of
+//! [`MICRO`] rows against one micro-batch gives the fixed cost of a micro-batch (`grpo_micro_batch_fixed_ms`) and
+//! its share of a micro-batch's compute (`grpo_micro_batch_fixed_share`).
 
 use super::{Prompt, RlArgs};
 use crate::report::Report;
@@ -23,6 +27,8 @@ pub(crate) const PROMPTS: usize = 8;
 const N: usize = 4;
 /// Tokens per response (`max_response_length`; no stop token, so every response has this many).
 const NEW_TOKENS: usize = 64;
+/// Rows per micro-batch of the update (`ppo_micro_batch_size_per_gpu`) in the main rows.
+const MICRO: usize = 8;
 /// verl's phases (`timing_s/<phase>`) and the rows they print as.
 const PHASES: [(&str, &str); 8] = [
     ("gen", "grpo_step_gen_s"),
@@ -35,8 +41,8 @@ const PHASES: [(&str, &str); 8] = [
     ("step", "grpo_step_total_s"),
 ];
 
-/// The run's settings: `n` 4, 64 tokens, one mini-batch of every prompt, micro-batches of 8 rows, a KL loss.
-fn settings(pad_token_id: i64) -> GrpoSettings {
+/// The run's settings: `n` 4, 64 tokens, one mini-batch of every prompt, micro-batches of `micro` rows, a KL loss.
+fn settings(pad_token_id: i64, micro: usize) -> GrpoSettings {
     GrpoSettings {
         n: N,
         temperature: 1.0,
@@ -45,7 +51,7 @@ fn settings(pad_token_id: i64) -> GrpoSettings {
         eos_token_ids: Vec::new(),
         pad_token_id,
         ppo_mini_batch_size: PROMPTS,
-        ppo_micro_batch_size: 8,
+        ppo_micro_batch_size: micro,
         log_prob_micro_batch_size: 16,
         ref_log_prob_micro_batch_size: 16,
         loss: ActorLossConfig {
@@ -56,8 +62,9 @@ fn settings(pad_token_id: i64) -> GrpoSettings {
     }
 }
 
-/// A trainer of the model folder `model` with the digit-share reward and the tokenizer's decoding.
-fn trainer(a: &RlArgs, model: &Path) -> Result<GrpoTrainer<LocalParams>> {
+/// A trainer of the model folder `model` with the digit-share reward and the tokenizer's decoding, its update in
+/// micro-batches of `micro` rows.
+fn trainer(a: &RlArgs, model: &Path, micro: usize) -> Result<GrpoTrainer<LocalParams>> {
     let loaded = load_model(model)?;
     let store = LocalParams::new(loaded.layout, loaded.params, Kind::Float);
     let engine = Engine::new(loaded.config, store, Kind::Float, EngineOptions::default());
@@ -66,16 +73,20 @@ fn trainer(a: &RlArgs, model: &Path) -> Result<GrpoTrainer<LocalParams>> {
         r.response.chars().filter(char::is_ascii_digit).count() as f64 / chars
     });
     let tok = SftTokenizer::from_dir(&a.tokenizer, None)?;
-    let mut t = GrpoTrainer::new(settings(tok.pad_token_id()), engine, Box::new(reward))?;
+    let mut t = GrpoTrainer::new(
+        settings(tok.pad_token_id(), micro),
+        engine,
+        Box::new(reward),
+    )?;
     t.set_decoder(Box::new(move |ids: &[i64]| {
         tok.decode(ids).unwrap_or_default()
     }));
     Ok(t)
 }
 
-/// Runs the warm-up step and `--grpo-steps` timed steps on `prompts` and prints each phase's mean seconds.
+/// Runs the warm-up step and `--grpo-steps` timed steps on `prompts` and prints each phase's mean seconds; then
+/// the micro-batch rows (see the module docs).
 pub(crate) fn run(a: &RlArgs, model: &Path, prompts: &[Prompt], out: &mut Report) -> Result<()> {
-    let mut t = trainer(a, model)?;
     let batch: Vec<GrpoPrompt> = prompts
         .iter()
         .map(|p| GrpoPrompt {
@@ -84,20 +95,49 @@ pub(crate) fn run(a: &RlArgs, model: &Path, prompts: &[Prompt], out: &mut Report
             ..GrpoPrompt::default()
         })
         .collect();
-    let warm = t.step(&batch)?;
+    let phases = mean_phases(a, model, &batch, MICRO)?;
+    for (mean, (_, row)) in phases.iter().zip(PHASES) {
+        out.row(row, *mean, "s");
+    }
+    let rows = PROMPTS * N;
+    let whole = mean_phases(a, model, &batch, rows)?;
+    let update = PHASES
+        .iter()
+        .position(|(phase, _)| *phase == "update_actor")
+        .expect("update_actor is one of PHASES");
+    let (split, one) = (phases[update], whole[update]);
+    let micro_batches = rows.div_ceil(MICRO);
+    let fixed = (split - one) / (micro_batches - 1) as f64;
+    out.row(&format!("grpo_update_actor_s_micro{MICRO}"), split, "s");
+    out.row(&format!("grpo_update_actor_s_micro{rows}"), one, "s");
+    out.row("grpo_micro_batch_fixed_ms", fixed * 1e3, "ms");
+    out.row(
+        "grpo_micro_batch_fixed_share",
+        fixed / (one / micro_batches as f64),
+        "x",
+    );
+    Ok(())
+}
+
+/// The mean `timing_s/*` of [`PHASES`] over `--grpo-steps` steps after a warm-up step, micro-batches of `micro`.
+fn mean_phases(
+    a: &RlArgs,
+    model: &Path,
+    batch: &[GrpoPrompt],
+    micro: usize,
+) -> Result<[f64; PHASES.len()]> {
+    let mut t = trainer(a, model, micro)?;
+    let warm = t.step(batch)?;
     eprintln!(
-        "rl: GRPO: {PROMPTS} prompts x n {N} x {NEW_TOKENS} tokens; warm-up step {:.2} s",
+        "rl: GRPO: {PROMPTS} prompts x n {N} x {NEW_TOKENS} tokens, micro-batches of {micro}; warm-up step {:.2} s",
         warm.metrics["timing_s/step"]
     );
     let mut sums = [0.0; PHASES.len()];
     for _ in 0..a.grpo_steps {
-        let m = t.step(&batch)?.metrics;
+        let m = t.step(batch)?.metrics;
         for (sum, (phase, _)) in sums.iter_mut().zip(PHASES) {
             *sum += m.get(&format!("timing_s/{phase}")).copied().unwrap_or(0.0);
         }
     }
-    for (sum, (_, row)) in sums.iter().zip(PHASES) {
-        out.row(row, sum / a.grpo_steps as f64, "s");
-    }
-    Ok(())
+    Ok(sums.map(|s| s / a.grpo_steps as f64))
 }

@@ -80,6 +80,11 @@ pub(crate) fn supported() -> Supported {
         )
         .values("actor_rollout_ref.rollout.name", &["ferl"])
         .values("actor_rollout_ref.rollout.do_sample", &["true"])
+        // ferl's rollout holds the whole model on each rank: no tensor-parallel generation.
+        .values(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            &["1"],
+        )
         .values(
             "algorithm.adv_estimator",
             &OUTCOME_ESTIMATORS.map(AdvEstimator::as_str),
