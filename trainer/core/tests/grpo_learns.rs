@@ -11,6 +11,8 @@
 //!   and compute the same metrics; a run saved after [`K`] steps (`GrpoTrainer::save`: the master weights and AdamW's
 //!   state in safetensors) and loaded into a fresh trainer runs steps K+1..K+2 with the same responses, rewards and
 //!   losses as the uninterrupted run (within 1e-6).
+//! - `a_corrupted_or_truncated_state_is_refused_naming_the_file`: the saved state records its files' digests; a
+//!   flipped byte or a truncated tensor file is refused at load naming the file, before any weight is touched.
 //! - `rloo_with_an_entropy_bonus_and_seq_mean_modes_runs`: RLOO, top-k/top-p, an entropy bonus and both `seq-mean-*`
 //!   modes run two steps with finite metrics, and RLOO's advantages sum to zero per group.
 
@@ -176,6 +178,40 @@ fn runs_are_reproducible_and_resume_exactly() {
         "{} steps in {:.1} s",
         2 * K + 4,
         started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn a_corrupted_or_truncated_state_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model_dir(dir.path());
+    let ckpt = dir.path().join("ckpt");
+    let mut t = trainer(&model);
+    t.step(&prompts()).unwrap();
+    t.save(&ckpt).unwrap();
+    let file = ckpt.join(ferl_trainer::rl::grpo::STATE_TENSORS);
+    let good = std::fs::read(&file).unwrap();
+    trainer(&model).load(&ckpt).unwrap();
+
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 0x40;
+    std::fs::write(&file, &flipped).unwrap();
+    let err = format!("{:#}", trainer(&model).load(&ckpt).unwrap_err());
+    assert!(
+        err.contains(&format!("checkpoint file {} is corrupted", file.display()))
+            && err.contains("grpo_state.json recorded"),
+        "{err}"
+    );
+
+    std::fs::write(&file, &good[..good.len() / 2]).unwrap();
+    let err = format!("{:#}", trainer(&model).load(&ckpt).unwrap_err());
+    assert!(
+        err.contains(&format!(
+            "checkpoint file {} is truncated or overwritten",
+            file.display()
+        )),
+        "{err}"
     );
 }
 

@@ -73,8 +73,13 @@ pub fn digest_dir(dir: &Path, meta_file: &str) -> Result<BTreeMap<String, FileDi
         .collect()
 }
 
-/// Checks every file `recorded` lists under `dir`; the error names the first missing, truncated or corrupted file.
-pub fn verify_dir(dir: &Path, recorded: &BTreeMap<String, FileDigest>) -> Result<()> {
+/// Checks every file `recorded` lists under `dir` (as `meta_file` recorded them); the error names the first missing,
+/// truncated or corrupted file.
+pub fn verify_dir(
+    dir: &Path,
+    recorded: &BTreeMap<String, FileDigest>,
+    meta_file: &str,
+) -> Result<()> {
     for (name, want) in recorded {
         let path = dir.join(name);
         if !path.is_file() {
@@ -83,7 +88,7 @@ pub fn verify_dir(dir: &Path, recorded: &BTreeMap<String, FileDigest>) -> Result
         let got = digest_file(&path)?;
         if got.bytes != want.bytes {
             bail!(
-                "checkpoint file {} is truncated or overwritten: {} bytes, meta.json recorded {}",
+                "checkpoint file {} is truncated or overwritten: {} bytes, {meta_file} recorded {}",
                 path.display(),
                 got.bytes,
                 want.bytes
@@ -91,7 +96,7 @@ pub fn verify_dir(dir: &Path, recorded: &BTreeMap<String, FileDigest>) -> Result
         }
         if got.crc32 != want.crc32 {
             bail!(
-                "checkpoint file {} is corrupted: CRC-32 {:08x}, meta.json recorded {:08x}",
+                "checkpoint file {} is corrupted: CRC-32 {:08x}, {meta_file} recorded {:08x}",
                 path.display(),
                 got.crc32,
                 want.crc32

@@ -144,7 +144,7 @@ pub fn read_meta(dir: &Path) -> Result<RunMeta> {
 /// Reads `dir/meta.json` and verifies every file it records (invariant 4).
 pub fn verify(dir: &Path) -> Result<RunMeta> {
     let meta = read_meta(dir)?;
-    verify_dir(dir, &meta.files)?;
+    verify_dir(dir, &meta.files, META_FILE)?;
     Ok(meta)
 }
 

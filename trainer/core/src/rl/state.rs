@@ -1,8 +1,14 @@
 //! A policy's training state on disk, for resuming RL runs: the trainable master tensors and AdamW's moments
 //! ([`STATE_TENSORS`], fp32, exact) and the step counters ([`STATE_META`]). The one-process trainer
 //! ([`super::GrpoTrainer`]) and the policy actor write and read the same files.
+//!
+//! As SFT's checkpoints ([`crate::checkpoint`]): the tensors are written to a temporary file and renamed, then
+//! [`STATE_META`] (atomically, last) records the size and CRC-32 of every other file of the folder, and a restore
+//! verifies them first, so a corrupted or truncated state is refused naming the file instead of loading garbage.
 
 use super::policy_worker::PolicyWorker;
+use crate::checkpoint::digest::{digest_dir, verify_dir, FileDigest};
+use crate::checkpoint::write_atomic;
 use crate::params::ParamStore;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
@@ -37,15 +43,22 @@ impl<P: ParamStore> PolicyWorker<P> {
         let opt = self.optimizer();
         named.extend(numbered("exp_avg", &opt.exp_avg));
         named.extend(numbered("exp_avg_sq", &opt.exp_avg_sq));
-        Tensor::write_safetensors(&named, dir.join(STATE_TENSORS))?;
+        let tensors = dir.join(STATE_TENSORS);
+        let tmp = tensors.with_extension("tmp");
+        Tensor::write_safetensors(&named, &tmp)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &tensors)
+            .with_context(|| format!("renaming {} to {}", tmp.display(), tensors.display()))?;
         let meta = serde_json::json!({
             "global_step": global_step,
             "optimizer_step": opt.step,
             "schedule_step": self.completed_steps(),
+            "files": digest_dir(dir, STATE_META)?,
         });
-        let file = dir.join(STATE_META);
-        std::fs::write(&file, serde_json::to_string_pretty(&meta)?)
-            .with_context(|| format!("writing {}", file.display()))
+        write_atomic(
+            &dir.join(STATE_META),
+            serde_json::to_string_pretty(&meta)?.as_bytes(),
+        )
     }
 
     /// Restores what [`PolicyWorker::save_state`] wrote into this worker (built like the saved one); returns the
@@ -65,6 +78,13 @@ impl<P: ParamStore> PolicyWorker<P> {
             counter("optimizer_step")?,
             counter("schedule_step")?,
         );
+        // States written before the digests have no `files`: nothing to verify.
+        let files: BTreeMap<String, FileDigest> = match meta.get("files") {
+            Some(f) => serde_json::from_value(f.clone())
+                .with_context(|| format!("{}: `files` is not a digest map", file.display()))?,
+            None => BTreeMap::new(),
+        };
+        verify_dir(dir, &files, STATE_META)?;
         let tensors: BTreeMap<String, Tensor> = Tensor::read_safetensors(dir.join(STATE_TENSORS))?
             .into_iter()
             .collect();
