@@ -4,11 +4,12 @@
 //! share of the decoded response's characters that are ASCII digits (it varies between responses, so advantages are
 //! not all zero). The first step is a warm-up; each `timing_s/*` is averaged over the `--grpo-steps` after it.
 //!
-//! The same steps then run with the whole batch as one micro-batch, so the update's time with micro-batches of
-//! [`MICRO`] rows against one micro-batch gives the fixed cost of a micro-batch (`grpo_micro_batch_fixed_ms`) and
-//! its share of a micro-batch's compute (`grpo_micro_batch_fixed_share`).
+//! Then the last step's batch is updated again [`UPDATE_ROUNDS`] times with micro-batches of [`MICRO`] rows and as
+//! one micro-batch, alternating (the update's cost does not depend on the weights' values): the medians give the
+//! fixed cost of a micro-batch (`grpo_micro_batch_fixed_ms`) and its share of a micro-batch's compute
+//! (`grpo_micro_batch_fixed_share`).
 
-use super::{Prompt, RlArgs};
+use super::{median, Prompt, RlArgs};
 use crate::report::Report;
 use anyhow::Result;
 use ferl::trainer::data::SftTokenizer;
@@ -16,9 +17,11 @@ use ferl::trainer::engine::{Engine, EngineOptions};
 use ferl::trainer::model::load_model;
 use ferl::trainer::params::LocalParams;
 use ferl::trainer::rl::{
-    ActorLossConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoTrainer, RewardRow,
+    ActorLossConfig, ActorUpdateConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoTrainer, RewardRow,
+    RlBatch,
 };
 use std::path::Path;
+use std::time::Instant;
 use tch::Kind;
 
 /// Prompts per GRPO step.
@@ -29,6 +32,8 @@ const N: usize = 4;
 const NEW_TOKENS: usize = 64;
 /// Rows per micro-batch of the update (`ppo_micro_batch_size_per_gpu`) in the main rows.
 const MICRO: usize = 8;
+/// Timed updates per micro-batch size in the micro-batch rows.
+const UPDATE_ROUNDS: usize = 5;
 /// verl's phases (`timing_s/<phase>`) and the rows they print as.
 const PHASES: [(&str, &str); 8] = [
     ("gen", "grpo_step_gen_s"),
@@ -95,49 +100,68 @@ pub(crate) fn run(a: &RlArgs, model: &Path, prompts: &[Prompt], out: &mut Report
             ..GrpoPrompt::default()
         })
         .collect();
-    let phases = mean_phases(a, model, &batch, MICRO)?;
-    for (mean, (_, row)) in phases.iter().zip(PHASES) {
-        out.row(row, *mean, "s");
-    }
-    let rows = PROMPTS * N;
-    let whole = mean_phases(a, model, &batch, rows)?;
-    let update = PHASES
-        .iter()
-        .position(|(phase, _)| *phase == "update_actor")
-        .expect("update_actor is one of PHASES");
-    let (split, one) = (phases[update], whole[update]);
-    let micro_batches = rows.div_ceil(MICRO);
-    let fixed = (split - one) / (micro_batches - 1) as f64;
-    out.row(&format!("grpo_update_actor_s_micro{MICRO}"), split, "s");
-    out.row(&format!("grpo_update_actor_s_micro{rows}"), one, "s");
-    out.row("grpo_micro_batch_fixed_ms", fixed * 1e3, "ms");
-    out.row(
-        "grpo_micro_batch_fixed_share",
-        fixed / (one / micro_batches as f64),
-        "x",
-    );
-    Ok(())
-}
-
-/// The mean `timing_s/*` of [`PHASES`] over `--grpo-steps` steps after a warm-up step, micro-batches of `micro`.
-fn mean_phases(
-    a: &RlArgs,
-    model: &Path,
-    batch: &[GrpoPrompt],
-    micro: usize,
-) -> Result<[f64; PHASES.len()]> {
-    let mut t = trainer(a, model, micro)?;
-    let warm = t.step(batch)?;
+    let mut t = trainer(a, model, MICRO)?;
+    let warm = t.step(&batch)?;
     eprintln!(
-        "rl: GRPO: {PROMPTS} prompts x n {N} x {NEW_TOKENS} tokens, micro-batches of {micro}; warm-up step {:.2} s",
+        "rl: GRPO: {PROMPTS} prompts x n {N} x {NEW_TOKENS} tokens; warm-up step {:.2} s",
         warm.metrics["timing_s/step"]
     );
     let mut sums = [0.0; PHASES.len()];
+    let mut last = warm.batch;
     for _ in 0..a.grpo_steps {
-        let m = t.step(batch)?.metrics;
+        let step = t.step(&batch)?;
         for (sum, (phase, _)) in sums.iter_mut().zip(PHASES) {
-            *sum += m.get(&format!("timing_s/{phase}")).copied().unwrap_or(0.0);
+            *sum += step
+                .metrics
+                .get(&format!("timing_s/{phase}"))
+                .copied()
+                .unwrap_or(0.0);
+        }
+        last = step.batch;
+    }
+    for (sum, (_, row)) in sums.iter().zip(PHASES) {
+        out.row(row, sum / a.grpo_steps as f64, "s");
+    }
+    micro_batch_rows(&mut t, &last, out)
+}
+
+/// The update of `batch` with micro-batches of [`MICRO`] rows against one micro-batch (see the module docs).
+fn micro_batch_rows(
+    t: &mut GrpoTrainer<LocalParams>,
+    batch: &RlBatch,
+    out: &mut Report,
+) -> Result<()> {
+    let s = t.settings().clone();
+    let rows = batch.len();
+    let cfg = |micro: usize| ActorUpdateConfig {
+        loss: s.loss,
+        ppo_mini_batch_size: s.ppo_mini_batch_size,
+        rollout_n: s.n,
+        ppo_micro_batch_size: micro,
+        ppo_epochs: s.ppo_epochs,
+        shuffle: s.shuffle,
+        shuffle_seed: 0,
+        grad_clip: s.grad_clip,
+        temperature: s.temperature,
+    };
+    let (mut split, mut whole) = (Vec::new(), Vec::new());
+    for _ in 0..UPDATE_ROUNDS {
+        for (micro, times) in [(MICRO, &mut split), (rows, &mut whole)] {
+            let started = Instant::now();
+            t.actor_mut().update_policy(batch, &cfg(micro))?;
+            times.push(started.elapsed().as_secs_f64());
         }
     }
-    Ok(sums.map(|s| s / a.grpo_steps as f64))
+    let (split, whole) = (median(split), median(whole));
+    let micro_batches = rows.div_ceil(MICRO);
+    let fixed = (split - whole) / (micro_batches - 1) as f64;
+    out.row(&format!("grpo_update_actor_s_micro{MICRO}"), split, "s");
+    out.row(&format!("grpo_update_actor_s_micro{rows}"), whole, "s");
+    out.row("grpo_micro_batch_fixed_ms", fixed * 1e3, "ms");
+    out.row(
+        "grpo_micro_batch_fixed_share",
+        fixed / (whole / micro_batches as f64),
+        "x",
+    );
+    Ok(())
 }

@@ -276,32 +276,14 @@ impl<P: ParamStore> Engine<P> {
                 self.store.release(Stage::Embedding);
             }
             None => {
-                let grad = self.embedding_grad(ids, grad_h)?;
-                self.store.accumulate_grads(Stage::Embedding, &[grad])?;
+                let rows = grad_h
+                    .reshape([-1, self.cfg.hidden_size])
+                    .to_kind(Kind::Float);
+                self.store
+                    .accumulate_embedding_rows(&ids.reshape([-1]), &rows)?;
             }
         }
         Ok(())
-    }
-
-    /// The gradient of the embedding matrix from the gradient of its output `grad_h` (`[B, T, H]`) for the token ids
-    /// `ids`: their rows summed into a zero `[vocab, hidden]` fp32 matrix (the lookup's gradient needs no weights, so
-    /// nothing is gathered), or undefined when the embedding is frozen.
-    fn embedding_grad(&self, ids: &Tensor, grad_h: &Tensor) -> Result<Tensor> {
-        let layout = self.store.layout();
-        let index = layout.stage_ids(Stage::Embedding)?[0];
-        if !layout.trainable[index] {
-            return Ok(Tensor::new());
-        }
-        let shape = layout.tensors[index].1.clone();
-        let rows = grad_h.reshape([-1, shape[1]]).to_kind(Kind::Float);
-        let _g = tch::no_grad_guard();
-        Ok(
-            Tensor::zeros(shape.as_slice(), (Kind::Float, grad_h.device())).index_add_(
-                0,
-                &ids.reshape([-1]),
-                &rows,
-            ),
-        )
     }
 
     /// The head for training: returns (the loss's value, gradient of the final hidden states).
