@@ -109,12 +109,23 @@ const VERL_KEYS: [&str; 10] = [
 fn grpo_logs_verl_metrics_saves_steps_and_resumes_to_the_same_run() {
     let dir = fixture();
     let d = dir.path();
-    let out = run_ferl(&grpo_args(d, "a", 3, &[]));
+    // The csv logger is a plugin (beside the binary), as for `ferl sft`.
+    let csv_too = "trainer.logger=[console,jsonl,csv]";
+    let out = run_ferl(&grpo_args(d, "a", 3, &[csv_too]));
     assert!(out.status.success(), "{}", text(&out));
     let a = metrics(&d.join("a"));
     assert_eq!(a.len(), 3, "one metrics line per step");
     for key in VERL_KEYS {
         number(&a[2], key);
+    }
+    let csv =
+        std::fs::read_to_string(d.join("a/metrics.csv")).expect("the csv plugin's metrics.csv");
+    for step in 1..=3 {
+        assert!(
+            csv.lines()
+                .any(|l| l.starts_with(&format!("{step},critic/score/mean,"))),
+            "step {step} is not in metrics.csv:\n{csv}"
+        );
     }
     for step in 1..=3 {
         assert!(d.join(format!("a/global_step_{step}")).is_dir());

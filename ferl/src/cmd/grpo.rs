@@ -37,7 +37,11 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     if c.print_job(|| cfg.to_yaml())? {
         return Ok(());
     }
-    cfg.validate_supported(&setup::supported())?;
+    // One plugin host for the run: its logger plugins are `trainer.logger` kinds (as for `ferl sft`), its reward
+    // plugins score when no `custom_reward_function.path` is given.
+    let host = plugin_host()?;
+    let registry = ferl_actors::metrics::logger_registry(Some(&host));
+    cfg.validate_supported(&setup::supported(&registry.names()))?;
     setup::check_values(&cfg)?;
     let (model_dir, _exported) = setup::model_dir(&cfg)?;
     let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
@@ -46,14 +50,14 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
         None,
     )?);
     let prompts = setup::prompts(&cfg, &tok)?;
-    let reward = setup::reward(&cfg, plugin_host, &prompts)?;
+    let reward = setup::reward(&cfg, || Ok(Arc::clone(&host)), &prompts)?;
     let mut trainer = build_trainer(&cfg, &model_dir, &tok, reward)?;
     let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
     if cfg.trainer.resume_mode == ferl_trainer::config::ResumeMode::Auto {
         resume(&mut trainer, &run_dir)?;
     }
     let fresh = !run_dir.exists();
-    let trained = train(&cfg, &mut trainer, &prompts, &run_dir);
+    let trained = train(&cfg, &mut trainer, &prompts, &run_dir, &registry);
     if trained.is_err() && fresh && trainer.global_step() == 0 {
         // A run that made the folder and failed in its first step (a reward scoring NaN, say) leaves nothing.
         let _ = std::fs::remove_dir_all(&run_dir);
@@ -85,7 +89,8 @@ fn build_trainer(
     Ok(trainer)
 }
 
-/// The plugin host rewards come from: the first-party plugins beside this binary and `$FERL_PLUGIN_PATH`.
+/// The run's plugin host (logger plugins, and rewards when no `custom_reward_function.path` is given): the
+/// first-party plugins beside this binary and `$FERL_PLUGIN_PATH`.
 fn plugin_host() -> Result<Arc<ferl_plugin_host::PluginHost>> {
     match ferl_actors::plugins::actor_plugin_host()? {
         Some(host) => Ok(host),
@@ -117,6 +122,7 @@ fn train(
     trainer: &mut GrpoTrainer<LocalParams>,
     prompts: &[GrpoPrompt],
     run_dir: &Path,
+    registry: &LoggerRegistry,
 ) -> Result<()> {
     let batch = cfg.data.train_batch_size;
     let per_epoch = (prompts.len() / batch) as u64;
@@ -127,7 +133,7 @@ fn train(
         .unwrap_or(per_epoch * cfg.trainer.total_epochs as u64);
     let progress = ferl_data::Progress::new("training", "steps", total);
     progress.set_position(trainer.global_step());
-    let mut loggers = loggers(cfg, run_dir, &progress)?;
+    let mut loggers = loggers(cfg, run_dir, &progress, registry)?;
     while trainer.global_step() < total {
         let step = trainer.global_step();
         let order = epoch_order(cfg, prompts.len(), step / per_epoch);
@@ -165,11 +171,13 @@ fn epoch_order(cfg: &PpoConfig, n: usize, epoch: u64) -> Vec<usize> {
     order
 }
 
-/// `trainer.logger`'s loggers, writing under `run_dir` (the console's lines printed through `progress`).
+/// `trainer.logger`'s loggers from `registry`, writing under `run_dir` (the console's lines printed through
+/// `progress`).
 fn loggers(
     cfg: &PpoConfig,
     run_dir: &Path,
     progress: &ferl_data::Progress,
+    registry: &LoggerRegistry,
 ) -> Result<Vec<Box<dyn MetricsLogger>>> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     let ctx = LoggerContext {
@@ -180,7 +188,7 @@ fn loggers(
         params: config_params(cfg),
     };
     let names: Vec<String> = cfg.trainer.logger.as_slice().to_vec();
-    LoggerRegistry::default().build(&names, &ctx)
+    registry.build(&names, &ctx)
 }
 
 /// Writes `global_step_N/` and then points [`LATEST_FILE`] at it, atomically (a temporary file renamed over it,

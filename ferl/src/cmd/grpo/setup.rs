@@ -66,8 +66,10 @@ const HONOURED: &[&str] = &[
     "trainer.seed",
 ];
 
-/// The config gate of `ferl grpo`: what it honours, and with which values where only some are.
-pub(crate) fn supported() -> Supported {
+/// The config gate of `ferl grpo`: what it honours, and with which values where only some are; `loggers` are the
+/// logger kinds `trainer.logger` may name (the built-in ones and the loaded logger plugins, as for `ferl sft`).
+pub(crate) fn supported(loggers: &[String]) -> Supported {
+    let loggers: Vec<&str> = loggers.iter().map(String::as_str).collect();
     Supported::new()
         .keys(HONOURED)
         .values(
@@ -90,7 +92,7 @@ pub(crate) fn supported() -> Supported {
             &OUTCOME_ESTIMATORS.map(AdvEstimator::as_str),
         )
         .values("reward_model.reward_manager", &["naive"])
-        .values("trainer.logger", &["console", "jsonl", "mlflow"])
+        .values("trainer.logger", &loggers)
         .values("trainer.device", &["cpu"])
         .values("trainer.resume_mode", &["auto", "disable"])
         .values("trainer.nnodes", &["1"])
