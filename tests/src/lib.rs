@@ -305,3 +305,13 @@ pub fn field<'a>(text: &'a str, prefix: &str) -> &'a str {
         .next()
         .unwrap()
 }
+
+/// Asserts that the finished command `out` succeeded; otherwise fails showing `what` and its stdout and stderr.
+pub fn assert_success(out: &std::process::Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed:\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

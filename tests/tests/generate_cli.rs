@@ -21,15 +21,6 @@ fn run_ferl(args: &[&str]) -> Output {
         .expect("run ferl")
 }
 
-fn check(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed:\nstdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// What the library generates for `rows` with the command's settings below (seed 5, batches of 4, 2 samples).
 fn library_responses(model_dir: &Path, rows: &[Value]) -> Vec<Vec<String>> {
     let tok = SftTokenizer::from_dir(model_dir, None).unwrap();
@@ -82,7 +73,7 @@ fn ferl_generate_writes_what_the_rollout_library_generates() {
         "--local-dir",
         &s(&d.join("data")),
     ]);
-    check(&out, "ferl data gsm8k");
+    assert_success(&out, "ferl data gsm8k");
     let input = d.join("data/test.parquet");
     let generate = |output: &Path, seed: &str| {
         let args = [
@@ -108,7 +99,7 @@ fn ferl_generate_writes_what_the_rollout_library_generates() {
             "4",
         ];
         let out = run_ferl(&args);
-        check(&out, "ferl generate");
+        assert_success(&out, "ferl generate");
         ferl_data::read::read_rows(output, None).unwrap()
     };
     let rows = generate(&d.join("out.parquet"), "5");
@@ -196,7 +187,7 @@ fn ferl_generate_refuses_greedy_samples_and_a_missing_prompt_column() {
         "--response-length",
         "4",
     ]);
-    check(&out, "ferl generate --prompt-key question");
+    assert_success(&out, "ferl generate --prompt-key question");
     let rows = ferl_data::read::read_rows(Path::new(o), None).unwrap();
     assert_eq!(rows[0]["responses"].as_array().map(Vec::len), Some(1));
 }

@@ -30,15 +30,6 @@ fn run_ferl(args: &[String]) -> Output {
         .expect("run ferl")
 }
 
-fn check(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed:\nstdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// The messages of [`QUESTION`].
 fn messages() -> Value {
     serde_json::json!([{"role": "user", "content": QUESTION}])
@@ -133,7 +124,7 @@ fn ferl_generate_writes_responses_without_special_tokens() {
         vec!["--output".into(), s(d.join("g.parquet"))],
     ]
     .concat();
-    check(&run_ferl(&greedy), "ferl generate (greedy)");
+    assert_success(&run_ferl(&greedy), "ferl generate (greedy)");
     let sampled = [
         args,
         [
@@ -147,7 +138,7 @@ fn ferl_generate_writes_responses_without_special_tokens() {
         .into(),
     ]
     .concat();
-    check(&run_ferl(&sampled), "ferl generate (sampled)");
+    assert_success(&run_ferl(&sampled), "ferl generate (sampled)");
     for (file, n) in [("g.parquet", 1), ("s.parquet", 2)] {
         let rows = ferl_data::read::read_rows(&d.join(file), None).unwrap();
         assert_eq!(rows.len(), 2);
@@ -203,7 +194,7 @@ fn an_exact_match_reward_scores_a_response_that_ends_at_eos_as_a_match() {
         "trainer.device=cpu".into(),
         "trainer.total_training_steps=1".into(),
     ];
-    check(&run_ferl(&args), "ferl grpo");
+    assert_success(&run_ferl(&args), "ferl grpo");
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let line: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let metric = |key: &str| {

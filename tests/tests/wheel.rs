@@ -14,12 +14,7 @@ use ferl_tests::*;
 /// Runs `cmd`, failing the test with its output when it does not succeed.
 fn run_ok(cmd: &mut Command, what: &str) -> Output {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out, what);
     out
 }
 

@@ -26,10 +26,9 @@ use ferl_runtime::{
 };
 use ferl_trainer::rl::grpo::{data_metrics, Decoder};
 use ferl_trainer::rl::{
-    agg_loss, derive_seed, outcome_advantage, score_batch, ActorUpdateConfig, GlobalBatch,
-    GrpoPrompt, GrpoSettings, GrpoStepOutput, Reward, RlBatch,
+    agg_loss, derive_seed, outcome_advantage, score_batch, GlobalBatch, GrpoPrompt, GrpoSettings,
+    GrpoStepOutput, Reward, RlBatch,
 };
-use ferl_trainer::rollout::SamplingParams;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -292,19 +291,6 @@ impl GrpoDriver {
         self.completed
     }
 
-    /// The `T` of every log-probability: the rollout temperature, or 1 under greedy sampling.
-    fn log_prob_temperature(&self) -> f64 {
-        let s = &self.settings;
-        let sampling = SamplingParams {
-            do_sample: true,
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            seed: 0,
-        };
-        sampling.log_prob_temperature()
-    }
-
     /// One GRPO step over `prompts`: generate, reward, old and reference log-probabilities, advantages, update,
     /// weight sync. Returns verl's metrics (`critic/*`, `response_length/*`, `actor/*`, `timing_s/*`, and the
     /// sync's `perf/weight_sync_*`) and the batch.
@@ -373,7 +359,7 @@ impl GrpoDriver {
         timing: &mut BTreeMap<String, f64>,
     ) -> Result<Option<Tensor>> {
         let s = &self.settings;
-        let (policy, t) = (&self.roles.policy, self.log_prob_temperature());
+        let (policy, t) = (&self.roles.policy, s.log_prob_temperature());
         let mbs = s.log_prob_micro_batch_size;
         let call = policy.call(ComputeLogProb::policy(batch, mbs, t, true));
         let old = timed(timing, "old_log_prob", async { Ok(call.await?) }).await?;
@@ -408,17 +394,7 @@ impl GrpoDriver {
     /// verl's `update_policy` on the policy actor; returns its `actor/*` metrics.
     async fn update(&self, batch: &RlBatch) -> Result<BTreeMap<String, f64>> {
         let s = &self.settings;
-        let cfg = ActorUpdateConfig {
-            loss: s.loss,
-            ppo_mini_batch_size: s.ppo_mini_batch_size,
-            rollout_n: s.n,
-            ppo_micro_batch_size: s.ppo_micro_batch_size,
-            ppo_epochs: s.ppo_epochs,
-            shuffle: s.shuffle,
-            shuffle_seed: derive_seed(s.seed, self.completed, 1),
-            grad_clip: s.grad_clip,
-            temperature: self.log_prob_temperature(),
-        };
+        let cfg = s.update_config(self.completed);
         let msg = UpdatePolicy::new(batch, &cfg)?;
         Ok(self.roles.policy.call(msg).await?.into_iter().collect())
     }

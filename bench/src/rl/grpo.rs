@@ -134,15 +134,8 @@ fn micro_batch_rows(
     let s = t.settings().clone();
     let rows = batch.len();
     let cfg = |micro: usize| ActorUpdateConfig {
-        loss: s.loss,
-        ppo_mini_batch_size: s.ppo_mini_batch_size,
-        rollout_n: s.n,
         ppo_micro_batch_size: micro,
-        ppo_epochs: s.ppo_epochs,
-        shuffle: s.shuffle,
-        shuffle_seed: 0,
-        grad_clip: s.grad_clip,
-        temperature: s.temperature,
+        ..s.update_config(0)
     };
     let (mut split, mut whole) = (Vec::new(), Vec::new());
     for _ in 0..UPDATE_ROUNDS {

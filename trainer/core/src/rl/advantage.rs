@@ -107,8 +107,19 @@ pub fn rloo_outcome_advantage<K: Hash + Eq>(
 /// The `algorithm.adv_estimator`s [`outcome_advantage`] computes: the critic-free outcome estimators.
 pub const OUTCOME_ESTIMATORS: [AdvEstimator; 2] = [AdvEstimator::Grpo, AdvEstimator::Rloo];
 
+/// Refuses an estimator outside [`OUTCOME_ESTIMATORS`], naming the key and the ones ferl runs.
+pub fn check_outcome_estimator(estimator: AdvEstimator) -> Result<()> {
+    if !OUTCOME_ESTIMATORS.contains(&estimator) {
+        bail!(
+            "algorithm.adv_estimator={estimator} is not a critic-free outcome estimator ferl runs; use one of {}",
+            OUTCOME_ESTIMATORS.map(AdvEstimator::as_str).join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// The outcome advantages of `estimator` ([`grpo_outcome_advantage`] with verl's `epsilon` 1e-6, or
-/// [`rloo_outcome_advantage`]); any other estimator is an error naming the key and [`OUTCOME_ESTIMATORS`].
+/// [`rloo_outcome_advantage`]); any other estimator is refused by [`check_outcome_estimator`].
 pub fn outcome_advantage<K: Hash + Eq>(
     estimator: AdvEstimator,
     token_level_rewards: &Tensor,
@@ -116,18 +127,15 @@ pub fn outcome_advantage<K: Hash + Eq>(
     index: &[K],
     norm_adv_by_std_in_grpo: bool,
 ) -> Result<Tensor> {
+    check_outcome_estimator(estimator)?;
     match estimator {
-        AdvEstimator::Grpo => grpo_outcome_advantage(
+        AdvEstimator::Rloo => rloo_outcome_advantage(token_level_rewards, response_mask, index),
+        _ => grpo_outcome_advantage(
             token_level_rewards,
             response_mask,
             index,
             1e-6,
             norm_adv_by_std_in_grpo,
-        ),
-        AdvEstimator::Rloo => rloo_outcome_advantage(token_level_rewards, response_mask, index),
-        other => bail!(
-            "algorithm.adv_estimator={other} is not a critic-free outcome estimator ferl runs; use one of {}",
-            OUTCOME_ESTIMATORS.map(AdvEstimator::as_str).join(", ")
         ),
     }
 }

@@ -23,7 +23,8 @@ use super::batch::{RlBatch, RlRow};
 use super::policy_worker::{compute_log_prob, ActorUpdateConfig, PolicyWorker};
 use super::reward::{score_batch, Reward};
 use super::{
-    agg_loss, outcome_advantage, ActorLossConfig, AdvEstimator, GlobalBatch, OUTCOME_ESTIMATORS,
+    agg_loss, check_outcome_estimator, outcome_advantage, ActorLossConfig, AdvEstimator,
+    GlobalBatch,
 };
 use crate::engine::Engine;
 use crate::optim::{AdamWConfig, LrSchedule, ScheduleKind};
@@ -133,19 +134,35 @@ impl GrpoSettings {
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             bail!("GRPO setting {key} must be positive");
         }
-        if !OUTCOME_ESTIMATORS.contains(&self.adv_estimator) {
-            bail!(
-                "algorithm.adv_estimator={} is not a critic-free outcome estimator ferl runs; use one of {}",
-                self.adv_estimator,
-                OUTCOME_ESTIMATORS.map(AdvEstimator::as_str).join(", ")
-            );
-        }
+        check_outcome_estimator(self.adv_estimator)?;
         self.loss.validate()?;
         self.sampling(0).validate()?;
         if !(self.lr >= 0.0 && self.lr.is_finite()) {
             bail!("GRPO setting lr {} must be finite and >= 0", self.lr);
         }
         Ok(())
+    }
+
+    /// The `T` of every log-probability (old, reference and the update's): the rollout temperature, or 1 under
+    /// greedy sampling.
+    pub fn log_prob_temperature(&self) -> f64 {
+        self.sampling(0).log_prob_temperature()
+    }
+
+    /// The actor update of step `step` (0-based): these settings' keys, the step's shuffle seed
+    /// (`derive_seed(seed, step, 1)`) and [`GrpoSettings::log_prob_temperature`]. Every driver of the step uses it.
+    pub fn update_config(&self, step: u64) -> ActorUpdateConfig {
+        ActorUpdateConfig {
+            loss: self.loss,
+            ppo_mini_batch_size: self.ppo_mini_batch_size,
+            rollout_n: self.n,
+            ppo_micro_batch_size: self.ppo_micro_batch_size,
+            ppo_epochs: self.ppo_epochs,
+            shuffle: self.shuffle,
+            shuffle_seed: derive_seed(self.seed, step, 1),
+            grad_clip: self.grad_clip,
+            temperature: self.log_prob_temperature(),
+        }
     }
 
     /// The sampling of one step, seeded with `seed`.
@@ -326,11 +343,6 @@ impl<P: ParamStore> GrpoTrainer<P> {
         &self.rollout
     }
 
-    /// The `T` of every log-probability: the rollout temperature, or 1 under greedy sampling.
-    fn log_prob_temperature(&self) -> f64 {
-        self.settings.sampling(0).log_prob_temperature()
-    }
-
     /// One GRPO step over `prompts` (see the module docs); returns its metrics and batch.
     pub fn step(&mut self, prompts: &[GrpoPrompt]) -> Result<GrpoStepOutput> {
         if prompts.is_empty() {
@@ -339,7 +351,7 @@ impl<P: ParamStore> GrpoTrainer<P> {
         let started = Instant::now();
         let step = self.completed;
         let (s, device) = (self.settings.clone(), self.actor.device());
-        let temperature = self.log_prob_temperature();
+        let temperature = s.log_prob_temperature();
         let mut timing = BTreeMap::new();
         let mut batch = timed(&mut timing, "gen", || self.generate(prompts, step))?;
         let rewards = timed(&mut timing, "reward", || {
@@ -367,17 +379,7 @@ impl<P: ParamStore> GrpoTrainer<P> {
         }
         let adv = timed(&mut timing, "adv", || self.advantages(&batch, &mask))?;
         batch.advantages = Some(adv);
-        let cfg = ActorUpdateConfig {
-            loss: s.loss,
-            ppo_mini_batch_size: s.ppo_mini_batch_size,
-            rollout_n: s.n,
-            ppo_micro_batch_size: s.ppo_micro_batch_size,
-            ppo_epochs: s.ppo_epochs,
-            shuffle: s.shuffle,
-            shuffle_seed: derive_seed(s.seed, step, 1),
-            grad_clip: s.grad_clip,
-            temperature,
-        };
+        let cfg = s.update_config(step);
         let actor_metrics = timed(&mut timing, "update_actor", || {
             self.actor.update_policy(&batch, &cfg)
         })?;

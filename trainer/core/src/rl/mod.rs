@@ -31,8 +31,8 @@ use tch::Tensor;
 /// The config crate's value types of verl's algorithm keys, used here as they are (defined once, in
 /// [`ferl_config::ppo`]).
 pub use crate::config::ppo::{AdvEstimator, KlPenalty, LossAggMode};
+pub use advantage::{check_outcome_estimator, outcome_advantage, OUTCOME_ESTIMATORS};
 pub use advantage::{grpo_outcome_advantage, rloo_outcome_advantage};
-pub use advantage::{outcome_advantage, OUTCOME_ESTIMATORS};
 pub use batch::{RlBatch, RlRow};
 pub use grpo::{derive_seed, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
 pub use policy::{
