@@ -92,6 +92,7 @@ impl StepExecutor for ClusterExecutor {
             skipped: replies[0].skipped,
             tokens: b.tokens,
             peak_memory_bytes: replies.iter().map(|r| r.peak_memory_bytes).collect(),
+            metrics: Vec::new(),
         })
     }
 

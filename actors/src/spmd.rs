@@ -18,11 +18,31 @@ use crate::data_loader::{call_samples, plan_batch, rank_share, rows_done, valida
 use crate::messages::Sample;
 use crate::rank::{micro_batches, RankState};
 
-/// A rank that runs the loop itself: its [`RankState`] and the whole (tokenized) dataset.
-pub struct SpmdExecutor {
-    state: RankState,
+/// What a rank trains: the algorithm's step and validation over the rank's [`RankState`] (its sharded model,
+/// optimizer and schedule), for the indices of the training set the loop gives. Every rank of a run calls the same
+/// methods in the same order.
+pub trait RankAlgorithm {
+    /// Trains one global batch of the training-set indices `batch` (the rank takes its share).
+    fn train_step(&mut self, state: &mut RankState, batch: &[usize]) -> Result<StepOutcome>;
+    /// The validation loss over the whole validation set; `None` when there is none.
+    fn validate(&mut self, state: &mut RankState, progress: &Phase) -> Result<Option<f64>>;
+    /// Told that the model was restored from the checkpoint `dir` (written after `global_step` steps).
+    fn loaded(&mut self, dir: &Path, global_step: u64) -> Result<()> {
+        let _ = (dir, global_step);
+        Ok(())
+    }
+}
+
+/// SFT: the whole (tokenized) training and validation sets; each rank trains its share of every batch.
+pub struct SftAlgorithm {
     train: SftDataset,
     val: Option<SftDataset>,
+}
+
+/// A rank that runs the loop itself: its [`RankState`] and the algorithm it trains.
+pub struct SpmdExecutor {
+    state: RankState,
+    algorithm: Box<dyn RankAlgorithm>,
     root: PathBuf,
     keep: Option<usize>,
     /// Rank 0's commit of the newest checkpoint (digests, `meta.json`, latest pointer), running off the step path
@@ -37,14 +57,18 @@ pub struct SpmdExecutor {
 pub type Rebuild = Box<dyn FnMut() -> Result<RankState> + Send>;
 
 impl SpmdExecutor {
-    /// An executor over `state` training on `train` (and validating on `val`) as `state`'s config says.
+    /// An executor over `state` training SFT on `train` (and validating on `val`) as `state`'s config says.
     pub fn new(state: RankState, train: SftDataset, val: Option<SftDataset>) -> Self {
+        Self::with_algorithm(state, Box::new(SftAlgorithm { train, val }))
+    }
+
+    /// An executor over `state` training `algorithm`.
+    pub fn with_algorithm(state: RankState, algorithm: Box<dyn RankAlgorithm>) -> Self {
         let root = expand_path(&state.cfg.trainer.default_local_dir);
         let keep = state.cfg.trainer.max_ckpt_to_keep;
         Self {
             state,
-            train,
-            val,
+            algorithm,
             root,
             keep,
             committing: None,
@@ -80,14 +104,10 @@ fn my_samples(dataset: &SftDataset, indices: &[usize], rank: usize, world: usize
         .collect()
 }
 
-impl StepExecutor for SpmdExecutor {
-    fn world_size(&self) -> usize {
-        self.state.rank_and_world().1
-    }
-
-    fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
-        let (rank, world) = self.state.rank_and_world();
-        let (dp_rank, dp_world) = self.state.data_rank_and_world();
+impl RankAlgorithm for SftAlgorithm {
+    fn train_step(&mut self, state: &mut RankState, batch: &[usize]) -> Result<StepOutcome> {
+        let (rank, world) = state.rank_and_world();
+        let (dp_rank, dp_world) = state.data_rank_and_world();
         let samples: Vec<&ferl_data::TokenizedSample> =
             batch.iter().map(|&i| self.train.get(i)).collect();
         let global_targets = samples.iter().map(|s| s.num_targets() as i64).sum();
@@ -96,19 +116,18 @@ impl StepExecutor for SpmdExecutor {
             &self.train,
             batch,
             dp_world,
-            Batching::from_config(&self.state.cfg),
+            Batching::from_config(&state.cfg),
         )?;
         let (mine, sizes) = rank_share(&self.train, batch, &plan[dp_rank]);
         let sizes: Vec<usize> = sizes.iter().map(|&n| n as usize).collect();
-        let out = self
-            .state
+        let out = state
             .train_micro_batches(&mine, &sizes, global_targets)
             .with_context(|| format!("rank {rank}"))?;
         // One all-reduce carries the loss shares and every rank's peak memory.
         let mut shares = vec![0.0; 1 + world];
         shares[0] = out.loss_share;
         shares[1 + rank] = out.peak_memory_bytes as f64;
-        let sums = self.state.sum_over_ranks(&shares)?;
+        let sums = state.sum_over_ranks(&shares)?;
         Ok(StepOutcome {
             loss: sums[0],
             grad_norm: out.grad_norm,
@@ -116,30 +135,45 @@ impl StepExecutor for SpmdExecutor {
             skipped: out.skipped,
             tokens,
             peak_memory_bytes: sums[1..].iter().map(|&b| b as u64).collect(),
+            metrics: Vec::new(),
         })
     }
 
-    fn validate(&mut self, progress: &Phase) -> Result<Option<f64>> {
+    fn validate(&mut self, state: &mut RankState, progress: &Phase) -> Result<Option<f64>> {
         let Some(val) = &self.val else {
             return Ok(None);
         };
-        let (dp_rank, dp_world) = self.state.data_rank_and_world();
+        let (dp_rank, dp_world) = state.data_rank_and_world();
         let all: Vec<usize> = (0..val.len()).collect();
         let mine = my_samples(val, &all, dp_rank, dp_world);
-        let micro = self.state.cfg.data.micro_batch_size_per_gpu;
+        let micro = state.cfg.data.micro_batch_size_per_gpu;
         let rounds = micro_batches(val.len().div_ceil(dp_world), micro);
         progress.set_length(val.len() as u64);
         progress.set_position(0);
         let (mut sum, mut count) = (0.0, 0);
         for call in validation_calls(rounds) {
             let samples = call_samples(&mine, &call, micro);
-            let (s, c) = self.state.validate(samples, call.len())?;
+            let (s, c) = state.validate(samples, call.len())?;
             sum += s;
             count += c;
             progress.set_position(rows_done(val.len(), call.end, rounds));
         }
-        let sums = self.state.sum_over_ranks(&[sum, count as f64])?;
+        let sums = state.sum_over_ranks(&[sum, count as f64])?;
         Ok(Some(sums[0] / sums[1].max(1.0)))
+    }
+}
+
+impl StepExecutor for SpmdExecutor {
+    fn world_size(&self) -> usize {
+        self.state.rank_and_world().1
+    }
+
+    fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
+        self.algorithm.train_step(&mut self.state, batch)
+    }
+
+    fn validate(&mut self, progress: &Phase) -> Result<Option<f64>> {
+        self.algorithm.validate(&mut self.state, progress)
     }
 
     fn save(&mut self, dir: &Path, meta: &RunMeta, hf_model: bool) -> Result<()> {
@@ -157,7 +191,9 @@ impl StepExecutor for SpmdExecutor {
     }
 
     fn load(&mut self, dir: &Path) -> Result<()> {
-        self.state.load(dir)
+        self.state.load(dir)?;
+        let meta = ferl_trainer::checkpoint::read_meta(dir)?;
+        self.algorithm.loaded(dir, meta.global_step)
     }
 
     fn finish(&mut self) -> Result<()> {

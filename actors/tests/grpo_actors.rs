@@ -189,13 +189,14 @@ async fn assert_rollouts_generate_with_policy_weights(roles: &GrpoRoles, model: 
     };
     let (synced, initial) = (fresh(&params), fresh(&loaded.params));
     let greedy = Sampling::from(SamplingParams::default());
-    let mut msg = Generate::new(&prompts(), &settings(), 0);
+    let mut msg = Generate::new(&prompts(), &settings(), 0, 0);
     (msg.n, msg.sampling) = (1, greedy);
     let config = GenerationConfig {
         max_response_length: msg.max_response_length as usize,
         sampling: greedy.into(),
         eos_token_ids: msg.eos_token_ids.clone(),
         pad_token_id: msg.pad_token_id,
+        first_row: 0,
     };
     let want = synced.generate(&msg.prompts, &config).unwrap();
     let before = initial.generate(&msg.prompts, &config).unwrap();

@@ -142,7 +142,11 @@ fn grpo_logs_verl_metrics_saves_steps_and_resumes_to_the_same_run() {
     assert!(first.status.success(), "{}", text(&first));
     let resumed = run_ferl(&grpo_args(d, "b", 3, &[]));
     assert!(resumed.status.success(), "{}", text(&resumed));
-    assert!(String::from_utf8_lossy(&resumed.stderr).contains("resumed from"));
+    assert!(
+        text(&resumed).contains("resumed from"),
+        "{}",
+        text(&resumed)
+    );
     let b = metrics(&d.join("b"));
     assert_eq!(b.len(), 3, "two steps, then the resumed third");
     for key in VERL_KEYS.iter().filter(|k| !k.starts_with("timing_s")) {
@@ -152,6 +156,69 @@ fn grpo_logs_verl_metrics_saves_steps_and_resumes_to_the_same_run() {
             "{key}: uninterrupted {x}, resumed {y}"
         );
     }
+}
+
+/// The metrics a step's responses, rewards, losses and update decide (not timings, throughput or memory).
+const STEP_KEYS: [&str; 9] = [
+    "critic/score/mean",
+    "response_length/mean",
+    "response_length/max",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+];
+
+/// Asserts that the runs' lines agree on [`STEP_KEYS`] within `tol` (relative above 1).
+fn assert_same_steps(what: &str, want: &[Value], got: &[Value], tol: f64) {
+    assert_eq!(want.len(), got.len(), "{what}: steps");
+    for (w, g) in want.iter().zip(got) {
+        for key in STEP_KEYS {
+            let (x, y) = (number(w, key), number(g, key));
+            assert!(
+                (x - y).abs() <= tol * x.abs().max(1.0),
+                "{what}, step {}: {key} {x} at world 1, {y} here",
+                w["step"]
+            );
+        }
+    }
+}
+
+#[test]
+fn grpo_on_2_and_4_ranks_equals_one_process_and_resumes_across_world_sizes() {
+    let dir = fixture();
+    let d = dir.path();
+    // 2 prompts × 4 responses: 8 rows, shared by 1, 2 or 4 ranks; two mini-batches per step.
+    let shape = [
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    ];
+    let run = |name: &str, steps: usize, extra: &[&str]| {
+        let args = grpo_args(d, name, steps, &[&shape[..], extra].concat());
+        let out = run_ferl(&args);
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        metrics(&d.join(name))
+    };
+    let one = run("w1", 4, &[]);
+    let two = run("w2", 4, &["--nproc-per-node", "2"]);
+    assert_same_steps("FULL_SHARD on 2 ranks", &one, &two, 1e-5);
+    let hsdp = [
+        "--nproc-per-node",
+        "4",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
+    ];
+    let four = run("w4", 4, &hsdp);
+    assert_same_steps("HSDP on 4 ranks (2 shard groups of 2)", &one, &four, 1e-5);
+    // Two steps on 2 ranks, then the rest in one process from their checkpoint, and the reverse.
+    run("r21", 2, &["--nproc-per-node", "2"]);
+    let r21 = run("r21", 4, &[]);
+    assert_same_steps("2 ranks resumed in 1 process", &one, &r21, 1e-5);
+    run("r12", 2, &[]);
+    let r12 = run("r12", 4, &["--nproc-per-node", "2"]);
+    assert_same_steps("1 process resumed on 2 ranks", &one, &r12, 1e-5);
 }
 
 #[test]

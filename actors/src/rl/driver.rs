@@ -331,18 +331,20 @@ impl GrpoDriver {
         })
     }
 
-    /// `n` responses per prompt, the prompts split evenly over the rollout actors; actor `r` samples with seed
-    /// `derive_seed(seed, step, 0) + r` (one actor: exactly `GrpoTrainer`'s seed).
+    /// `n` responses per prompt, the prompts split evenly over the rollout actors, all sampling with
+    /// `derive_seed(seed, step, 0)` and each row from its own stream (its index in the step's batch): the responses
+    /// are `GrpoTrainer`'s whatever the number of rollout actors.
     async fn generate(&self, prompts: &[GrpoPrompt]) -> Result<RlBatch> {
         let s = &self.settings;
         let seed = derive_seed(s.seed, self.completed, 0);
         let rollouts = &self.roles.rollouts;
         let chunks = split_even(prompts.to_vec(), rollouts.len());
-        let messages = chunks
-            .iter()
-            .enumerate()
-            .map(|(r, chunk)| Generate::new(chunk, s, seed.wrapping_add(r as u64)))
-            .collect();
+        let mut first_row = 0;
+        let mut messages = Vec::with_capacity(chunks.len());
+        for chunk in &chunks {
+            messages.push(Generate::new(chunk, s, seed, first_row));
+            first_row += (chunk.len() * s.n) as u64;
+        }
         let mut all = Generations::default();
         for g in rollouts.call_each(messages).await? {
             all.responses.extend(g.responses);

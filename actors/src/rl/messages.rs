@@ -128,12 +128,16 @@ pub struct Generate {
     pub eos_token_ids: Vec<i64>,
     /// The token left-padding prompts.
     pub pad_token_id: i64,
+    /// The index of this call's first response row in the step's whole batch (its sampling stream; see
+    /// `GenerationConfig::first_row`).
+    pub first_row: u64,
 }
 
 impl Generate {
     /// `settings.n` responses to each of `prompts` with the sampling of `settings` seeded by `seed` (as
-    /// `GrpoTrainer` generates step `k` with `derive_seed(settings.seed, k, 0)`).
-    pub fn new(prompts: &[GrpoPrompt], settings: &GrpoSettings, seed: u64) -> Self {
+    /// `GrpoTrainer` generates step `k` with `derive_seed(settings.seed, k, 0)`), its first response being row
+    /// `first_row` of the step's batch.
+    pub fn new(prompts: &[GrpoPrompt], settings: &GrpoSettings, seed: u64, first_row: u64) -> Self {
         Self {
             prompts: prompts.iter().map(|p| p.ids.clone()).collect(),
             n: settings.n as u64,
@@ -147,6 +151,7 @@ impl Generate {
             max_response_length: settings.max_response_length as u64,
             eos_token_ids: settings.eos_token_ids.clone(),
             pad_token_id: settings.pad_token_id,
+            first_row,
         }
     }
 }

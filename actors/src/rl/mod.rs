@@ -17,6 +17,7 @@
 pub mod driver;
 pub mod messages;
 pub mod policy;
+pub mod rank;
 pub mod rollout;
 pub mod weights;
 
@@ -26,6 +27,7 @@ pub use driver::{
 };
 pub use messages::*;
 pub use policy::{PolicyActor, PolicyArgs};
+pub use rank::GrpoAlgorithm;
 pub use rollout::{Rollout, RolloutArgs};
 
 use anyhow::{Context as _, Result};

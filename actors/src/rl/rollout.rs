@@ -61,6 +61,7 @@ impl RolloutState {
             sampling: m.sampling.into(),
             eos_token_ids: m.eos_token_ids.clone(),
             pad_token_id: m.pad_token_id,
+            first_row: m.first_row,
         };
         let mut out = Generations::default();
         for g in self.model.generate(&expanded, &config)? {

@@ -1,26 +1,33 @@
-//! `ferl grpo`: GRPO (or RLOO) with verl's `ppo_trainer.yaml` keys, in one process with the rollout colocated with
-//! the actor (its weights are re-snapshotted after every update). Each step takes `data.train_batch_size` prompts of
-//! `data.train_files` (reshuffled every epoch with `data.seed`, else `trainer.seed`), generates
-//! `actor_rollout_ref.rollout.n` responses to each, scores them with the reward, and updates the policy
-//! ([`ferl_trainer::rl::GrpoTrainer`]). Metrics carry verl's names; `trainer.save_freq` writes
-//! `global_step_N/` folders under `trainer.default_local_dir`, and `trainer.resume_mode=auto` resumes from the newest.
+//! `ferl grpo`: GRPO (or RLOO) with verl's `ppo_trainer.yaml` keys, on the one run loop and the trainer ranks SFT
+//! uses ([`ferl_actors::rl::GrpoAlgorithm`] over [`ferl_actors::rank::RankState`]). Each step takes
+//! `data.train_batch_size` prompts of `data.train_files` (the loop's data order, reshuffled every epoch with
+//! `data.seed`, else `trainer.seed`), generates `actor_rollout_ref.rollout.n` responses to each, scores them with
+//! the reward, and updates the sharded policy. Metrics carry verl's names; `trainer.save_freq` writes `global_step_N/`
+//! folders (SFT's sharded checkpoint format) under `trainer.default_local_dir`, and `trainer.resume_mode=auto`
+//! resumes from the newest, at any world size.
+//!
+//! Launch paths: one process; `--nproc-per-node N` (N local ranks, started as torchrun's standalone mode starts
+//! them, [`launch`]); one rank of an external launcher (torchrun's or SLURM's environment).
 
+mod launch;
 mod setup;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ferl_actors::rank::RankState;
+use ferl_actors::rl::GrpoAlgorithm;
+use ferl_actors::spmd::{world_of_one, SpmdExecutor};
+use ferl_collective::{init_groups_from_env, LaunchEnv, Subgroups};
 use ferl_data::SftTokenizer;
-use ferl_trainer::checkpoint::{latest_step, step_dir, write_atomic, LATEST_FILE};
-use ferl_trainer::config::PpoConfig;
-use ferl_trainer::engine::{Engine, EngineOptions};
+use ferl_trainer::config::{PpoConfig, SftConfig};
 use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
-use ferl_trainer::params::LocalParams;
-use ferl_trainer::rl::{GrpoPrompt, GrpoTrainer};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use ferl_trainer::rl::grpo::frozen_copy;
+use ferl_trainer::rl::GrpoStep;
+use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads};
+use ferl_trainer::run::{self, RunOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tch::Kind;
+use tch::Device;
 
 /// Arguments of `ferl grpo`.
 #[derive(Args, Debug)]
@@ -28,65 +35,165 @@ pub(crate) struct GrpoArgs {
     /// The config file, overrides and `--cfg job`.
     #[command(flatten)]
     pub config: super::ConfigArgs,
+    /// Ranks on this machine (data-parallel, the policy sharded over them), started as torchrun's standalone mode
+    /// starts them. Without it: one process, or one rank of torchrun/SLURM when their environment is set.
+    #[arg(long, value_name = "N")]
+    pub nproc_per_node: Option<usize>,
 }
 
-/// Loads the config, checks it, and trains.
+/// Loads the config, checks it, and trains on the launch path the arguments and environment give.
 pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     let c = &args.config;
     let cfg = PpoConfig::load(c.config.as_deref(), &c.overrides)?;
     if c.print_job(|| cfg.to_yaml())? {
         return Ok(());
     }
-    // One plugin host for the run: its logger plugins are `trainer.logger` kinds (as for `ferl sft`), its reward
-    // plugins score when no `custom_reward_function.path` is given.
-    let host = plugin_host()?;
-    let registry = ferl_actors::metrics::logger_registry(Some(&host));
-    cfg.validate_supported(&setup::supported(&registry.names()))?;
-    setup::check_values(&cfg)?;
-    let (model_dir, _exported) = setup::model_dir(&cfg)?;
-    let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
-    let tok = Arc::new(SftTokenizer::from_dir(
-        tok_dir.as_deref().unwrap_or(&model_dir),
-        None,
-    )?);
-    let prompts = setup::prompts(&cfg, &tok)?;
-    let reward = setup::reward(&cfg, || Ok(Arc::clone(&host)), &prompts)?;
-    let mut trainer = build_trainer(&cfg, &model_dir, &tok, reward)?;
+    if let Some(n) = args.nproc_per_node {
+        // Everything the config and data show is refused here, before a rank is started.
+        Setup::new(&cfg, n)?;
+        return launch::local_ranks(n);
+    }
+    let launcher = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
+    let env = match launcher {
+        true => Some(LaunchEnv::from_env().context("the launcher's environment")?),
+        false => None,
+    };
+    let world = env.as_ref().map_or(1, |e| e.world_size);
+    let setup = Setup::new(&cfg, world)?;
     let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
-    if cfg.trainer.resume_mode == ferl_trainer::config::ResumeMode::Auto {
-        resume(&mut trainer, &run_dir)?;
-    }
     let fresh = !run_dir.exists();
-    let trained = train(&cfg, &mut trainer, &prompts, &run_dir, &registry);
-    if trained.is_err() && fresh && trainer.global_step() == 0 {
-        // A run that made the folder and failed in its first step (a reward scoring NaN, say) leaves nothing.
-        let _ = std::fs::remove_dir_all(&run_dir);
+    let coordinator = env.as_ref().is_none_or(|e| e.rank == 0);
+    let trained = train(&cfg, setup, env);
+    if let Err(e) = &trained {
+        // A run that made the folder and failed before its first checkpoint (a reward scoring NaN, say) leaves
+        // nothing.
+        let saved = ferl_trainer::checkpoint::latest_step(&run_dir)
+            .ok()
+            .flatten();
+        if coordinator && fresh && saved.is_none() {
+            let _ = std::fs::remove_dir_all(&run_dir);
+        }
+        tracing::debug!("ferl grpo failed: {e:#}");
     }
-    trained
+    trained.map(|_| ())
 }
 
-/// The policy (fp32, on the CPU) from the model folder, with its reward and tokenizer.
-fn build_trainer(
-    cfg: &PpoConfig,
-    model_dir: &Path,
-    tok: &Arc<SftTokenizer>,
+/// What every rank builds before the model: the checked config, the actor's view of it, the tokenizer, prompts,
+/// reward and logger kinds.
+struct Setup {
+    view: SftConfig,
+    tok: Arc<SftTokenizer>,
+    prompts: Arc<Vec<ferl_trainer::rl::GrpoPrompt>>,
     reward: Box<dyn ferl_trainer::rl::Reward>,
-) -> Result<GrpoTrainer<LocalParams>> {
-    let settings = setup::settings(cfg, tok)?;
-    let loaded = ferl_trainer::model::load_model(model_dir)?;
-    let store = LocalParams::new(loaded.layout, loaded.params, Kind::Float);
-    let opts = EngineOptions {
-        gradient_checkpointing: cfg.actor_rollout_ref.model.enable_gradient_checkpointing,
-        ..Default::default()
+    registry: LoggerRegistry,
+    settings: ferl_trainer::rl::GrpoSettings,
+    _exported: Option<tempfile::TempDir>,
+}
+
+impl Setup {
+    /// The config gate for `world` ranks, then the model folder, tokenizer, prompts and reward.
+    fn new(cfg: &PpoConfig, world: usize) -> Result<Self> {
+        // One plugin host for the run: its logger plugins are `trainer.logger` kinds (as for `ferl sft`), its
+        // reward plugins score when no `custom_reward_function.path` is given.
+        let host = plugin_host()?;
+        let registry = ferl_actors::metrics::logger_registry(Some(&host));
+        cfg.validate_supported(&setup::supported(&registry.names()))?;
+        setup::check_values(cfg)?;
+        setup::check_world(cfg, world)?;
+        let (model_dir, exported) = setup::model_dir(cfg)?;
+        let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
+        let tok = Arc::new(SftTokenizer::from_dir(
+            tok_dir.as_deref().unwrap_or(&model_dir),
+            None,
+        )?);
+        let prompts = setup::prompts(cfg, &tok)?;
+        let reward = setup::reward(cfg, || Ok(Arc::clone(&host)), &prompts)?;
+        Ok(Self {
+            view: setup::actor_view(cfg, &model_dir),
+            settings: setup::settings(cfg, &tok)?,
+            tok,
+            prompts: Arc::new(prompts),
+            reward,
+            registry,
+            _exported: exported,
+        })
+    }
+}
+
+/// Trains this process's rank (world 1 without `env`) through the one run loop.
+fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::RunSummary> {
+    let threads = set_rank_threads(match env {
+        Some(_) => local_ranks_from_env(),
+        None => 1,
+    })?;
+    let coordinator = env.as_ref().is_none_or(|e| e.rank == 0);
+    if coordinator {
+        println!("{}", threads.describe());
+    }
+    let device = Device::Cpu;
+    let (comm, subgroups) = match &env {
+        Some(_) => {
+            let (comm, sub) = init_groups_from_env(device)
+                .context("joining the group from the launcher environment")?;
+            (comm, Some(sub))
+        }
+        None => (world_of_one(device)?, None),
     };
-    let engine = Engine::new(loaded.config, store, Kind::Float, opts);
-    let mut trainer = GrpoTrainer::new(settings, engine, reward)?;
-    let decoder = Arc::clone(tok);
+    let view = setup.view.clone();
+    let total = run::RunPlan::new(&view, setup.prompts.len())?.total_steps;
+    let mut state = rank_state(&view, comm, subgroups.as_ref(), device, total)?;
+    let reference = match setup.settings.loss.use_kl_loss {
+        true => Some(frozen_copy(&mut state.stepper.engine)?),
+        false => None,
+    };
+    let mut step = GrpoStep::new(setup.settings.clone(), reference, setup.reward)?;
+    let decoder = Arc::clone(&setup.tok);
     // As verl hands responses to its reward functions: special tokens (the EOS that ends a response) skipped.
-    trainer.set_decoder(Box::new(move |ids| {
+    step.set_decoder(Box::new(move |ids| {
         decoder.decode_skip_special(ids).unwrap_or_default()
     }));
-    Ok(trainer)
+    let algorithm = GrpoAlgorithm::new(Arc::clone(&setup.prompts), step);
+    let mut exec = SpmdExecutor::with_algorithm(state, Box::new(algorithm));
+    let opts = match coordinator {
+        true => coordinator_options(cfg, &view, &setup.registry)?,
+        false => RunOptions::default(),
+    };
+    run::run(&mut exec, &view, setup.prompts.len(), opts)
+}
+
+/// The policy's rank state: its shard of the model in the actor view's sharding, in HSDP groups when
+/// `fsdp_size` asks for them.
+fn rank_state(
+    view: &SftConfig,
+    comm: Arc<dyn ferl_collective::Communicator>,
+    subgroups: Option<&Subgroups>,
+    device: Device,
+    total_steps: u64,
+) -> Result<RankState> {
+    let connect = |name: &str, rank, size| match subgroups {
+        Some(s) => s.connect(name, rank, size),
+        None => anyhow::bail!("this launch path forms no subgroups"),
+    };
+    let connect: Option<ferl_actors::rank::ConnectGroup<'_>> = match subgroups {
+        Some(_) => Some(&connect),
+        None => None,
+    };
+    RankState::build_in_groups(view.clone(), comm, connect, device, total_steps)
+}
+
+/// The coordinator's loggers (under the run folder, with the PPO config as their parameters) and progress.
+fn coordinator_options(
+    cfg: &PpoConfig,
+    view: &SftConfig,
+    registry: &LoggerRegistry,
+) -> Result<RunOptions> {
+    let progress = run::progress(0);
+    let run_dir = ferl_data::expand_path(&view.trainer.default_local_dir);
+    Ok(RunOptions {
+        loggers: loggers(cfg, &run_dir, &progress, registry)?,
+        progress: Some(progress),
+        ..RunOptions::default()
+    })
 }
 
 /// The run's plugin host (logger plugins, and rewards when no `custom_reward_function.path` is given): the
@@ -101,74 +208,6 @@ fn plugin_host() -> Result<Arc<ferl_plugin_host::PluginHost>> {
             Ok(Arc::new(ferl_plugin_host::PluginHost::new(dir)))
         }
     }
-}
-
-/// Restores the newest `global_step_N/` of `run_dir`, if any.
-fn resume(trainer: &mut GrpoTrainer<LocalParams>, run_dir: &Path) -> Result<()> {
-    let Some(step) = latest_step(run_dir)? else {
-        return Ok(());
-    };
-    let dir = step_dir(run_dir, step);
-    trainer
-        .load(&dir)
-        .with_context(|| format!("resuming from {}", dir.display()))?;
-    eprintln!("resumed from {} (step {step})", dir.display());
-    Ok(())
-}
-
-/// Steps until `trainer.total_training_steps` (else `trainer.total_epochs` epochs of whole batches).
-fn train(
-    cfg: &PpoConfig,
-    trainer: &mut GrpoTrainer<LocalParams>,
-    prompts: &[GrpoPrompt],
-    run_dir: &Path,
-    registry: &LoggerRegistry,
-) -> Result<()> {
-    let batch = cfg.data.train_batch_size;
-    let per_epoch = (prompts.len() / batch) as u64;
-    let total = cfg
-        .trainer
-        .total_training_steps
-        .map(|s| s as u64)
-        .unwrap_or(per_epoch * cfg.trainer.total_epochs as u64);
-    let progress = ferl_data::Progress::new("training", "steps", total);
-    progress.set_position(trainer.global_step());
-    let mut loggers = loggers(cfg, run_dir, &progress, registry)?;
-    while trainer.global_step() < total {
-        let step = trainer.global_step();
-        let order = epoch_order(cfg, prompts.len(), step / per_epoch);
-        let at = (step % per_epoch) as usize * batch;
-        let chosen: Vec<GrpoPrompt> = order[at..at + batch]
-            .iter()
-            .map(|&i| prompts[i].clone())
-            .collect();
-        let out = trainer.step(&chosen)?;
-        let metrics: Vec<(String, f64)> = out.metrics.into_iter().collect();
-        for l in loggers.iter_mut() {
-            l.log(out.step as i64, &metrics)?;
-        }
-        progress.set_position(out.step);
-        let save = cfg.trainer.save_freq > 0 && out.step % cfg.trainer.save_freq as u64 == 0;
-        if save || (cfg.trainer.save_freq > 0 && out.step == total) {
-            save_step(trainer, run_dir, out.step)?;
-        }
-    }
-    progress.finish();
-    for l in loggers.iter_mut() {
-        l.finish()?;
-    }
-    Ok(())
-}
-
-/// The prompt order of epoch `epoch`: shuffled with the data seed when `data.shuffle`, else as read.
-fn epoch_order(cfg: &PpoConfig, n: usize, epoch: u64) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    if cfg.data.shuffle {
-        let seed = cfg.data.seed.unwrap_or(cfg.trainer.seed);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed.wrapping_add(epoch));
-        order.shuffle(&mut rng);
-    }
-    order
 }
 
 /// `trainer.logger`'s loggers from `registry`, writing under `run_dir` (the console's lines printed through
@@ -189,12 +228,4 @@ fn loggers(
     };
     let names: Vec<String> = cfg.trainer.logger.as_slice().to_vec();
     registry.build(&names, &ctx)
-}
-
-/// Writes `global_step_N/` and then points [`LATEST_FILE`] at it, atomically (a temporary file renamed over it,
-/// with the writer SFT's checkpoints use): a crash never leaves a half-written pointer.
-fn save_step(trainer: &mut GrpoTrainer<LocalParams>, run_dir: &Path, step: u64) -> Result<()> {
-    let dir = step_dir(run_dir, step);
-    trainer.save(&dir)?;
-    write_atomic(&run_dir.join(LATEST_FILE), step.to_string().as_bytes())
 }

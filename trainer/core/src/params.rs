@@ -96,6 +96,10 @@ pub trait ParamStore {
     fn grad_sq_norm(&mut self) -> Result<f64>;
     /// Sets every stored gradient to zero.
     fn zero_grads(&mut self);
+    /// Sums `values` over every rank the store spans, in order with its other collectives (one rank: the values).
+    fn all_reduce_sum(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        Ok(values.to_vec())
+    }
 }
 
 /// Every parameter of the model in this process: fp32 masters, fp32 gradients, computed in `compute_kind`.

@@ -56,6 +56,7 @@ impl StepExecutor for Scripted {
             skipped: false,
             tokens: batch.len() as i64,
             peak_memory_bytes: vec![0; self.world],
+            metrics: Vec::new(),
         })
     }
 

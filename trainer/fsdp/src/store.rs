@@ -676,6 +676,10 @@ impl ParamStore for ShardedParams {
         &self.layout
     }
 
+    fn all_reduce_sum(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        ShardedParams::all_reduce_sum(self, values)
+    }
+
     fn gather(&mut self, stage: Stage) -> Result<StageParams> {
         self.gather_stage(stage)?;
         let refs = &self.plan.stage_refs[&stage];

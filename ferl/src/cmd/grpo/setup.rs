@@ -6,7 +6,7 @@ use ferl_data::SftTokenizer;
 use ferl_fsdp::checkpoint::LoraExport;
 use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
 use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
-use ferl_trainer::config::{PpoConfig, Supported};
+use ferl_trainer::config::{PpoConfig, SftConfig, Supported};
 use ferl_trainer::optim::AdamWConfig;
 use ferl_trainer::rl::{
     ActorLossConfig, AdvEstimator, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode, Reward,
@@ -47,6 +47,15 @@ const HONOURED: &[&str] = &[
     "actor_rollout_ref.actor.optim.lr",
     "actor_rollout_ref.actor.optim.weight_decay",
     "actor_rollout_ref.actor.optim.betas",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+    "actor_rollout_ref.actor.optim.lr_scheduler_type",
+    "actor_rollout_ref.actor.optim.min_lr_ratio",
+    "actor_rollout_ref.actor.optim.num_cycles",
+    "actor_rollout_ref.actor.strategy",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
+    "trainer.max_actor_ckpt_to_keep",
     "actor_rollout_ref.rollout.temperature",
     "actor_rollout_ref.rollout.top_k",
     "actor_rollout_ref.rollout.top_p",
@@ -256,6 +265,83 @@ fn naive_reward(host: Arc<PluginHost>, prompts: &[GrpoPrompt]) -> Result<Box<dyn
         rewards.insert(source, PluginReward::new(Box::new(r)));
     }
     Ok(Box::new(DataSourceReward::new(rewards)))
+}
+
+/// The actor's training as the trainer ranks run it: the [`SftConfig`] of the same model, sharding, optimizer,
+/// schedule and run (verl's actor keys mapped onto the SFT keys that mean the same), so the policy trains on the
+/// rank state, checkpoint format and run loop of `ferl sft`. `model_dir` is the resolved model folder.
+pub(crate) fn actor_view(cfg: &PpoConfig, model_dir: &Path) -> SftConfig {
+    let (actor, model) = (&cfg.actor_rollout_ref.actor, &cfg.actor_rollout_ref.model);
+    let mut view = SftConfig::default();
+    view.data.train_batch_size = cfg.data.train_batch_size;
+    view.data.micro_batch_size_per_gpu = actor
+        .ppo_micro_batch_size_per_gpu
+        .unwrap_or(cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n);
+    view.data.shuffle = cfg.data.shuffle;
+    let m = &mut view.model;
+    m.partial_pretrain = model_dir.display().to_string();
+    m.enable_gradient_checkpointing = model.enable_gradient_checkpointing;
+    m.strategy = actor.strategy;
+    m.fsdp_config.wrap_policy = actor.fsdp_config.wrap_policy.clone();
+    m.fsdp_config.reshard_after_forward = actor.fsdp_config.reshard_after_forward;
+    m.fsdp_config.fsdp_size = actor.fsdp_config.fsdp_size;
+    m.fsdp_config.mixed_precision = None;
+    let (o, a) = (&mut view.optim, &actor.optim);
+    o.lr = a.lr;
+    o.lr_warmup_steps_ratio = a.lr_warmup_steps_ratio;
+    o.lr_warmup_steps = a.lr_warmup_steps;
+    o.weight_decay = a.weight_decay;
+    o.betas = a.betas;
+    o.clip_grad = actor.grad_clip;
+    o.min_lr_ratio = a.min_lr_ratio;
+    o.num_cycles = a.num_cycles;
+    o.lr_scheduler = a.lr_scheduler_type;
+    let (t, p) = (&mut view.trainer, &cfg.trainer);
+    t.default_local_dir = p.default_local_dir.clone();
+    t.project_name = p.project_name.clone();
+    t.experiment_name = p.experiment_name.clone();
+    t.total_epochs = p.total_epochs;
+    t.total_training_steps = p.total_training_steps;
+    t.logger = p.logger.clone();
+    // verl shuffles the prompts with `data.seed`; ferl's `trainer.seed` when it is unset.
+    t.seed = cfg.data.seed.unwrap_or(p.seed);
+    t.save_freq = p.save_freq;
+    t.test_freq = -1;
+    t.max_ckpt_to_keep = p.max_actor_ckpt_to_keep;
+    t.resume_mode = p.resume_mode;
+    t.resume_from_path = p.resume_from_path.clone();
+    t.device = p.device.clone();
+    view
+}
+
+/// What `world` data-parallel ranks need of the batch keys, refused by key before anything is loaded: every
+/// rank takes an even share of each step's rows and of each mini-batch, and `fsdp_size` groups the ranks.
+pub(crate) fn check_world(cfg: &PpoConfig, world: usize) -> Result<()> {
+    let n = cfg.actor_rollout_ref.rollout.n;
+    let actor = &cfg.actor_rollout_ref.actor;
+    let rows = [
+        ("data.train_batch_size", cfg.data.train_batch_size),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            actor.ppo_mini_batch_size,
+        ),
+    ];
+    for (key, prompts) in rows {
+        if !(prompts * n).is_multiple_of(world) {
+            bail!(
+                "{key}={prompts} × actor_rollout_ref.rollout.n={n} = {} rows cannot be split evenly over {world} ranks",
+                prompts * n
+            );
+        }
+    }
+    let size = actor.fsdp_config.fsdp_size;
+    if !(size == -1 || size == 1 || (size > 1 && world.is_multiple_of(size as usize))) {
+        bail!(
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size={size} must divide the run's {world} ranks (HSDP shards \
+             within groups of fsdp_size ranks; -1 shards over all of them)"
+        );
+    }
+    Ok(())
 }
 
 /// Values `ferl grpo` cannot run even where they are verl's defaults (an unchanged key passes the gate).

@@ -19,17 +19,15 @@
 //! so a run restored at step `k` ([`GrpoTrainer::save`] / [`GrpoTrainer::load`]) generates and trains exactly what
 //! an uninterrupted run does.
 
-use super::batch::{RlBatch, RlRow};
-use super::policy_worker::{compute_log_prob, ActorUpdateConfig, PolicyWorker};
-use super::reward::{score_batch, Reward};
-use super::{
-    agg_loss, check_outcome_estimator, outcome_advantage, ActorLossConfig, AdvEstimator,
-    GlobalBatch,
-};
+use super::batch::RlBatch;
+use super::grpo_step::GrpoStep;
+use super::policy_worker::{ActorUpdateConfig, PolicyWorker};
+use super::reward::Reward;
+use super::{check_outcome_estimator, ActorLossConfig, AdvEstimator};
 use crate::engine::Engine;
 use crate::optim::{AdamWConfig, LrSchedule, ScheduleKind};
 use crate::params::{LocalParams, ParamStore};
-use crate::rollout::{GenerationConfig, RolloutModel, SamplingParams};
+use crate::rollout::SamplingParams;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -166,7 +164,7 @@ impl GrpoSettings {
     }
 
     /// The sampling of one step, seeded with `seed`.
-    fn sampling(&self, seed: u64) -> SamplingParams {
+    pub(crate) fn sampling(&self, seed: u64) -> SamplingParams {
         SamplingParams {
             do_sample: true,
             temperature: self.temperature,
@@ -250,7 +248,7 @@ pub fn frozen_copy<P: ParamStore>(engine: &mut Engine<P>) -> Result<Engine<Local
 }
 
 /// Runs `f`, adding its wall time to `timing_s/<key>`.
-fn timed<T>(
+pub(crate) fn timed<T>(
     timing: &mut BTreeMap<String, f64>,
     key: &str,
     f: impl FnOnce() -> Result<T>,
@@ -261,21 +259,16 @@ fn timed<T>(
     Ok(out)
 }
 
-/// GRPO over a policy engine, colocated with its rollout snapshot.
+/// GRPO in one process: a [`PolicyWorker`] holding the whole batch and the one step ([`GrpoStep`]).
 pub struct GrpoTrainer<P: ParamStore> {
-    settings: GrpoSettings,
+    step: GrpoStep,
     actor: PolicyWorker<P>,
-    reference: Option<Engine<LocalParams>>,
-    rollout: RolloutModel,
-    reward: Box<dyn Reward>,
-    decoder: Option<Decoder>,
-    completed: u64,
 }
 
 impl<P: ParamStore> GrpoTrainer<P> {
     /// A trainer of `engine`'s weights (the initial policy, also the reference with `use_kl_loss`) scored by
-    /// `reward`. Micro-batches and the rollout snapshot live on the device of the engine's parameters, in its
-    /// compute dtype.
+    /// `reward`. Micro-batches and the rollout model live on the device of the engine's parameters, in its compute
+    /// dtype.
     pub fn new(
         settings: GrpoSettings,
         mut engine: Engine<P>,
@@ -300,32 +293,26 @@ impl<P: ParamStore> GrpoTrainer<P> {
             kind: ScheduleKind::Constant,
             num_cycles: 0.5,
         };
-        let mut actor = PolicyWorker::new(engine, settings.optim, schedule, device);
-        let rollout = snapshot(&mut actor)?;
+        let actor = PolicyWorker::new(engine, settings.optim, schedule, device);
         Ok(Self {
-            settings,
+            step: GrpoStep::new(settings, reference, reward)?,
             actor,
-            reference,
-            rollout,
-            reward,
-            decoder: None,
-            completed: 0,
         })
     }
 
     /// Decodes responses for the reward with `decoder` (without one the reward sees empty response texts).
     pub fn set_decoder(&mut self, decoder: Decoder) {
-        self.decoder = Some(decoder);
+        self.step.set_decoder(decoder);
     }
 
     /// The settings.
     pub fn settings(&self) -> &GrpoSettings {
-        &self.settings
+        &self.step.settings
     }
 
     /// Steps completed.
     pub fn global_step(&self) -> u64 {
-        self.completed
+        self.step.completed
     }
 
     /// The policy worker (engine and optimizer).
@@ -338,138 +325,23 @@ impl<P: ParamStore> GrpoTrainer<P> {
         &mut self.actor
     }
 
-    /// The rollout snapshot of the current weights.
-    pub fn rollout(&self) -> &RolloutModel {
-        &self.rollout
-    }
-
-    /// One GRPO step over `prompts` (see the module docs); returns its metrics and batch.
+    /// One GRPO step over `prompts` ([`GrpoStep::run`]); returns its metrics and batch.
     pub fn step(&mut self, prompts: &[GrpoPrompt]) -> Result<GrpoStepOutput> {
-        if prompts.is_empty() {
-            bail!("a GRPO step needs at least one prompt");
-        }
-        let started = Instant::now();
-        let step = self.completed;
-        let (s, device) = (self.settings.clone(), self.actor.device());
-        let temperature = s.log_prob_temperature();
-        let mut timing = BTreeMap::new();
-        let mut batch = timed(&mut timing, "gen", || self.generate(prompts, step))?;
-        let rewards = timed(&mut timing, "reward", || {
-            score_batch(self.reward.as_mut(), &batch)
-        })?;
-        batch.rewards = Some(rewards);
-        let mask = batch.response_mask(device);
-        let (old, entropy) = timed(&mut timing, "old_log_prob", || {
-            self.actor
-                .compute_log_prob(&batch, s.log_prob_micro_batch_size, temperature, true)
-        })?;
-        batch.old_log_probs = Some(old);
-        if let Some(reference) = self.reference.as_mut() {
-            let (r, _) = timed(&mut timing, "ref", || {
-                compute_log_prob(
-                    reference,
-                    &batch,
-                    s.ref_log_prob_micro_batch_size,
-                    temperature,
-                    false,
-                    device,
-                )
-            })?;
-            batch.ref_log_probs = Some(r);
-        }
-        let adv = timed(&mut timing, "adv", || self.advantages(&batch, &mask))?;
-        batch.advantages = Some(adv);
-        let cfg = s.update_config(step);
-        let actor_metrics = timed(&mut timing, "update_actor", || {
-            self.actor.update_policy(&batch, &cfg)
-        })?;
-        self.rollout = timed(&mut timing, "update_weights", || snapshot(&mut self.actor))?;
-        self.completed += 1;
-        let mut metrics = data_metrics(&batch, &mask, s.max_response_length)?;
-        if let Some(h) = entropy {
-            let e = agg_loss(&h, &mask, s.loss.loss_agg_mode, GlobalBatch::default())?;
-            metrics.insert("actor/entropy".into(), e.double_value(&[]));
-        }
-        metrics.extend(actor_metrics);
-        metrics.extend(timing);
-        metrics.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
-        Ok(GrpoStepOutput {
-            step: self.completed,
-            metrics,
-            batch,
-        })
-    }
-
-    /// `n` responses to each prompt with the rollout snapshot, sampled with step `step`'s seed.
-    fn generate(&self, prompts: &[GrpoPrompt], step: u64) -> Result<RlBatch> {
-        let s = &self.settings;
-        let expanded: Vec<Vec<i64>> = prompts
-            .iter()
-            .flat_map(|p| std::iter::repeat_n(p.ids.clone(), s.n))
-            .collect();
-        let config = GenerationConfig {
-            max_response_length: s.max_response_length,
-            sampling: s.sampling(derive_seed(s.seed, step, 0)),
-            eos_token_ids: s.eos_token_ids.clone(),
-            pad_token_id: s.pad_token_id,
-        };
-        let out = self.rollout.generate(&expanded, &config)?;
-        let rows = out
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| {
-                let p = &prompts[i / s.n];
-                RlRow {
-                    prompt: p.ids.clone(),
-                    response_text: self
-                        .decoder
-                        .as_ref()
-                        .map(|d| d(&g.response))
-                        .unwrap_or_default(),
-                    response: g.response,
-                    uid: (i / s.n) as u64,
-                    prompt_text: p.text.clone(),
-                    ground_truth: p.ground_truth.clone(),
-                    extra: p.extra.clone(),
-                }
-            })
-            .collect();
-        Ok(RlBatch::new(rows))
-    }
-
-    /// The outcome advantages of `batch` (`[rows, width]`).
-    fn advantages(&self, batch: &RlBatch, mask: &Tensor) -> Result<Tensor> {
-        let rewards = batch.token_level_rewards(mask.device())?;
-        let s = &self.settings;
-        outcome_advantage(
-            s.adv_estimator,
-            &rewards,
-            mask,
-            &batch.uids(),
-            s.norm_adv_by_std_in_grpo,
-        )
+        self.step.run(&mut self.actor.lend(), prompts)
     }
 
     /// Writes the policy's state ([`crate::rl::state`]) with this run's step counter to `dir`. The reference policy
     /// is not saved: it is the weights the trainer is built with.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
-        self.actor.save_state(dir, self.completed)
+        self.actor.save_state(dir, self.step.completed)
     }
 
     /// Restores what [`GrpoTrainer::save`] wrote into this trainer (built like the saved one, from the initial
-    /// weights) and refreshes the rollout snapshot: the next step is the saved run's next step.
+    /// weights): the next step is the saved run's next step.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
-        self.completed = self.actor.restore_state(dir)?;
-        self.rollout = snapshot(&mut self.actor)?;
+        self.step.completed = self.actor.restore_state(dir)?;
         Ok(())
     }
-}
-
-/// The rollout snapshot of the actor's current weights (the colocated weight sync).
-fn snapshot<P: ParamStore>(actor: &mut PolicyWorker<P>) -> Result<RolloutModel> {
-    let engine = actor.engine_mut();
-    let (cfg, kind) = (engine.config().clone(), engine.compute_kind());
-    RolloutModel::from_store(cfg, engine.store_mut(), kind)
 }
 
 /// Mean, max and min of `v` (zeros when empty) under `prefix/`.

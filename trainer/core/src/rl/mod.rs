@@ -19,9 +19,11 @@
 pub mod advantage;
 pub mod batch;
 pub mod grpo;
+pub mod grpo_step;
 pub mod policy;
 pub mod policy_worker;
 pub mod reward;
+pub mod roles;
 pub mod state;
 pub mod token_loss;
 
@@ -35,12 +37,17 @@ pub use advantage::{check_outcome_estimator, outcome_advantage, OUTCOME_ESTIMATO
 pub use advantage::{grpo_outcome_advantage, rloo_outcome_advantage};
 pub use batch::{RlBatch, RlRow};
 pub use grpo::{derive_seed, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
+pub use grpo_step::GrpoStep;
 pub use policy::{
     actor_loss, compute_policy_loss, entropy_from_logits, kl_penalty, ActorLoss, ActorLossConfig,
     ActorLossInputs, ClipConfig, PolicyLoss, KL_PENALTIES,
 };
-pub use policy_worker::{compute_log_prob, ActorUpdateConfig, PolicyWorker};
-pub use reward::{score_batch, FnReward, Reward, RewardRow};
+pub use policy_worker::{
+    compute_log_prob, compute_log_prob_rows, sum_tensor_over_ranks, ActorUpdateConfig, DataShare,
+    PolicyWorker, StepperPolicy, SumOverRanks,
+};
+pub use reward::{score_batch, score_rows, FnReward, Reward, RewardRow};
+pub use roles::PolicyRole;
 pub use token_loss::{ActorLossMetrics, ActorRows, ActorTokenLoss};
 
 /// `values` summed where `mask` is non-zero (masked positions count as 0 even when NaN), over all dimensions or

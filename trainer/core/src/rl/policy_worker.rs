@@ -16,9 +16,11 @@
 
 use super::batch::RlBatch;
 use super::{ActorLossConfig, ActorRows, ActorTokenLoss, GlobalBatch};
+use crate::batch::Layout;
 use crate::engine::Engine;
 use crate::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
 use crate::params::ParamStore;
+use crate::step::Stepper;
 use anyhow::{bail, Context, Result};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -49,13 +51,53 @@ pub struct ActorUpdateConfig {
     pub temperature: f64,
 }
 
-/// The actor: an engine over its parameters, AdamW and a learning-rate schedule.
+/// This rank's part of a data-parallel update: rank `rank` of `world` computes the log-probabilities of its
+/// contiguous share of the rows and the gradients of its contiguous share of every mini-batch; the store sums the
+/// gradients over the ranks, and each micro-batch's loss is normalised by the whole mini-batch, so the update is the
+/// one of a single rank holding every row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataShare {
+    /// This rank's index among the data-parallel ranks.
+    pub rank: usize,
+    /// The data-parallel ranks.
+    pub world: usize,
+}
+
+impl DataShare {
+    /// The whole batch on one rank.
+    pub const WHOLE: DataShare = DataShare { rank: 0, world: 1 };
+
+    /// This rank's contiguous share of `rows`.
+    pub fn of<'a>(&self, rows: &'a [usize]) -> &'a [usize] {
+        ferl_data::batch::rank_shard(rows, self.rank, self.world)
+    }
+
+    /// Refuses a batch of `rows` rows that the ranks cannot share evenly (every rank must run as many
+    /// micro-batches: the store's gathers are collectives).
+    fn check(&self, rows: usize, what: &str) -> Result<()> {
+        if !rows.is_multiple_of(self.world) {
+            bail!(
+                "{what} of {rows} rows cannot be split evenly over {} data-parallel ranks",
+                self.world
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The actor: a [`Stepper`] (engine, AdamW, learning-rate schedule) and this rank's [`DataShare`].
 pub struct PolicyWorker<P: ParamStore> {
-    engine: Engine<P>,
-    optimizer: AdamW,
-    schedule: LrSchedule,
-    completed_steps: i64,
-    device: Device,
+    stepper: Stepper<P>,
+    share: DataShare,
+}
+
+/// The actor's computations over a stepper it borrows (a trainer rank keeps its stepper, and saves and loads it as
+/// SFT does): [`PolicyWorker`] owns one and lends it here.
+pub struct StepperPolicy<'a, P: ParamStore> {
+    /// The engine, optimizer and schedule.
+    pub stepper: &'a mut Stepper<P>,
+    /// This rank's share of each batch.
+    pub share: DataShare,
 }
 
 /// Log-probabilities (and with `entropy` the entropies) of `batch`'s response tokens under `engine` at temperature
@@ -70,6 +112,29 @@ pub fn compute_log_prob<P: ParamStore>(
     entropy: bool,
     device: Device,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let all: Vec<usize> = (0..batch.len()).collect();
+    compute_log_prob_rows(
+        engine,
+        batch,
+        &all,
+        micro_batch_size,
+        temperature,
+        entropy,
+        device,
+    )
+}
+
+/// [`compute_log_prob`] of the rows `rows` only (the other rows stay zero): a rank's share, summed over the ranks
+/// afterwards with [`sum_tensor_over_ranks`].
+pub fn compute_log_prob_rows<P: ParamStore>(
+    engine: &mut Engine<P>,
+    batch: &RlBatch,
+    rows: &[usize],
+    micro_batch_size: usize,
+    temperature: f64,
+    entropy: bool,
+    device: Device,
+) -> Result<(Tensor, Option<Tensor>)> {
     if micro_batch_size == 0 {
         bail!("compute_log_prob: micro_batch_size must be positive");
     }
@@ -77,16 +142,28 @@ pub fn compute_log_prob<P: ParamStore>(
     let _g = tch::no_grad_guard();
     let mut log_probs = batch.zeros(Kind::Float, device);
     let mut entropies = entropy.then(|| batch.zeros(Kind::Float, device));
-    let all: Vec<usize> = (0..batch.len()).collect();
-    for rows in all.chunks(micro_batch_size) {
-        let mb = batch.micro_batch(rows, device)?;
+    for micro in rows.chunks(micro_batch_size) {
+        let mb = batch.micro_batch(micro, device)?;
         let stats = engine.token_stats(&mb, entropy)?;
-        batch.scatter_tokens(&mut log_probs, rows, &stats.log_prob);
+        batch.scatter_tokens(&mut log_probs, micro, &stats.log_prob);
         if let (Some(m), Some(h)) = (entropies.as_mut(), stats.entropy.as_ref()) {
-            batch.scatter_tokens(m, rows, h);
+            batch.scatter_tokens(m, micro, h);
         }
     }
     Ok((log_probs, entropies))
+}
+
+/// Sums over the ranks, as a function of the values each rank gives (in order with its other collectives).
+pub type SumOverRanks<'a> = &'a mut dyn FnMut(&[f64]) -> Result<Vec<f64>>;
+
+/// The element-wise sum of the fp32 tensor `t` over the ranks (`sum`), on `t`'s device.
+pub fn sum_tensor_over_ranks(sum: SumOverRanks<'_>, t: &Tensor) -> Result<Tensor> {
+    let values = Vec::<f64>::try_from(t.to_kind(Kind::Double).reshape([-1]))?;
+    let sums = sum(&values)?;
+    Ok(Tensor::from_slice(&sums)
+        .to_kind(Kind::Float)
+        .view(t.size().as_slice())
+        .to_device(t.device()))
 }
 
 /// Sums of one mini-batch's micro-batch figures.
@@ -100,6 +177,41 @@ struct MiniBatchSums {
     ppo_kl: f64,
     clipfrac_lower: f64,
     tokens: f64,
+}
+
+impl MiniBatchSums {
+    /// Adds one micro-batch's figures (`tokens` response tokens).
+    fn add(&mut self, m: &super::ActorLossMetrics, tokens: f64) {
+        self.pg_loss += m.pg_loss;
+        self.entropy = m.entropy.map(|e| self.entropy.unwrap_or(0.0) + e);
+        self.kl_loss = m.kl_loss.map(|k| self.kl_loss.unwrap_or(0.0) + k);
+        self.clipfrac += m.pg_clipfrac * tokens;
+        self.ppo_kl += m.ppo_kl * tokens;
+        self.clipfrac_lower += m.pg_clipfrac_lower * tokens;
+        self.tokens += tokens;
+    }
+
+    /// The sums as numbers (a missing term as 0 with a presence count of 0), for a sum over ranks.
+    fn to_values(&self) -> [f64; 9] {
+        let opt = |v: Option<f64>| (v.unwrap_or(0.0), f64::from(u8::from(v.is_some())));
+        let (e, has_e) = opt(self.entropy);
+        let (k, has_k) = opt(self.kl_loss);
+        let (c, p, l, t) = (self.clipfrac, self.ppo_kl, self.clipfrac_lower, self.tokens);
+        [self.pg_loss, e, has_e, k, has_k, c, p, l, t]
+    }
+
+    /// The inverse of [`Self::to_values`] (a term present on any rank is present).
+    fn from_values(v: &[f64]) -> Self {
+        Self {
+            pg_loss: v[0],
+            entropy: (v[2] > 0.0).then_some(v[1]),
+            kl_loss: (v[4] > 0.0).then_some(v[3]),
+            clipfrac: v[5],
+            ppo_kl: v[6],
+            clipfrac_lower: v[7],
+            tokens: v[8],
+        }
+    }
 }
 
 /// Per metric name: the sum of its values and their count.
@@ -123,7 +235,7 @@ impl Averages {
 
 impl<P: ParamStore> PolicyWorker<P> {
     /// A worker training `engine`'s parameters with AdamW (`optim`) at the learning rates of `schedule`, its
-    /// micro-batches on `device`.
+    /// micro-batches on `device`, holding the whole batch.
     pub fn new(
         mut engine: Engine<P>,
         optim: AdamWConfig,
@@ -131,51 +243,81 @@ impl<P: ParamStore> PolicyWorker<P> {
         device: Device,
     ) -> Self {
         let optimizer = AdamW::new(optim, engine.store_mut().master_and_grads().0);
-        Self {
+        let stepper = Stepper {
             engine,
             optimizer,
             schedule,
-            completed_steps: 0,
+            clip_grad: 0.0,
+            micro_batch_size: 1,
+            layout: Layout::Padded,
             device,
-        }
+            completed_steps: 0,
+            sequence_parallel: None,
+        };
+        Self::from_stepper(stepper, DataShare::WHOLE)
+    }
+
+    /// A worker over a trainer rank's stepper (its sharded store, optimizer and schedule), computing `share` of
+    /// every batch. Its clipping and micro-batch size are the update's ([`ActorUpdateConfig`]).
+    pub fn from_stepper(stepper: Stepper<P>, share: DataShare) -> Self {
+        Self { stepper, share }
+    }
+
+    /// The stepper back (the rank keeps it between steps, and saves and loads it as SFT does).
+    pub fn into_stepper(self) -> Stepper<P> {
+        self.stepper
+    }
+
+    /// This worker's share of each batch.
+    pub fn share(&self) -> DataShare {
+        self.share
     }
 
     /// The engine.
     pub fn engine(&self) -> &Engine<P> {
-        &self.engine
+        &self.stepper.engine
     }
 
     /// The engine, mutably (its store for checkpoints and weight syncs).
     pub fn engine_mut(&mut self) -> &mut Engine<P> {
-        &mut self.engine
+        &mut self.stepper.engine
     }
 
     /// The optimizer state.
     pub fn optimizer(&self) -> &AdamW {
-        &self.optimizer
+        &self.stepper.optimizer
     }
 
     /// The optimizer state, mutably (checkpoint restore).
     pub fn optimizer_mut(&mut self) -> &mut AdamW {
-        &mut self.optimizer
+        &mut self.stepper.optimizer
     }
 
-    /// Optimizer steps taken (skipped ones included): the schedule's position.
+    /// Updates completed ([`Self::update_policy`] calls, as verl steps its scheduler once per update): the
+    /// schedule's position.
     pub fn completed_steps(&self) -> i64 {
-        self.completed_steps
+        self.stepper.completed_steps
     }
 
     /// Sets the schedule's position (checkpoint restore).
     pub fn set_completed_steps(&mut self, steps: i64) {
-        self.completed_steps = steps;
+        self.stepper.completed_steps = steps;
     }
 
     /// Where micro-batches are built.
     pub fn device(&self) -> Device {
-        self.device
+        self.stepper.device
     }
 
-    /// [`compute_log_prob`] under the current policy: `[rows, width]` log-probabilities and entropies.
+    /// This worker's computations over its stepper.
+    pub fn lend(&mut self) -> StepperPolicy<'_, P> {
+        StepperPolicy {
+            stepper: &mut self.stepper,
+            share: self.share,
+        }
+    }
+
+    /// [`StepperPolicy::compute_log_prob`].
     pub fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
@@ -183,59 +325,93 @@ impl<P: ParamStore> PolicyWorker<P> {
         temperature: f64,
         entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let device = self.device;
-        compute_log_prob(
-            &mut self.engine,
-            batch,
-            micro_batch_size,
-            temperature,
-            entropy,
-            device,
-        )
+        self.lend()
+            .compute_log_prob(batch, micro_batch_size, temperature, entropy)
     }
 
-    /// verl's `update_policy` over `batch` (it must hold old log-probabilities and advantages, and reference
-    /// log-probabilities with `use_kl_loss`); returns the `actor/*` metrics (see the module docs).
+    /// [`StepperPolicy::update_policy`].
     pub fn update_policy(
         &mut self,
         batch: &RlBatch,
         cfg: &ActorUpdateConfig,
     ) -> Result<BTreeMap<String, f64>> {
-        let rows_per_mini = cfg.ppo_mini_batch_size * cfg.rollout_n;
-        if rows_per_mini == 0 || cfg.ppo_micro_batch_size == 0 || cfg.ppo_epochs == 0 {
-            bail!(
-                "update_policy: ppo_mini_batch_size ({}) × n ({}), ppo_micro_batch_size ({}) and ppo_epochs ({}) must be positive",
-                cfg.ppo_mini_batch_size, cfg.rollout_n, cfg.ppo_micro_batch_size, cfg.ppo_epochs
-            );
+        self.lend().update_policy(batch, cfg)
+    }
+}
+
+impl<P: ParamStore> StepperPolicy<'_, P> {
+    /// Sums `values` over the store's ranks.
+    pub fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        self.stepper.engine.store_mut().all_reduce_sum(values)
+    }
+
+    /// [`compute_log_prob`] under the current policy, each rank computing its share of the rows: `[rows, width]`
+    /// log-probabilities and entropies of every row on every rank.
+    pub fn compute_log_prob(
+        &mut self,
+        batch: &RlBatch,
+        micro_batch_size: usize,
+        temperature: f64,
+        entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.share.check(batch.len(), "a log-probability batch")?;
+        let all: Vec<usize> = (0..batch.len()).collect();
+        let rows = self.share.of(&all);
+        let device = self.stepper.device;
+        let engine = &mut self.stepper.engine;
+        let (lp, h) = compute_log_prob_rows(
+            engine,
+            batch,
+            rows,
+            micro_batch_size,
+            temperature,
+            entropy,
+            device,
+        )?;
+        if self.share.world == 1 {
+            return Ok((lp, h));
         }
-        if batch.old_log_probs.is_none() || batch.advantages.is_none() {
-            bail!("update_policy: the batch needs old log-probabilities and advantages");
-        }
-        if cfg.loss.use_kl_loss && batch.ref_log_probs.is_none() {
-            bail!("update_policy: use_kl_loss is set but the batch has no reference log-probabilities");
-        }
-        self.engine.set_temperature(cfg.temperature)?;
+        let mut sum = |v: &[f64]| engine.store_mut().all_reduce_sum(v);
+        let lp = sum_tensor_over_ranks(&mut sum, &lp)?;
+        let h = h.map(|h| sum_tensor_over_ranks(&mut sum, &h)).transpose()?;
+        Ok((lp, h))
+    }
+
+    /// verl's `update_policy` over `batch` (it must hold old log-probabilities and advantages, and reference
+    /// log-probabilities with `use_kl_loss`); returns the `actor/*` metrics (see the module docs). Every optimizer
+    /// step of the call uses the schedule's learning rate at [`Self::completed_steps`], which then advances by one.
+    pub fn update_policy(
+        &mut self,
+        batch: &RlBatch,
+        cfg: &ActorUpdateConfig,
+    ) -> Result<BTreeMap<String, f64>> {
+        check_update(batch, cfg)?;
+        self.share
+            .check(cfg.ppo_mini_batch_size * cfg.rollout_n, "a mini-batch")?;
+        self.stepper.engine.set_temperature(cfg.temperature)?;
         let mut metrics = Averages::default();
-        let mut lr = self.schedule.lr_at(self.completed_steps);
+        let lr = self.stepper.schedule.lr_at(self.stepper.completed_steps);
         for epoch in 0..cfg.ppo_epochs {
             let mut order: Vec<usize> = (0..batch.len()).collect();
             if cfg.shuffle {
                 let seed = cfg.shuffle_seed.wrapping_add(epoch as u64);
                 order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
             }
-            for mini in order.chunks(rows_per_mini) {
+            for mini in order.chunks(cfg.ppo_mini_batch_size * cfg.rollout_n) {
                 let sums = self.mini_batch_grads(batch, mini, cfg)?;
-                let (grad_norm, step_lr) = self.optimizer_step(cfg.grad_clip)?;
-                lr = step_lr;
+                let sums = self.summed_over_ranks(sums)?;
+                let grad_norm = self.optimizer_step(cfg.grad_clip, lr)?;
                 record(&mut metrics, &sums, grad_norm);
             }
         }
+        self.stepper.completed_steps += 1;
         let mut out = metrics.means();
         out.insert("actor/lr".into(), lr);
         Ok(out)
     }
 
-    /// Zeroes the gradients and accumulates those of mini-batch `rows`, micro-batch by micro-batch.
+    /// Zeroes the gradients and accumulates those of this rank's share of mini-batch `rows`, micro-batch by
+    /// micro-batch, each normalised by the whole mini-batch.
     fn mini_batch_grads(
         &mut self,
         batch: &RlBatch,
@@ -257,9 +433,11 @@ impl<P: ParamStore> PolicyWorker<P> {
             .ref_log_probs
             .as_ref()
             .filter(|_| cfg.loss.use_kl_loss);
-        self.engine.store_mut().zero_grads();
+        let device = self.stepper.device;
+        let engine = &mut self.stepper.engine;
+        engine.store_mut().zero_grads();
         let mut sums = MiniBatchSums::default();
-        for micro in rows.chunks(cfg.ppo_micro_batch_size) {
+        for micro in self.share.of(rows).chunks(cfg.ppo_micro_batch_size) {
             let per_row = batch.tokens_per_row(micro);
             let n = per_row.iter().sum::<i64>() as f64;
             let actor_rows = ActorRows {
@@ -269,39 +447,61 @@ impl<P: ParamStore> PolicyWorker<P> {
                 ref_log_prob: reference.map(|r| batch.gather_tokens(r, micro)),
             };
             let loss = ActorTokenLoss::new(cfg.loss, global, actor_rows)?;
-            let mb = batch.micro_batch(micro, self.device)?;
-            self.engine.forward_backward_with(&mb, &loss)?;
+            let mb = batch.micro_batch(micro, device)?;
+            engine.forward_backward_with(&mb, &loss)?;
             if n == 0.0 {
                 continue; // no response token: the loss was never evaluated
             }
-            let m = loss.metrics();
-            sums.pg_loss += m.pg_loss;
-            sums.entropy = m.entropy.map(|e| sums.entropy.unwrap_or(0.0) + e);
-            sums.kl_loss = m.kl_loss.map(|k| sums.kl_loss.unwrap_or(0.0) + k);
-            sums.clipfrac += m.pg_clipfrac * n;
-            sums.ppo_kl += m.ppo_kl * n;
-            sums.clipfrac_lower += m.pg_clipfrac_lower * n;
-            sums.tokens += n;
+            sums.add(&loss.metrics(), n);
         }
         Ok(sums)
     }
 
-    /// Clips the accumulated gradients and takes one AdamW step at the scheduled learning rate (skipped on a
-    /// non-finite norm, as verl does). Returns the norm before clipping and the learning rate.
-    fn optimizer_step(&mut self, grad_clip: f64) -> Result<(f64, f64)> {
-        let store = self.engine.store_mut();
+    /// The mini-batch's sums over every data-parallel rank (one sum of a few numbers).
+    fn summed_over_ranks(&mut self, sums: MiniBatchSums) -> Result<MiniBatchSums> {
+        if self.share.world == 1 {
+            return Ok(sums);
+        }
+        let summed = self
+            .stepper
+            .engine
+            .store_mut()
+            .all_reduce_sum(&sums.to_values())?;
+        Ok(MiniBatchSums::from_values(&summed))
+    }
+
+    /// Clips the accumulated gradients and takes one AdamW step at `lr` (skipped on a non-finite norm, as verl
+    /// does). Returns the norm before clipping.
+    fn optimizer_step(&mut self, grad_clip: f64, lr: f64) -> Result<f64> {
+        let store = self.stepper.engine.store_mut();
         let grad_norm = store.grad_sq_norm()?.sqrt();
-        let lr = self.schedule.lr_at(self.completed_steps);
         if grad_norm.is_finite() {
             let (master, grads) = store.master_and_grads();
             clip_grads(grads, grad_norm, grad_clip);
-            self.optimizer.step(master, grads, lr);
+            self.stepper.optimizer.step(master, grads, lr);
         } else {
             tracing::warn!(grad_norm, "non-finite gradient norm: actor update skipped");
         }
-        self.completed_steps += 1;
-        Ok((grad_norm, lr))
+        Ok(grad_norm)
     }
+}
+
+/// Refuses an update the batch or the sizes cannot make.
+fn check_update(batch: &RlBatch, cfg: &ActorUpdateConfig) -> Result<()> {
+    let rows_per_mini = cfg.ppo_mini_batch_size * cfg.rollout_n;
+    if rows_per_mini == 0 || cfg.ppo_micro_batch_size == 0 || cfg.ppo_epochs == 0 {
+        bail!(
+            "update_policy: ppo_mini_batch_size ({}) × n ({}), ppo_micro_batch_size ({}) and ppo_epochs ({}) must be positive",
+            cfg.ppo_mini_batch_size, cfg.rollout_n, cfg.ppo_micro_batch_size, cfg.ppo_epochs
+        );
+    }
+    if batch.old_log_probs.is_none() || batch.advantages.is_none() {
+        bail!("update_policy: the batch needs old log-probabilities and advantages");
+    }
+    if cfg.loss.use_kl_loss && batch.ref_log_probs.is_none() {
+        bail!("update_policy: use_kl_loss is set but the batch has no reference log-probabilities");
+    }
+    Ok(())
 }
 
 /// Adds one optimizer step's figures to the running averages.

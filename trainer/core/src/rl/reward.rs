@@ -58,8 +58,18 @@ impl<F: FnMut(&RewardRow<'_>) -> f64> Reward for FnReward<F> {
 
 /// Scores every row of `batch` with `reward`; refuses a wrong count or a non-finite score, naming the reward.
 pub fn score_batch(reward: &mut dyn Reward, batch: &RlBatch) -> Result<Vec<f64>> {
-    let rows: Vec<RewardRow<'_>> = batch
-        .rows
+    score_rows(reward, batch, 0..batch.len())
+}
+
+/// [`score_batch`] of the rows `rows` of `batch` only (a rank's share), a non-finite score named by its row in the
+/// whole batch.
+pub fn score_rows(
+    reward: &mut dyn Reward,
+    batch: &RlBatch,
+    rows: std::ops::Range<usize>,
+) -> Result<Vec<f64>> {
+    let first = rows.start;
+    let rows: Vec<RewardRow<'_>> = batch.rows[rows]
         .iter()
         .map(|r| RewardRow {
             prompt: &r.prompt_text,
@@ -81,8 +91,9 @@ pub fn score_batch(reward: &mut dyn Reward, batch: &RlBatch) -> Result<Vec<f64>>
     }
     if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
         bail!(
-            "reward `{}` gave row {i} the non-finite score {}",
+            "reward `{}` gave row {} the non-finite score {}",
             reward.name(),
+            first + i,
             scores[i]
         );
     }

@@ -27,6 +27,9 @@ pub struct GenerationConfig {
     /// The token a finished sequence's row is fed after its EOS token (never returned); any id in the vocabulary
     /// works.
     pub pad_token_id: i64,
+    /// The index of the first prompt in the whole rollout batch: prompt `i` samples from stream `first_row + i`
+    /// (see [`SamplingParams::seed`]), so a share of the batch generates what the whole batch would for those rows.
+    pub first_row: u64,
 }
 
 impl GenerationConfig {
@@ -37,6 +40,7 @@ impl GenerationConfig {
             sampling,
             eos_token_ids: Vec::new(),
             pad_token_id: 0,
+            first_row: 0,
         }
     }
 
@@ -72,6 +76,7 @@ impl GenerationConfig {
             sampling,
             eos_token_ids,
             pad_token_id,
+            first_row: 0,
         })
     }
 }
@@ -156,7 +161,7 @@ impl RolloutModel {
         let mut cache = KvCache::new(&self.cfg, b, batch.width() + steps, self.kind, dev);
         let h = self.prefill(&mut cache, &batch)?;
         let mut head = LogitBuffers::default();
-        let mut sampler = Sampler::new(config.sampling);
+        let mut sampler = Sampler::new(config.sampling, config.first_row);
         let mut picked = self.next_tokens(&h, &mut head, &mut sampler);
         let eos = Tensor::from_slice(&config.eos_token_ids).to_device(dev);
         let pad = Tensor::full([b], config.pad_token_id, (Kind::Int64, dev));

@@ -23,7 +23,8 @@ pub struct SamplingParams {
     pub top_k: i64,
     /// Sample only among the most likely tokens whose probabilities add up to `top_p` (nucleus); 1: no limit.
     pub top_p: f64,
-    /// Seed of the sampling generator: the same seed and inputs give the same tokens.
+    /// Seed of the sampling generators (one per row, see `GenerationConfig::first_row`): the same seed and inputs
+    /// give the same tokens.
     pub seed: u64,
 }
 
@@ -106,10 +107,13 @@ fn log_softmax_at(logits: &Tensor, temperature: f64, out: Option<&Tensor>) -> Te
     }
 }
 
-/// Picks tokens for a batch, step after step, with its own generator.
+/// Picks tokens for a batch, step after step, with a generator per row: row `i` draws from the stream of
+/// [`row_seed`]`(seed, first_row + i)`, so a row's tokens depend on the seed, its index in the whole rollout batch
+/// and the model, never on how the batch is split between ranks or calls.
 pub(crate) struct Sampler {
     params: SamplingParams,
-    rng: ChaCha8Rng,
+    first_row: u64,
+    rngs: Vec<ChaCha8Rng>,
     /// The last step's `[B, V]` log-softmax, whose memory the next step reuses (a new 10 MB tensor per step costs
     /// page faults).
     log_softmax: Option<Tensor>,
@@ -121,13 +125,25 @@ impl Sampler {
         self.params
     }
 
-    /// A sampler seeded with `params.seed`.
-    pub(crate) fn new(params: SamplingParams) -> Self {
+    /// A sampler seeded with `params.seed` whose first row is row `first_row` of the rollout batch.
+    pub(crate) fn new(params: SamplingParams, first_row: u64) -> Self {
         Self {
-            rng: ChaCha8Rng::seed_from_u64(params.seed),
             params,
+            first_row,
+            rngs: Vec::new(),
             log_softmax: None,
         }
+    }
+
+    /// One uniform draw in `[0, 1)` for each of `b` rows (the generators are made on the first call).
+    fn draws(&mut self, b: usize) -> Vec<f64> {
+        if self.rngs.len() != b {
+            let (seed, first) = (self.params.seed, self.first_row);
+            self.rngs = (0..b as u64)
+                .map(|i| ChaCha8Rng::seed_from_u64(row_seed(seed, first + i)))
+                .collect();
+        }
+        self.rngs.iter_mut().map(|r| r.random::<f64>()).collect()
     }
 
     /// The next token of each row of fp32 `logits` (`[B, V]`) and its log-probability (`[B]` int64, `[B]` fp32).
@@ -135,7 +151,7 @@ impl Sampler {
     pub(crate) fn pick(&mut self, logits: &Tensor) -> (Tensor, Tensor) {
         let _g = tch::no_grad_guard();
         let b = logits.size()[0];
-        let u: Vec<f64> = (0..b).map(|_| self.rng.random::<f64>()).collect();
+        let u = self.draws(b as usize);
         let tokens = if self.params.is_greedy() {
             logits.argmax(-1, false)
         } else {
@@ -189,6 +205,17 @@ impl Sampler {
     }
 }
 
+/// The seed of row `row`'s generator in a batch sampled with `seed` (SplitMix64 of the two).
+pub fn row_seed(seed: u64, row: u64) -> u64 {
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    mix(mix(seed) ^ row)
+}
+
 /// For each row of (unnormalised, non-negative) `probs` `[B, N]`, the first column whose cumulative mass exceeds
 /// `u · total` — never a zero-mass column.
 fn inverse_cdf(probs: &Tensor, u: &Tensor) -> Tensor {
@@ -210,7 +237,7 @@ mod tests {
 
     /// Frequencies of each token over `n` draws of one row.
     fn frequencies(params: SamplingParams, n: usize) -> Vec<f64> {
-        let mut s = Sampler::new(params);
+        let mut s = Sampler::new(params, 0);
         let row = logits().repeat([n as i64, 1]);
         let (tokens, _) = s.pick(&row);
         let counts = tokens.bincount::<Tensor>(None, 6);
@@ -247,10 +274,13 @@ mod tests {
 
     #[test]
     fn greedy_takes_the_argmax_and_log_probs_use_the_temperature() {
-        let mut s = Sampler::new(SamplingParams {
-            temperature: 0.5,
-            ..SamplingParams::default()
-        });
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 0.5,
+                ..SamplingParams::default()
+            },
+            0,
+        );
         let (t, lp) = s.pick(&logits());
         assert_eq!(t.int64_value(&[0]), 4);
         let expected = (logits() / 0.5)

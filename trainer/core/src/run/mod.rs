@@ -49,6 +49,9 @@ pub struct StepOutcome {
     /// Peak memory of each rank in bytes, rank order (0 where unknown): resident memory on CPU, device memory in
     /// use on CUDA.
     pub peak_memory_bytes: Vec<u64>,
+    /// The algorithm's own metrics under verl's names (RL: `actor/*`, `critic/*`, `response_length/*`,
+    /// `timing_s/*`), logged instead of `train/*`; empty for SFT.
+    pub metrics: Vec<(String, f64)>,
 }
 
 /// Runs the steps the loop decides; one implementation per launch path.
@@ -225,6 +228,13 @@ impl Loop {
     ) -> Result<()> {
         if let Some(dir) = &load {
             self.resume(exec, dir, first)?;
+            if let Some(pb) = &opts.progress {
+                pb.println(format!(
+                    "resumed from {} (step {})",
+                    dir.display(),
+                    self.step
+                ));
+            }
         }
         if !first {
             if let Some(restart) = self.summary.restarts.last_mut() {

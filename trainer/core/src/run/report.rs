@@ -43,17 +43,20 @@ pub fn step_values(
     seconds: f64,
     mfu_in: Option<&MfuInputs>,
 ) -> Vec<(String, f64)> {
-    let mut v = vec![
-        (metric::LOSS.to_string(), out.loss),
-        (metric::LR.to_string(), out.lr),
-        (metric::GRAD_NORM.to_string(), out.grad_norm),
-        (metric::TOKENS.to_string(), out.tokens as f64),
-        (
-            metric::TOKENS_PER_S.to_string(),
-            out.tokens as f64 / seconds.max(1e-9),
-        ),
-        (metric::STEP_SECONDS.to_string(), seconds),
-    ];
+    let mut v = match out.metrics.is_empty() {
+        true => vec![
+            (metric::LOSS.to_string(), out.loss),
+            (metric::LR.to_string(), out.lr),
+            (metric::GRAD_NORM.to_string(), out.grad_norm),
+            (metric::TOKENS.to_string(), out.tokens as f64),
+        ],
+        false => out.metrics.clone(),
+    };
+    v.push((
+        metric::TOKENS_PER_S.to_string(),
+        out.tokens as f64 / seconds.max(1e-9),
+    ));
+    v.push((metric::STEP_SECONDS.to_string(), seconds));
     if out.skipped {
         v.push((metric::SKIPPED.to_string(), 1.0));
     }
@@ -116,6 +119,7 @@ mod tests {
             skipped: false,
             tokens: 100,
             peak_memory_bytes: vec![1 << 30, 2 << 30],
+            metrics: Vec::new(),
         };
         let m = MfuInputs {
             num_params: 10,

@@ -1,0 +1,79 @@
+//! The roles a GRPO step asks for, whatever runs them: [`PolicyRole`] is the policy (old log-probabilities, the
+//! update, the rollout's weights, sums over the data-parallel ranks). [`StepperPolicy`] implements it over a
+//! stepper — a one-process [`super::PolicyWorker`]'s, or a trainer rank's sharded one — so the step
+//! ([`super::grpo_step::GrpoStep`]) is written once for one process and for every rank of a sharded run.
+
+use super::batch::RlBatch;
+use super::policy_worker::{ActorUpdateConfig, DataShare, StepperPolicy};
+use crate::params::ParamStore;
+use crate::rollout::RolloutModel;
+use anyhow::Result;
+use std::collections::BTreeMap;
+use tch::{Device, Tensor};
+
+/// The policy as a GRPO step uses it. Every data-parallel rank calls the same methods in the same order (they hold
+/// collectives).
+pub trait PolicyRole {
+    /// Where the step's tensors live.
+    fn device(&self) -> Device;
+    /// This rank's share of each batch.
+    fn share(&self) -> DataShare;
+    /// Sums `values` over the data-parallel ranks.
+    fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>>;
+    /// `[rows, width]` log-probabilities (and with `entropy` entropies) of every row of `batch` at `temperature`,
+    /// each rank computing its share.
+    fn compute_log_prob(
+        &mut self,
+        batch: &RlBatch,
+        micro_batch_size: usize,
+        temperature: f64,
+        entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)>;
+    /// verl's `update_policy`; returns the `actor/*` metrics.
+    fn update_policy(
+        &mut self,
+        batch: &RlBatch,
+        cfg: &ActorUpdateConfig,
+    ) -> Result<BTreeMap<String, f64>>;
+    /// A rollout model of the current weights: the colocated weight sync, gathered from the shards stage by stage
+    /// (every rank holds the whole model until the caller drops it).
+    fn rollout_model(&mut self) -> Result<RolloutModel>;
+}
+
+impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
+    fn device(&self) -> Device {
+        self.stepper.device
+    }
+
+    fn share(&self) -> DataShare {
+        self.share
+    }
+
+    fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        StepperPolicy::sum_over_ranks(self, values)
+    }
+
+    fn compute_log_prob(
+        &mut self,
+        batch: &RlBatch,
+        micro_batch_size: usize,
+        temperature: f64,
+        entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        StepperPolicy::compute_log_prob(self, batch, micro_batch_size, temperature, entropy)
+    }
+
+    fn update_policy(
+        &mut self,
+        batch: &RlBatch,
+        cfg: &ActorUpdateConfig,
+    ) -> Result<BTreeMap<String, f64>> {
+        StepperPolicy::update_policy(self, batch, cfg)
+    }
+
+    fn rollout_model(&mut self) -> Result<RolloutModel> {
+        let engine = &mut self.stepper.engine;
+        let (cfg, kind) = (engine.config().clone(), engine.compute_kind());
+        RolloutModel::from_store(cfg, engine.store_mut(), kind)
+    }
+}
