@@ -104,6 +104,17 @@ fn shard_model(
     comm: ShardGroups,
     fsdp: FsdpOptions,
 ) -> Result<(ModelConfig, ShardedParams, Option<LoraSpec>)> {
+    shard_model_with(cfg, comm, fsdp, false)
+}
+
+/// [`shard_model`], every tensor frozen with `frozen` (no gradient buffers, no optimizer state: a reference
+/// policy).
+fn shard_model_with(
+    cfg: &SftConfig,
+    comm: ShardGroups,
+    fsdp: FsdpOptions,
+    frozen: bool,
+) -> Result<(ModelConfig, ShardedParams, Option<LoraSpec>)> {
     let dir = resolve_model_dir(cfg)?;
     let at = || format!("model.partial_pretrain={}", dir.display());
     let config = ModelConfig::from_file(&dir.join("config.json")).with_context(at)?;
@@ -122,6 +133,10 @@ fn shard_model(
         }
         None => (base, HashMap::new(), None),
     };
+    let mut layout = layout;
+    if frozen {
+        layout.trainable = vec![false; layout.tensors.len()];
+    }
     let mut source = WithTensors { files, given };
     let store = ShardedParams::from_source(layout, &mut source, comm, fsdp)?;
     Ok((config, store, spec))
@@ -229,6 +244,20 @@ impl RankState {
             kernels: KernelRegistry::builtin(),
             lora,
         })
+    }
+
+    /// The model folder's weights sharded as this rank's policy is, frozen (no gradient buffers, no optimizer
+    /// state): the reference policy of RL, whose gathers are collectives of this rank's groups. Refused with LoRA
+    /// (verl's reference is then the base model without adapters).
+    pub fn frozen_reference(&self) -> Result<Engine<ShardedParams>> {
+        if self.lora.is_some() {
+            bail!("a frozen reference of a LoRA policy is its base model: not built yet");
+        }
+        let (config, store, _) = shard_model_with(&self.cfg, self.groups.clone(), self.fsdp, true)?;
+        let kind = compute_kind(&self.cfg)?;
+        let mut engine = Engine::new(config, store, kind, engine_options(&self.cfg));
+        engine.set_kernels(self.kernels.clone());
+        Ok(engine)
     }
 
     /// Runs the model's ops that `kernels` replaces through it (`model.use_liger=true`: the `liger` kernels); kept

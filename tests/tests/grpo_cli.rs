@@ -179,7 +179,7 @@ fn assert_same_steps(what: &str, want: &[Value], got: &[Value], tol: f64) {
             let (x, y) = (number(w, key), number(g, key));
             assert!(
                 (x - y).abs() <= tol * x.abs().max(1.0),
-                "{what}, step {}: {key} {x} at world 1, {y} here",
+                "{what}, step {}: {key} {x} in the reference run, {y} here",
                 w["step"]
             );
         }
@@ -219,6 +219,64 @@ fn grpo_on_2_and_4_ranks_equals_one_process_and_resumes_across_world_sizes() {
     run("r12", 2, &[]);
     let r12 = run("r12", 4, &["--nproc-per-node", "2"]);
     assert_same_steps("1 process resumed on 2 ranks", &one, &r12, 1e-5);
+}
+
+/// The pids of `pid`'s child processes.
+fn children(pid: u32) -> Vec<u32> {
+    let path = format!("/proc/{pid}/task/{pid}/children");
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    text.split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
+    let dir = fixture();
+    let d = dir.path();
+    let shape = ["actor_rollout_ref.rollout.n=4", "--nproc-per-node", "2"];
+    let clean = run_ferl(&grpo_args(d, "clean", 6, &shape));
+    assert!(clean.status.success(), "{}", text(&clean));
+    let restarts = [&shape[..], &["trainer.max_restarts=1"]].concat();
+    let mut launcher = Command::new(ferl_binary())
+        .env("OMP_NUM_THREADS", "1")
+        .args(grpo_args(d, "killed", 6, &restarts))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let jsonl = d.join("killed/metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&jsonl).map_or(0, |t| t.lines().count()) < 3 {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "no third step in 5 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ranks = children(launcher.id());
+    assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
+    // SAFETY: kill has no memory preconditions.
+    assert_eq!(unsafe { libc::kill(ranks[1] as i32, libc::SIGKILL) }, 0);
+    let out = launcher.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("restart 1 of 1"), "{}", text(&out));
+    let lines = metrics(&d.join("killed"));
+    let last_of = |step: u64| {
+        lines
+            .iter()
+            .rev()
+            .find(|l| l["step"].as_u64() == Some(step))
+            .cloned()
+            .unwrap_or_else(|| panic!("no step {step} in {lines:?}"))
+    };
+    let resumed: Vec<Value> = (4..=6).map(last_of).collect();
+    assert_same_steps(
+        "steps 4-6 after the restart",
+        &metrics(&d.join("clean"))[3..],
+        &resumed,
+        1e-5,
+    );
 }
 
 #[test]

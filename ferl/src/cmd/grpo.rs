@@ -21,8 +21,7 @@ use ferl_collective::{init_groups_from_env, LaunchEnv, Subgroups};
 use ferl_data::SftTokenizer;
 use ferl_trainer::config::{PpoConfig, SftConfig};
 use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
-use ferl_trainer::rl::grpo::frozen_copy;
-use ferl_trainer::rl::GrpoStep;
+use ferl_trainer::rl::{GrpoStep, ReferencePolicy};
 use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads};
 use ferl_trainer::run::{self, RunOptions};
 use std::path::{Path, PathBuf};
@@ -51,7 +50,7 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     if let Some(n) = args.nproc_per_node {
         // Everything the config and data show is refused here, before a rank is started.
         Setup::new(&cfg, n)?;
-        return launch::local_ranks(n);
+        return launch::local_ranks(n, cfg.trainer.max_restarts);
     }
     let launcher = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
     let env = match launcher {
@@ -141,9 +140,10 @@ fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::R
     };
     let view = setup.view.clone();
     let total = run::RunPlan::new(&view, setup.prompts.len())?.total_steps;
-    let mut state = rank_state(&view, comm, subgroups.as_ref(), device, total)?;
+    let state = rank_state(&view, comm, subgroups.as_ref(), device, total)?;
+    // The reference is sharded like the policy and frozen: no gradients, no optimizer state, no whole copy.
     let reference = match setup.settings.loss.use_kl_loss {
-        true => Some(frozen_copy(&mut state.stepper.engine)?),
+        true => Some(Box::new(state.frozen_reference()?) as Box<dyn ReferencePolicy>),
         false => None,
     };
     let mut step = GrpoStep::new(setup.settings.clone(), reference, setup.reward)?;
@@ -154,6 +154,14 @@ fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::R
     }));
     let algorithm = GrpoAlgorithm::new(Arc::clone(&setup.prompts), step);
     let mut exec = SpmdExecutor::with_algorithm(state, Box::new(algorithm));
+    if env.is_none() {
+        // `trainer.max_restarts` in one process: a fresh rank state, resumed by the loop (the launcher restarts
+        // its ranks itself).
+        let rebuild_view = view.clone();
+        exec = exec.restartable(Box::new(move || {
+            rank_state(&rebuild_view, world_of_one(device)?, None, device, total)
+        }));
+    }
     let opts = match coordinator {
         true => coordinator_options(cfg, &view, &setup.registry)?,
         false => RunOptions::default(),

@@ -7,20 +7,43 @@ use anyhow::{bail, Context, Result};
 use std::process::{Child, Command};
 use std::time::Duration;
 
-/// Runs `n` ranks of this invocation (without `--nproc-per-node`) and waits for them.
-pub(super) fn local_ranks(n: usize) -> Result<()> {
+/// Runs `n` ranks of this invocation (without `--nproc-per-node`) and waits for them. When a rank fails, every rank
+/// is stopped and, up to `max_restarts` times (`trainer.max_restarts`), all are started again resuming from the run's
+/// newest checkpoint (`trainer.resume_mode=auto`), as torchrun's `--max-restarts` restarts its workers.
+pub(super) fn local_ranks(n: usize, max_restarts: usize) -> Result<()> {
     if n == 0 {
         bail!("--nproc-per-node 0: give at least 1 rank");
     }
+    let mut args = rank_args(std::env::args().skip(1));
+    for restart in 0..=max_restarts {
+        let failed = match start_and_wait(n, &args) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if restart == max_restarts {
+            return Err(failed.context(format!(
+                "the run failed after {restart} restarts (trainer.max_restarts={max_restarts})"
+            )));
+        }
+        eprintln!(
+            "{failed:#}: restarting the {n} ranks from the newest checkpoint (restart {} of {max_restarts})",
+            restart + 1
+        );
+        args.push("trainer.resume_mode=auto".into());
+    }
+    unreachable!("the last attempt returns")
+}
+
+/// Starts `n` ranks with `args` and waits for them.
+fn start_and_wait(n: usize, args: &[String]) -> Result<()> {
     let port = free_port()?;
     let exe = std::env::current_exe().context("finding the ferl binary")?;
-    let args = rank_args(std::env::args().skip(1));
     // The ranks authenticate their rendezvous and collective group with a secret of this job's.
     let secret = std::env::var("FERL_JOB_SECRET").unwrap_or_else(|_| job_secret());
     let mut ranks = Vec::with_capacity(n);
     for rank in 0..n {
         let child = Command::new(&exe)
-            .args(&args)
+            .args(args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
             .env("LOCAL_RANK", rank.to_string())

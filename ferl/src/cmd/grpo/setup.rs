@@ -56,6 +56,7 @@ const HONOURED: &[&str] = &[
     "actor_rollout_ref.actor.fsdp_config.fsdp_size",
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
     "trainer.max_actor_ckpt_to_keep",
+    "trainer.max_restarts",
     "actor_rollout_ref.rollout.temperature",
     "actor_rollout_ref.rollout.top_k",
     "actor_rollout_ref.rollout.top_p",
@@ -311,6 +312,7 @@ pub(crate) fn actor_view(cfg: &PpoConfig, model_dir: &Path) -> SftConfig {
     t.resume_mode = p.resume_mode;
     t.resume_from_path = p.resume_from_path.clone();
     t.device = p.device.clone();
+    t.max_restarts = p.max_restarts;
     view
 }
 

@@ -436,6 +436,9 @@ pub struct TrainerConfig {
     /// ferl: seed of shuffling and of everything else random (verl has no such key; `data.seed` and
     /// `actor_rollout_ref.rollout.seed` are more specific).
     pub seed: u64,
+    /// ferl: times the run restarts its ranks after one fails, resuming from its newest checkpoint (as `ferl sft`'s
+    /// key); 0 fails the run at the first failure.
+    pub max_restarts: usize,
 }
 
 impl Default for TrainerConfig {
@@ -466,6 +469,7 @@ impl Default for TrainerConfig {
             max_critic_ckpt_to_keep: None,
             device: "cuda".into(),
             seed: 1,
+            max_restarts: 0,
         }
     }
 }

@@ -23,6 +23,7 @@ use super::batch::RlBatch;
 use super::grpo_step::GrpoStep;
 use super::policy_worker::{ActorUpdateConfig, PolicyWorker};
 use super::reward::Reward;
+use super::roles::ReferencePolicy;
 use super::{check_outcome_estimator, ActorLossConfig, AdvEstimator};
 use crate::engine::Engine;
 use crate::optim::{AdamWConfig, LrSchedule, ScheduleKind};
@@ -283,7 +284,7 @@ impl<P: ParamStore> GrpoTrainer<P> {
             device
         };
         let reference = match settings.loss.use_kl_loss {
-            true => Some(frozen_copy(&mut engine)?),
+            true => Some(Box::new(frozen_copy(&mut engine)?) as Box<dyn ReferencePolicy>),
             false => None,
         };
         let schedule = LrSchedule {

@@ -17,12 +17,9 @@
 
 use super::batch::{RlBatch, RlRow};
 use super::grpo::{data_metrics, derive_seed, timed, Decoder, GrpoPrompt, GrpoSettings};
-use super::policy_worker::compute_log_prob_rows;
 use super::reward::{score_rows, Reward};
-use super::roles::PolicyRole;
+use super::roles::{PolicyRole, ReferencePolicy};
 use super::{agg_loss, outcome_advantage, sum_tensor_over_ranks, GlobalBatch, GrpoStepOutput};
-use crate::engine::Engine;
-use crate::params::LocalParams;
 use crate::rollout::GenerationConfig;
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
@@ -35,8 +32,8 @@ use tch::Tensor;
 pub struct GrpoStep {
     /// The run's settings.
     pub settings: GrpoSettings,
-    /// The reference policy (a frozen copy of the initial weights) when `use_kl_loss` asks for one.
-    pub reference: Option<Engine<LocalParams>>,
+    /// The reference policy (the initial weights, frozen) when `use_kl_loss` asks for one.
+    pub reference: Option<Box<dyn ReferencePolicy>>,
     reward: Box<dyn Reward>,
     decoder: Option<Decoder>,
     /// Steps completed (the next step's 0-based index).
@@ -47,7 +44,7 @@ impl GrpoStep {
     /// A step scoring with `reward`, with `reference` for the KL loss (required when `use_kl_loss` is set).
     pub fn new(
         settings: GrpoSettings,
-        reference: Option<Engine<LocalParams>>,
+        reference: Option<Box<dyn ReferencePolicy>>,
         reward: Box<dyn Reward>,
     ) -> Result<Self> {
         settings.validate()?;
@@ -195,13 +192,11 @@ impl GrpoStep {
             bail!("no reference policy");
         };
         let mine: Vec<usize> = rows.clone().collect();
-        let (lp, _) = compute_log_prob_rows(
-            reference,
+        let lp = reference.log_prob_rows(
             batch,
             &mine,
             s.ref_log_prob_micro_batch_size,
             s.log_prob_temperature(),
-            false,
             policy.device(),
         )?;
         if policy.share().world == 1 {

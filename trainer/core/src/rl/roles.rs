@@ -1,10 +1,12 @@
 //! The roles a GRPO step asks for, whatever runs them: [`PolicyRole`] is the policy (old log-probabilities, the
-//! update, the rollout's weights, sums over the data-parallel ranks). [`StepperPolicy`] implements it over a
+//! update, the rollout's weights, sums over the data-parallel ranks); [`ReferencePolicy`] is the frozen reference
+//! (an engine over any store: a whole copy in one process, or shards of a frozen store on trainer ranks). [`StepperPolicy`] implements it over a
 //! stepper — a one-process [`super::PolicyWorker`]'s, or a trainer rank's sharded one — so the step
 //! ([`super::grpo_step::GrpoStep`]) is written once for one process and for every rank of a sharded run.
 
 use super::batch::RlBatch;
-use super::policy_worker::{ActorUpdateConfig, DataShare, StepperPolicy};
+use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare, StepperPolicy};
+use crate::engine::Engine;
 use crate::params::ParamStore;
 use crate::rollout::RolloutModel;
 use anyhow::Result;
@@ -75,5 +77,42 @@ impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
         let engine = &mut self.stepper.engine;
         let (cfg, kind) = (engine.config().clone(), engine.compute_kind());
         RolloutModel::from_store(cfg, engine.store_mut(), kind)
+    }
+}
+
+/// The frozen reference policy as a GRPO step uses it: log-probabilities of some rows, no gradients. A sharded
+/// reference gathers its stages with collectives, so every rank calls it with as many rows.
+pub trait ReferencePolicy {
+    /// `[rows, width]` log-probabilities of the rows `rows` of `batch` (zeros elsewhere) at `temperature`,
+    /// `micro_batch_size` rows per forward on `device`.
+    fn log_prob_rows(
+        &mut self,
+        batch: &RlBatch,
+        rows: &[usize],
+        micro_batch_size: usize,
+        temperature: f64,
+        device: Device,
+    ) -> Result<Tensor>;
+}
+
+impl<P: ParamStore> ReferencePolicy for Engine<P> {
+    fn log_prob_rows(
+        &mut self,
+        batch: &RlBatch,
+        rows: &[usize],
+        micro_batch_size: usize,
+        temperature: f64,
+        device: Device,
+    ) -> Result<Tensor> {
+        let (lp, _) = compute_log_prob_rows(
+            self,
+            batch,
+            rows,
+            micro_batch_size,
+            temperature,
+            false,
+            device,
+        )?;
+        Ok(lp)
     }
 }
