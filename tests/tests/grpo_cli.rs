@@ -238,7 +238,7 @@ fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
     let clean = run_ferl(&grpo_args(d, "clean", 6, &shape));
     assert!(clean.status.success(), "{}", text(&clean));
     let restarts = [&shape[..], &["trainer.max_restarts=1"]].concat();
-    let mut launcher = Command::new(ferl_binary())
+    let launcher = Command::new(ferl_binary())
         .env("OMP_NUM_THREADS", "1")
         .args(grpo_args(d, "killed", 6, &restarts))
         .stdout(std::process::Stdio::piped())
