@@ -2,6 +2,7 @@
 //! config overrides of a short run, the single-process reference run, and the driver binary's path.
 
 pub mod cluster;
+pub mod rl;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -10,8 +10,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use ferl::plugins::cargo_build::{build_plugin, workspace_root, PluginBuild};
 use ferl_data::SftTokenizer;
+use ferl_tests::rl::template_reward;
 use ferl_tests::*;
 use serde_json::Value;
 use tch::{Kind, Tensor};
@@ -150,20 +150,6 @@ fn ferl_generate_writes_responses_without_special_tokens() {
             );
         }
     }
-}
-
-/// The plugin template's exact-match reward (`--features reward`), built once into the cache the host's tests share.
-fn template_reward() -> PathBuf {
-    let ws = workspace_root(&repo_root()).unwrap();
-    let spec = PluginBuild {
-        package: "ferl-plugin-template".into(),
-        features: vec!["reward".into()],
-        ..Default::default()
-    };
-    let target = std::env::temp_dir()
-        .join("ferl-plugin-builds")
-        .join("ferl-plugin-template-reward");
-    build_plugin(&ws, &target, &spec).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 #[test]
