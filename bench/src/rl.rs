@@ -27,11 +27,15 @@
 //!   model folder the generation rows wrote. [`grpo`]'s `grpo_step_update_weights_s` is the colocated snapshot inside
 //!   one process instead.
 //!
+//! - [`ranks`]: `ferl grpo` on the trainer ranks at world 1 and 2 (`--ranks-model tiny|0.5b`): step time, peak memory
+//!   per rank and the colocated weight gather beside a memory-copy ceiling.
+//!
 //! `--no-gen` skips the generation rows, `--no-sync` the weight-sync rows, `--grpo-steps 0` the GRPO rows.
 
 mod generation;
 mod grpo;
 mod products;
+mod ranks;
 mod sync;
 
 use crate::report::Report;
@@ -75,6 +79,15 @@ pub(crate) struct RlArgs {
     /// Skip the weight-sync rows.
     #[arg(long)]
     no_sync: bool,
+    /// The model of the trainer-rank rows (`ferl grpo` at world 1 and 2): tiny, 0.5b, or none to skip them.
+    #[arg(long, default_value = "none")]
+    ranks_model: String,
+    /// Runs per world of the trainer-rank rows (their median, min and max are reported).
+    #[arg(long, default_value_t = 3)]
+    ranks_runs: usize,
+    /// Timed steps per run of the trainer-rank rows (after a warm-up step).
+    #[arg(long, default_value_t = 2)]
+    ranks_steps: usize,
     /// Tokenizer folder (copied into the models; renders the prompts).
     #[arg(long, default_value = "assets/tokenizers/qwen3")]
     tokenizer: PathBuf,
@@ -110,6 +123,12 @@ pub(crate) fn run(a: RlArgs, out: &mut Report) -> Result<()> {
         "both" => &["tiny", "0.5b"],
         other => bail!("--model {other}: expected tiny, 0.5b or both"),
     };
+    if !["none", "tiny", "0.5b"].contains(&a.ranks_model.as_str()) {
+        bail!(
+            "--ranks-model {}: expected tiny, 0.5b or none",
+            a.ranks_model
+        );
+    }
     if a.batch == 0 || a.new_tokens == 0 || a.repeats == 0 || a.sync_repeats == 0 {
         bail!("--batch, --new-tokens, --repeats and --sync-repeats must be positive");
     }
@@ -147,6 +166,11 @@ fn measure(a: &RlArgs, models: &[&str], dir: &Path, out: &mut Report) -> Result<
         if !a.no_sync {
             sync::run(a, name, &model, out)?;
         }
+        std::fs::remove_dir_all(&model)?;
+    }
+    if a.ranks_model != "none" {
+        let model = write_model(a, &a.ranks_model, dir)?;
+        ranks::run(a, &a.ranks_model, &model, dir, out)?;
         std::fs::remove_dir_all(&model)?;
     }
     if a.grpo_steps > 0 {

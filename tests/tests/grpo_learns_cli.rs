@@ -68,15 +68,25 @@ fn grpo_on_two_ranks_learns_the_digit_task_through_the_cli() {
     let curve: Vec<f64> = std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["critic/score/mean"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["critic/score/mean"]
+                .as_f64()
+                .unwrap()
+        })
         .collect();
     let shown: Vec<String> = curve.iter().map(|r| format!("{r:.2}")).collect();
     println!("mean reward per step: {}", shown.join(" "));
     assert_eq!(curve.len(), STEPS);
     assert!(curve[0] < 0.3, "the random policy starts low: {}", curve[0]);
     let reached = curve.iter().position(|&r| r >= 0.8);
-    assert!(reached.is_some(), "the mean reward never reached 0.8: {shown:?}");
+    assert!(
+        reached.is_some(),
+        "the mean reward never reached 0.8: {shown:?}"
+    );
     println!("0.8 first reached at step {}", reached.unwrap() + 1);
     let last: f64 = curve[STEPS - 10..].iter().sum::<f64>() / 10.0;
-    assert!(last >= 0.75, "the task stays learned: {last} over the last 10 steps");
+    assert!(
+        last >= 0.75,
+        "the task stays learned: {last} over the last 10 steps"
+    );
 }
