@@ -332,10 +332,7 @@ pub fn run_from_env(mut cfg: SftConfig) -> Result<RunSummary> {
         )?;
         (None, LoggerRegistry::default())
     };
-    // torchrun's agent already serves its own store at MASTER_PORT; ranks then meet on the next port.
-    if std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true")) {
-        std::env::set_var("MASTER_PORT", (launch.master_port + 1).to_string());
-    }
+    crate::spmd::meet_beside_torchrun_store(&launch);
     // SLURM's --gpus-per-task leaves one visible device per task; torchrun leaves all of them.
     let visible = match cfg.trainer.device.as_str() {
         "cuda" if run::cuda_is_available() => tch::Cuda::device_count().max(1) as usize,

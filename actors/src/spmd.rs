@@ -215,6 +215,14 @@ impl StepExecutor for SpmdExecutor {
     }
 }
 
+/// Under torchrun, whose agent already serves its own store at `MASTER_PORT`, points this rank's rendezvous at the
+/// next port (every rank of the launch does the same).
+pub fn meet_beside_torchrun_store(launch: &ferl_collective::LaunchEnv) {
+    if std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v.eq_ignore_ascii_case("true")) {
+        std::env::set_var("MASTER_PORT", (launch.master_port + 1).to_string());
+    }
+}
+
 /// A group of one rank (this process), on `device`.
 pub fn world_of_one(device: Device) -> Result<Arc<dyn Communicator>> {
     let options = GroupOptions {

@@ -195,29 +195,6 @@ fn sft_as_two_env_ranks(ferl: &Path, keys: &[String]) {
     }
 }
 
-/// The venv's `torchrun`, or `None` (with the reason printed).
-fn torchrun() -> Option<PathBuf> {
-    let venv = std::env::var_os("FERL_VENV")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/ferl/venv")))?;
-    let bin = venv.join("bin/torchrun");
-    if bin.exists() {
-        Some(bin)
-    } else {
-        // Under CI a missing reference environment fails the run: parity tests never pass vacuously there.
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI=true but no torchrun at {}: .ci/run must install it (scripts/setup.sh)",
-            bin.display()
-        );
-        println!(
-            "SKIP: no torchrun at {} (run scripts/setup.sh)",
-            bin.display()
-        );
-        None
-    }
-}
-
 #[test]
 fn ferl_sft_under_torchrun_matches_single_process() {
     let Some(torchrun) = torchrun() else { return };

@@ -221,6 +221,41 @@ fn grpo_on_2_and_4_ranks_equals_one_process_and_resumes_across_world_sizes() {
     assert_same_steps("1 process resumed on 2 ranks", &one, &r12, 1e-5);
 }
 
+#[test]
+fn grpo_under_torchrun_equals_one_process() {
+    let Some(torchrun) = torchrun() else { return };
+    let dir = fixture();
+    let d = dir.path();
+    let shape = [
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    ];
+    let one = run_ferl(&grpo_args(d, "w1", 3, &shape));
+    assert!(one.status.success(), "{}", text(&one));
+    // torchrun opens its own sockets: it runs in a private network namespace with only loopback.
+    let args = grpo_args(d, "torchrun", 3, &shape);
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "ip link set lo up && exec {} --no-python --standalone --nnodes=1 --nproc_per_node=2 {} {}",
+        torchrun.display(),
+        ferl_binary().display(),
+        quoted.join(" ")
+    );
+    let out = Command::new("unshare")
+        .args(["-n", "bash", "-c", &script])
+        .env("OMP_NUM_THREADS", "1")
+        .env("FERL_JOB_SECRET", job_secret_hex())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_same_steps(
+        "2 ranks under torchrun",
+        &metrics(&d.join("w1")),
+        &metrics(&d.join("torchrun")),
+        1e-5,
+    );
+}
+
 /// The pids of `pid`'s child processes.
 fn children(pid: u32) -> Vec<u32> {
     let path = format!("/proc/{pid}/task/{pid}/children");

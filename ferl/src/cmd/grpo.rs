@@ -131,7 +131,8 @@ fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::R
     }
     let device = Device::Cpu;
     let (comm, subgroups) = match &env {
-        Some(_) => {
+        Some(launch) => {
+            ferl_actors::spmd::meet_beside_torchrun_store(launch);
             let (comm, sub) = init_groups_from_env(device)
                 .context("joining the group from the launcher environment")?;
             (comm, Some(sub))
