@@ -2,7 +2,7 @@
 //! `--nproc-per-node 2`, and as two ranks under a torchrun-style environment. The per-step losses it logs to
 //! `metrics.jsonl` must match the single-process trainer.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use ferl_tests::*;
