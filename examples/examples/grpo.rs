@@ -1,7 +1,8 @@
 //! GRPO with its roles as actors, driven from this process (verl's single controller): a policy actor on one
-//! resource group, two rollout actors on another. Each step is `GrpoDriver::step`, the one step of the actor path
-//! (generate → reward → old and reference log-probabilities → advantages → update → weight sync); this file only
-//! chooses the task, the reward, the settings and the placement.
+//! resource group, two rollout actors on another. Each step is `GrpoDriver::step`: the one GRPO step every path runs
+//! (`ferl_trainer::rl::GrpoStep`: generate → reward → old and reference log-probabilities → advantages → update →
+//! weight sync) over actor-backed roles; this file only chooses the task, the reward, the settings and the
+//! placement.
 //!
 //! The task: a tiny random Qwen2 made in a temp folder (vocabulary 16: BOS 1, EOS 2, digits 3..=12), prompted with
 //! `[BOS, d]`, earns 1 when its first response token is `d`. The mean reward climbs from about 0.06 to over 0.8.

@@ -2,10 +2,10 @@
 //! advantages; [`Rollout`] actors generate; the [`PolicyActor`] computes log-probabilities and updates; after each
 //! update the driver moves the policy's weights to every rollout actor ([`sync_weights`]).
 //!
-//! One [`GrpoDriver::step`] is `GrpoTrainer::step` with each stage a call: the same seeds
-//! ([`derive_seed`]`(seed, k, 0)` for the sampling of step `k`, stream 1 for the shuffles), the same functions on the
-//! same values, so given the same weights it generates the same responses and computes the same metrics (timings
-//! aside).
+//! One [`GrpoDriver::step`] is the one GRPO step ([`GrpoStep`], the code `GrpoTrainer::step` and every trainer
+//! rank run) over actor-backed roles ([`super::remote`]): the same seeds, the same functions on the same values, so
+//! given the same weights it generates the same responses and computes the same metrics (timings aside), whatever
+//! the placement and number of rollout actors (each row samples from its own stream).
 //!
 //! # Placements ([`Placement`])
 //! - `Colocated`: one resource group of one bundle; the policy actor and the rollout actors are separate processes
@@ -15,24 +15,21 @@
 //!   separate resource pools); the weight sync crosses nodes when the groups do, fetched once per node.
 
 use super::messages::{
-    token_matrix, ComputeLogProb, Generate, Generations, LoadState, LoadWeights, PublishWeights,
-    ReleaseWeights, SaveState, UpdatePolicy, WeightsSource, WireDtype,
+    LoadState, LoadWeights, PublishWeights, ReleaseWeights, SaveState, WeightsSource, WireDtype,
 };
 use super::policy::{PolicyActor, PolicyArgs};
+use super::remote::{ActorPolicy, ActorReference, ActorRollouts};
 use super::rollout::{Rollout, RolloutArgs};
 use anyhow::{bail, Context as _, Result};
-use ferl_runtime::{
-    bundle, split_even, ActorRef, Cluster, ResourceGroup, SpawnOptions, Strategy, WorkerGroup,
-};
-use ferl_trainer::rl::grpo::{data_metrics, Decoder};
+use ferl_runtime::{bundle, ActorRef, Cluster, ResourceGroup, SpawnOptions, Strategy, WorkerGroup};
+use ferl_trainer::rl::grpo::Decoder;
 use ferl_trainer::rl::{
-    agg_loss, derive_seed, outcome_advantage, score_batch, GlobalBatch, GrpoPrompt, GrpoSettings,
-    GrpoStepOutput, Reward, RlBatch,
+    GrpoPrompt, GrpoSettings, GrpoStep, GrpoStepOutput, ReferencePolicy, Reward,
 };
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tch::{Device, Tensor};
+use tokio::runtime::Handle;
 
 /// Where the roles run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -222,53 +219,42 @@ pub async fn sync_weights(
     })
 }
 
-/// Runs `f`, recording its wall time as `timing_s/<key>`.
-async fn timed<T>(
-    timing: &mut BTreeMap<String, f64>,
-    key: &str,
-    f: impl std::future::Future<Output = Result<T>>,
-) -> Result<T> {
-    let start = Instant::now();
-    let out = f.await?;
-    timing.insert(format!("timing_s/{key}"), start.elapsed().as_secs_f64());
-    Ok(out)
-}
-
-/// GRPO driven from this process over the role actors (see the module docs).
+/// GRPO driven from this process over the role actors (see the module docs): the one step
+/// ([`GrpoStep`]) over the actor-backed roles of [`super::remote`].
 pub struct GrpoDriver {
     cluster: Cluster,
     roles: GrpoRoles,
-    settings: GrpoSettings,
-    reward: Box<dyn Reward>,
-    decoder: Option<Decoder>,
-    completed: u64,
+    step: GrpoStep,
     sync_dtype: WireDtype,
 }
 
 impl GrpoDriver {
     /// A driver of `roles` (spawned from the initial weights) with `settings`, scoring with `reward`. Weights are
-    /// synced as fp32.
+    /// synced as fp32. Call it inside the runtime the actors run on (a multi-threaded one: the step blocks in
+    /// place).
     pub fn new(
         cluster: &Cluster,
         roles: GrpoRoles,
         settings: GrpoSettings,
         reward: Box<dyn Reward>,
     ) -> Result<Self> {
-        settings.validate()?;
+        let reference = settings.loss.use_kl_loss.then(|| {
+            Box::new(ActorReference {
+                handle: Handle::current(),
+                actor: roles.policy.clone(),
+            }) as Box<dyn ReferencePolicy>
+        });
         Ok(Self {
             cluster: cluster.clone(),
+            step: GrpoStep::new(settings, reference, reward)?,
             roles,
-            settings,
-            reward,
-            decoder: None,
-            completed: 0,
             sync_dtype: WireDtype::F32,
         })
     }
 
     /// Decodes responses for the reward with `decoder` (without one the reward sees empty response texts).
     pub fn set_decoder(&mut self, decoder: Decoder) {
-        self.decoder = Some(decoder);
+        self.step.set_decoder(decoder);
     }
 
     /// Sends weights to the rollout actors as `dtype` (bf16 halves the bytes; use it with bf16 rollouts).
@@ -283,129 +269,36 @@ impl GrpoDriver {
 
     /// The settings.
     pub fn settings(&self) -> &GrpoSettings {
-        &self.settings
+        &self.step.settings
     }
 
     /// Steps completed.
     pub fn global_step(&self) -> u64 {
-        self.completed
+        self.step.completed
     }
 
-    /// One GRPO step over `prompts`: generate, reward, old and reference log-probabilities, advantages, update,
-    /// weight sync. Returns verl's metrics (`critic/*`, `response_length/*`, `actor/*`, `timing_s/*`, and the
-    /// sync's `perf/weight_sync_*`) and the batch.
+    /// One GRPO step over `prompts` ([`GrpoStep::run`] on the actors: generate on the rollout actors, reward here,
+    /// old and reference log-probabilities and the update on the policy actor, then the weight sync). Returns verl's
+    /// metrics (`critic/*`, `response_length/*`, `actor/*`, `timing_s/*`, and the sync's `perf/weight_sync_*`) and
+    /// the batch.
     pub async fn step(&mut self, prompts: &[GrpoPrompt]) -> Result<GrpoStepOutput> {
-        if prompts.is_empty() {
-            bail!("a GRPO step needs at least one prompt");
-        }
-        let started = Instant::now();
-        let mut timing = BTreeMap::new();
-        let mut batch = timed(&mut timing, "gen", self.generate(prompts)).await?;
-        let reward_start = Instant::now();
-        batch.rewards = Some(score_batch(self.reward.as_mut(), &batch)?);
-        let reward_s = reward_start.elapsed().as_secs_f64();
-        timing.insert("timing_s/reward".into(), reward_s);
-        let mask = batch.response_mask(Device::Cpu);
-        let entropy = self.log_probs(&mut batch, &mut timing).await?;
-        let adv_start = Instant::now();
-        batch.advantages = Some(self.advantages(&batch, &mask)?);
-        timing.insert("timing_s/adv".into(), adv_start.elapsed().as_secs_f64());
-        let actor_metrics = timed(&mut timing, "update_actor", self.update(&batch)).await?;
+        let handle = Handle::current();
         let roles = &self.roles;
-        let sync = sync_weights(&roles.policy, &roles.rollouts, self.sync_dtype).await?;
-        self.completed += 1;
-        let s = &self.settings;
-        let mut metrics = data_metrics(&batch, &mask, s.max_response_length)?;
-        if let Some(h) = entropy {
-            let e = agg_loss(&h, &mask, s.loss.loss_agg_mode, GlobalBatch::default())?;
-            metrics.insert("actor/entropy".into(), e.double_value(&[]));
-        }
-        metrics.extend(actor_metrics);
-        metrics.extend(timing);
-        metrics.extend(sync.metrics());
-        metrics.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
-        Ok(GrpoStepOutput {
-            step: self.completed,
-            metrics,
-            batch,
-        })
-    }
-
-    /// `n` responses per prompt, the prompts split evenly over the rollout actors, all sampling with
-    /// `derive_seed(seed, step, 0)` and each row from its own stream (its index in the step's batch): the responses
-    /// are `GrpoTrainer`'s whatever the number of rollout actors.
-    async fn generate(&self, prompts: &[GrpoPrompt]) -> Result<RlBatch> {
-        let s = &self.settings;
-        let seed = derive_seed(s.seed, self.completed, 0);
-        let rollouts = &self.roles.rollouts;
-        let chunks = split_even(prompts.to_vec(), rollouts.len());
-        let mut first_row = 0;
-        let mut messages = Vec::with_capacity(chunks.len());
-        for chunk in &chunks {
-            messages.push(Generate::new(chunk, s, seed, first_row));
-            first_row += (chunk.len() * s.n) as u64;
-        }
-        let mut all = Generations::default();
-        for g in rollouts.call_each(messages).await? {
-            all.responses.extend(g.responses);
-            all.log_probs.extend(g.log_probs);
-            all.stopped_at_eos.extend(g.stopped_at_eos);
-        }
-        all.into_batch(prompts, s.n, self.decoder.as_deref())
-    }
-
-    /// Fills the batch's old (and with `use_kl_loss` reference) log-probabilities; returns the entropies.
-    async fn log_probs(
-        &self,
-        batch: &mut RlBatch,
-        timing: &mut BTreeMap<String, f64>,
-    ) -> Result<Option<Tensor>> {
-        let s = &self.settings;
-        let (policy, t) = (&self.roles.policy, s.log_prob_temperature());
-        let mbs = s.log_prob_micro_batch_size;
-        let call = policy.call(ComputeLogProb::policy(batch, mbs, t, true));
-        let old = timed(timing, "old_log_prob", async { Ok(call.await?) }).await?;
-        batch.old_log_probs = Some(token_matrix(batch, &old.log_probs, Device::Cpu)?);
-        let entropy = match &old.entropies {
-            Some(h) => Some(token_matrix(batch, h, Device::Cpu)?),
-            None => None,
+        let mut policy = ActorPolicy {
+            handle: handle.clone(),
+            actor: roles.policy.clone(),
         };
-        if s.loss.use_kl_loss {
-            let mbs = s.ref_log_prob_micro_batch_size;
-            let call = policy.call(ComputeLogProb::reference(batch, mbs, t));
-            let r = timed(timing, "ref", async { Ok(call.await?) }).await?;
-            batch.ref_log_probs = Some(token_matrix(batch, &r.log_probs, Device::Cpu)?);
-        }
-        Ok(entropy)
-    }
-
-    /// The outcome advantages of `batch` (`[rows, width]`).
-    fn advantages(&self, batch: &RlBatch, mask: &Tensor) -> Result<Tensor> {
-        let rewards = batch.token_level_rewards(mask.device())?;
-        let uids = batch.uids();
-        let s = &self.settings;
-        outcome_advantage(
-            s.adv_estimator,
-            &rewards,
-            mask,
-            &uids,
-            s.norm_adv_by_std_in_grpo,
-        )
-    }
-
-    /// verl's `update_policy` on the policy actor; returns its `actor/*` metrics.
-    async fn update(&self, batch: &RlBatch) -> Result<BTreeMap<String, f64>> {
-        let s = &self.settings;
-        let cfg = s.update_config(self.completed);
-        let msg = UpdatePolicy::new(batch, &cfg)?;
-        Ok(self.roles.policy.call(msg).await?.into_iter().collect())
+        let mut rollouts =
+            ActorRollouts::new(handle, &roles.rollouts, &roles.policy, self.sync_dtype);
+        let step = &mut self.step;
+        tokio::task::block_in_place(|| step.run(&mut policy, &mut rollouts, prompts))
     }
 
     /// Writes the policy's state and this driver's step count to `dir` (the files of `GrpoTrainer::save`).
     pub async fn save(&self, dir: &Path) -> Result<()> {
         let msg = SaveState {
             dir: dir.display().to_string(),
-            global_step: self.completed,
+            global_step: self.step.completed,
         };
         Ok(self.roles.policy.call(msg).await?)
     }
@@ -416,7 +309,7 @@ impl GrpoDriver {
         let msg = LoadState {
             dir: dir.display().to_string(),
         };
-        self.completed = self.roles.policy.call(msg).await?;
+        self.step.completed = self.roles.policy.call(msg).await?;
         let roles = &self.roles;
         sync_weights(&roles.policy, &roles.rollouts, self.sync_dtype)
             .await

@@ -11,7 +11,7 @@ use ferl_trainer::rl::{
     ActorLossConfig, ActorUpdateConfig, ClipConfig, GrpoPrompt, GrpoSettings, KlPenalty,
     LossAggMode, RlBatch, RlRow,
 };
-use ferl_trainer::rollout::SamplingParams;
+use ferl_trainer::rollout::{GenerationConfig, SamplingParams};
 use rkyv::{Archive, Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -151,6 +151,20 @@ impl Generate {
             max_response_length: settings.max_response_length as u64,
             eos_token_ids: settings.eos_token_ids.clone(),
             pad_token_id: settings.pad_token_id,
+            first_row,
+        }
+    }
+
+    /// One response to each of `rows` (prompt token ids) generated as `config` says, the first being row
+    /// `first_row` of the step's batch.
+    pub fn rows(rows: Vec<Vec<i64>>, config: &GenerationConfig, first_row: u64) -> Self {
+        Self {
+            prompts: rows,
+            n: 1,
+            sampling: config.sampling.into(),
+            max_response_length: config.max_response_length as u64,
+            eos_token_ids: config.eos_token_ids.clone(),
+            pad_token_id: config.pad_token_id,
             first_row,
         }
     }

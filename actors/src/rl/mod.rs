@@ -18,6 +18,7 @@ pub mod driver;
 pub mod messages;
 pub mod policy;
 pub mod rank;
+pub mod remote;
 pub mod rollout;
 pub mod weights;
 

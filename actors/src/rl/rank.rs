@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
-use ferl_trainer::rl::{DataShare, GrpoPrompt, GrpoStep, StepperPolicy};
+use ferl_trainer::rl::{Colocated, DataShare, GrpoPrompt, GrpoStep, StepperPolicy};
 use ferl_trainer::run::{Phase, StepOutcome};
 
 use crate::rank::RankState;
@@ -45,7 +45,7 @@ impl RankAlgorithm for GrpoAlgorithm {
         };
         let out = self
             .step
-            .run(&mut policy, &chosen)
+            .run(&mut policy, &mut Colocated::default(), &chosen)
             .with_context(|| format!("rank {rank}"))?;
         let mut memory = vec![0.0; world];
         memory[rank] = crate::device_memory::peak_memory_bytes(device) as f64;

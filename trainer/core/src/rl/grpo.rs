@@ -23,7 +23,7 @@ use super::batch::RlBatch;
 use super::grpo_step::GrpoStep;
 use super::policy_worker::{ActorUpdateConfig, PolicyWorker};
 use super::reward::Reward;
-use super::roles::ReferencePolicy;
+use super::roles::{Colocated, ReferencePolicy};
 use super::{check_outcome_estimator, ActorLossConfig, AdvEstimator};
 use crate::engine::Engine;
 use crate::optim::{AdamWConfig, LrSchedule, ScheduleKind};
@@ -328,7 +328,8 @@ impl<P: ParamStore> GrpoTrainer<P> {
 
     /// One GRPO step over `prompts` ([`GrpoStep::run`]); returns its metrics and batch.
     pub fn step(&mut self, prompts: &[GrpoPrompt]) -> Result<GrpoStepOutput> {
-        self.step.run(&mut self.actor.lend(), prompts)
+        self.step
+            .run(&mut self.actor.lend(), &mut Colocated::default(), prompts)
     }
 
     /// Writes the policy's state ([`crate::rl::state`]) with this run's step counter to `dir`. The reference policy

@@ -2,8 +2,9 @@
 //! every rank of a sharded run (`ferl grpo` on any launch path) run this code. With `W` data-parallel ranks each
 //! rank takes the contiguous share `W` divides evenly of the step's `prompts × n` rows:
 //!
-//! 1. `update_weights` + `gen`: the policy's weights are gathered into a rollout model (colocated: the whole model
-//!    beside this rank's shard until generation ends), and the rank generates its rows. Row `i` samples from its own
+//! 1. `update_weights` + `gen`: the [`RolloutRole`] generates the rank's rows — colocated, from the policy's weights
+//!    gathered into a rollout model (the whole model beside this rank's shard until generation ends); on a separate
+//!    pool, by rollout actors synced after each update. Row `i` samples from its own
 //!    stream ([`crate::rollout::GenerationConfig::first_row`]) of `derive_seed(seed, step, 0)`, so its tokens do not
 //!    depend on the rank or the number of ranks. One sum over the ranks gives every rank every response.
 //! 2. `reward`: each rank scores its rows; one sum gives every rank every score.
@@ -18,7 +19,7 @@
 use super::batch::{RlBatch, RlRow};
 use super::grpo::{data_metrics, derive_seed, timed, Decoder, GrpoPrompt, GrpoSettings};
 use super::reward::{score_rows, Reward};
-use super::roles::{PolicyRole, ReferencePolicy};
+use super::roles::{PolicyRole, ReferencePolicy, RolloutRole};
 use super::{agg_loss, outcome_advantage, sum_tensor_over_ranks, GlobalBatch, GrpoStepOutput};
 use crate::rollout::GenerationConfig;
 use anyhow::{bail, Result};
@@ -65,10 +66,12 @@ impl GrpoStep {
         self.decoder = Some(decoder);
     }
 
-    /// One step over `prompts` with `policy` (see the module docs); every data-parallel rank calls it alike.
+    /// One step over `prompts` with `policy`, generating with `rollout` (see the module docs); every data-parallel
+    /// rank calls it alike.
     pub fn run(
         &mut self,
         policy: &mut dyn PolicyRole,
+        rollout: &mut dyn RolloutRole,
         prompts: &[GrpoPrompt],
     ) -> Result<GrpoStepOutput> {
         if prompts.is_empty() {
@@ -79,16 +82,10 @@ impl GrpoStep {
         let rows = self.my_rows(policy, prompts.len())?;
         let temperature = s.log_prob_temperature();
         let mut timing = BTreeMap::new();
-        let rollout = timed(&mut timing, "update_weights", || policy.rollout_model())?;
-        let mine = timed(&mut timing, "gen", || {
-            let config = self.generation(step, rows.start as u64);
-            let expanded: Vec<Vec<i64>> =
-                rows.clone().map(|i| prompts[i / s.n].ids.clone()).collect();
-            rollout.generate(&expanded, &config)
-        })?;
-        drop(rollout);
-        let responses: Vec<Vec<i64>> = mine.into_iter().map(|g| g.response).collect();
-        let responses = exchange_responses(policy, &rows, responses, prompts.len() * s.n, &s)?;
+        let config = self.generation(step, rows.start as u64);
+        let expanded: Vec<Vec<i64>> = rows.clone().map(|i| prompts[i / s.n].ids.clone()).collect();
+        let mine = rollout.generate(policy, &expanded, &config)?;
+        let responses = exchange_responses(policy, &rows, mine, prompts.len() * s.n, &s)?;
         let mut batch = self.batch(prompts, responses);
         let rewards = timed(&mut timing, "reward", || {
             let scores = score_rows(self.reward.as_mut(), &batch, rows.clone())?;
@@ -112,6 +109,7 @@ impl GrpoStep {
         let actor_metrics = timed(&mut timing, "update_actor", || {
             policy.update_policy(&batch, &cfg)
         })?;
+        rollout.after_update(policy)?;
         self.completed += 1;
         let mut metrics = data_metrics(&batch, &mask, s.max_response_length)?;
         if let Some(h) = entropy {
@@ -120,6 +118,7 @@ impl GrpoStep {
         }
         metrics.extend(actor_metrics);
         metrics.extend(timing);
+        metrics.extend(rollout.take_metrics());
         metrics.insert("timing_s/step".into(), started.elapsed().as_secs_f64());
         Ok(GrpoStepOutput {
             step: self.completed,

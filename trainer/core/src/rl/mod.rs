@@ -47,7 +47,7 @@ pub use policy_worker::{
     PolicyWorker, StepperPolicy, SumOverRanks,
 };
 pub use reward::{score_batch, score_rows, FnReward, Reward, RewardRow};
-pub use roles::{PolicyRole, ReferencePolicy};
+pub use roles::{Colocated, PolicyRole, ReferencePolicy, RolloutRole};
 pub use token_loss::{ActorLossMetrics, ActorRows, ActorTokenLoss};
 
 /// `values` summed where `mask` is non-zero (masked positions count as 0 even when NaN), over all dimensions or

@@ -1,6 +1,8 @@
 //! The roles a GRPO step asks for, whatever runs them: [`PolicyRole`] is the policy (old log-probabilities, the
 //! update, the rollout's weights, sums over the data-parallel ranks); [`ReferencePolicy`] is the frozen reference
-//! (an engine over any store: a whole copy in one process, or shards of a frozen store on trainer ranks). [`StepperPolicy`] implements it over a
+//! (an engine over any store: a whole copy in one process, or shards of a frozen store on trainer ranks);
+//! [`RolloutRole`] generates: [`Colocated`] from the policy's own weights gathered for the step, or rollout actors on
+//! a separate pool (`ferl_actors::rl`) whose weights are synced after each update. [`StepperPolicy`] implements it over a
 //! stepper — a one-process [`super::PolicyWorker`]'s, or a trainer rank's sharded one — so the step
 //! ([`super::grpo_step::GrpoStep`]) is written once for one process and for every rank of a sharded run.
 
@@ -8,9 +10,10 @@ use super::batch::RlBatch;
 use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare, StepperPolicy};
 use crate::engine::Engine;
 use crate::params::ParamStore;
-use crate::rollout::RolloutModel;
+use crate::rollout::{GenerationConfig, RolloutModel};
 use anyhow::Result;
 use std::collections::BTreeMap;
+use std::time::Instant;
 use tch::{Device, Tensor};
 
 /// The policy as a GRPO step uses it. Every data-parallel rank calls the same methods in the same order (they hold
@@ -114,5 +117,57 @@ impl<P: ParamStore> ReferencePolicy for Engine<P> {
             device,
         )?;
         Ok(lp)
+    }
+}
+
+/// Where responses come from.
+pub trait RolloutRole {
+    /// A response (token ids) to each of `prompts` (one row each; the first is row `config.first_row` of the step's
+    /// batch) sampled with `config`.
+    fn generate(
+        &mut self,
+        policy: &mut dyn PolicyRole,
+        prompts: &[Vec<i64>],
+        config: &GenerationConfig,
+    ) -> Result<Vec<Vec<i64>>>;
+    /// Called after the policy's update (a separate pool syncs its weights here).
+    fn after_update(&mut self, policy: &mut dyn PolicyRole) -> Result<()>;
+    /// The step's rollout metrics (`timing_s/gen`, `timing_s/update_weights`, ...), taken once per step.
+    fn take_metrics(&mut self) -> BTreeMap<String, f64>;
+}
+
+/// The colocated rollout (verl's hybrid engine): before generating, the policy's weights are gathered into a
+/// rollout model (`timing_s/update_weights`), which is dropped as soon as generation ends (`timing_s/gen`), before
+/// the update.
+#[derive(Default)]
+pub struct Colocated {
+    metrics: BTreeMap<String, f64>,
+}
+
+impl RolloutRole for Colocated {
+    fn generate(
+        &mut self,
+        policy: &mut dyn PolicyRole,
+        prompts: &[Vec<i64>],
+        config: &GenerationConfig,
+    ) -> Result<Vec<Vec<i64>>> {
+        let started = Instant::now();
+        let rollout = policy.rollout_model()?;
+        let gathered = Instant::now();
+        let out = rollout.generate(prompts, config)?;
+        drop(rollout);
+        let m = &mut self.metrics;
+        let gather_s = (gathered - started).as_secs_f64();
+        m.insert("timing_s/update_weights".into(), gather_s);
+        m.insert("timing_s/gen".into(), gathered.elapsed().as_secs_f64());
+        Ok(out.into_iter().map(|g| g.response).collect())
+    }
+
+    fn after_update(&mut self, _policy: &mut dyn PolicyRole) -> Result<()> {
+        Ok(())
+    }
+
+    fn take_metrics(&mut self) -> BTreeMap<String, f64> {
+        std::mem::take(&mut self.metrics)
     }
 }
