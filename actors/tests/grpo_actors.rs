@@ -1,5 +1,5 @@
 //! GRPO's roles as actors on an embedded cluster (workers run `ferl-actors-worker`), on the digit task of
-//! `trainer/core/tests/grpo_learns.rs`: a tiny random Qwen2 (vocabulary 16: pad 0, BOS 1, EOS 2, digits 3..=12)
+//! `trainer/rl/tests/grpo_learns.rs`: a tiny random Qwen2 (vocabulary 16: pad 0, BOS 1, EOS 2, digits 3..=12)
 //! prompted with `[BOS, d]`, twice per digit, earning 1 when its first response token is `d`. Asserted:
 //! - `separate_groups_learn_and_match_the_one_process_trainer`: with the policy and the rollout on separate
 //!   resource groups, the mean reward reaches 0.8 within [`MAX_STEPS`] steps, and every step's responses, rewards
@@ -16,7 +16,7 @@
 //!
 //! Run them one per process (`cargo nextest run -p ferl-actors --test grpo_actors`, or `--test-threads=1`).
 
-#[path = "../../trainer/core/tests/common/digits.rs"]
+#[path = "../../trainer/rl/tests/common/digits.rs"]
 mod digits;
 
 use digits::{assert_same_step, model_dir, prompts, reward, settings, BOS, EOS, MAX_STEPS};
@@ -25,10 +25,10 @@ use ferl_actors::rl::{
     run_grpo_on_groups, spawn_roles, sync_weights, ExportWeights, Generate, GrpoDriver, GrpoRoles,
     Placement, RoleOptions, Sampling, WireDtype,
 };
+use ferl_rl::GrpoTrainer;
 use ferl_runtime::{Cluster, HeadOptions, NodeOptions};
 use ferl_trainer::model::{init_model, load_model};
 use ferl_trainer::params::LocalParams;
-use ferl_trainer::rl::GrpoTrainer;
 use ferl_trainer::rollout::{Generated, GenerationConfig, RolloutModel, SamplingParams};
 use std::path::Path;
 use std::time::Instant;

@@ -11,7 +11,7 @@
 //!   memory read bandwidth measured in the same run, the weights' bytes per decode step, ferl's prefill time, and
 //!   from them `gen_ceiling_tokens_per_s_<model>` beside `gen_goal_tokens_per_s_<model>` (twice transformers); and
 //!   [`products`]: one decode step's weight products, sgemm beside ferl's kernel.
-//! - [`grpo`]: one [`GrpoTrainer::step`](ferl::trainer::rl::GrpoTrainer::step) of the tiny Qwen2, its `timing_s/*`
+//! - [`grpo`]: one [`GrpoTrainer::step`](ferl::rl::GrpoTrainer::step) of the tiny Qwen2, its `timing_s/*`
 //!   averaged over `--grpo-steps` steps after a warm-up step, rows `grpo_step_<phase>_s` and `grpo_step_total_s`.
 //!
 //! Models (`--model tiny|0.5b|both`): `tiny` is the train suite's tiny Qwen2 (`tiny-qwen2`: hidden 128, 4 layers,

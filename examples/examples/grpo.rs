@@ -1,6 +1,6 @@
 //! GRPO with its roles as actors, driven from this process (verl's single controller): a policy actor on one
 //! resource group, two rollout actors on another. Each step is `GrpoDriver::step`: the one GRPO step every path runs
-//! (`ferl_trainer::rl::GrpoStep`: generate → reward → old and reference log-probabilities → advantages → update →
+//! (`ferl_rl::GrpoStep`: generate → reward → old and reference log-probabilities → advantages → update →
 //! weight sync) over actor-backed roles; this file only chooses the task, the reward, the settings and the
 //! placement.
 //!
@@ -8,10 +8,8 @@
 //! `[BOS, d]`, earns 1 when its first response token is `d`. The mean reward climbs from about 0.06 to over 0.8.
 //! Run: `cargo run -p ferl-examples --example grpo` (CPU, no download, well under a minute).
 use ferl::actors::rl::{spawn_roles, GrpoDriver, Placement, RoleOptions};
+use ferl::rl::{ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, RewardRow};
 use ferl::trainer::optim::AdamWConfig;
-use ferl::trainer::rl::{
-    ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, RewardRow,
-};
 use ferl::{HeadOptions, NodeOptions};
 
 const STEPS: u64 = 20;

@@ -3,6 +3,7 @@
 
 pub use ferl_actors as actors;
 pub use ferl_plugin_host as plugins;
+pub use ferl_rl as rl;
 pub use ferl_runtime as runtime;
 pub use ferl_trainer as trainer;
 

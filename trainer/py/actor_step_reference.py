@@ -1,4 +1,4 @@
-"""PyTorch reference of one actor update's loss and gradient for ferl's RL test (trainer/core/tests/actor_step.rs).
+"""PyTorch reference of one actor update's loss and gradient for ferl's RL test (trainer/rl/tests/actor_step.rs).
 
 A transformers model (from `parity_reference.py make`) scores the samples' target tokens (the response), and verl's
 actor loss (rl_reference.py's formulas: the clipped policy loss, the entropy bonus, the KL loss, `agg_loss`) is

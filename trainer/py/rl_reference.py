@@ -1,4 +1,4 @@
-"""PyTorch reference of verl's core_algos formulas for ferl's RL tests (trainer/core/tests/rl_core_algos.rs).
+"""PyTorch reference of verl's core_algos formulas for ferl's RL tests (trainer/rl/tests/rl_core_algos.rs).
 
 Written from verl's `verl/trainer/ppo/core_algos.py` and `verl/utils/torch_functional.py` (GRPO and RLOO outcome
 advantages, `agg_loss`, the `vanilla` clipped policy loss with dual clip, `kl_penalty` with the `+` straight-through

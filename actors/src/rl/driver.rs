@@ -21,11 +21,9 @@ use super::policy::{PolicyActor, PolicyArgs};
 use super::remote::{ActorPolicy, ActorReference, ActorRollouts};
 use super::rollout::{Rollout, RolloutArgs};
 use anyhow::{bail, Context as _, Result};
+use ferl_rl::grpo::Decoder;
+use ferl_rl::{GrpoPrompt, GrpoSettings, GrpoStep, GrpoStepOutput, ReferencePolicy, Reward};
 use ferl_runtime::{bundle, ActorRef, Cluster, ResourceGroup, SpawnOptions, Strategy, WorkerGroup};
-use ferl_trainer::rl::grpo::Decoder;
-use ferl_trainer::rl::{
-    GrpoPrompt, GrpoSettings, GrpoStep, GrpoStepOutput, ReferencePolicy, Reward,
-};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -6,11 +6,11 @@
 //! each response), so a value crosses the wire bit for bit. Weights travel as one byte blob ([`WeightsPayload`]).
 
 use anyhow::{bail, Result};
-use ferl_runtime::{ObjectRef, SharedBytes};
-use ferl_trainer::rl::{
+use ferl_rl::{
     ActorLossConfig, ActorUpdateConfig, ClipConfig, GrpoPrompt, GrpoSettings, KlPenalty,
     LossAggMode, RlBatch, RlRow,
 };
+use ferl_runtime::{ObjectRef, SharedBytes};
 use ferl_trainer::rollout::{GenerationConfig, SamplingParams};
 use rkyv::{Archive, Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};

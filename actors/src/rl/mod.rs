@@ -11,7 +11,7 @@
 //!   advantages (in the driver), update, weight sync ([`sync_weights`]) — on a [`Placement`] of resource groups.
 //!
 //! With the same seed and weights, a step of [`GrpoDriver`] generates and trains exactly what a step of the
-//! one-process `ferl_trainer::rl::GrpoTrainer` does: the same seeds ([`ferl_trainer::rl::derive_seed`]), the same
+//! one-process `ferl_rl::GrpoTrainer` does: the same seeds ([`ferl_rl::derive_seed`]), the same
 //! functions, the same values in the same order.
 
 pub mod driver;

@@ -11,12 +11,12 @@ use super::messages::{
 };
 use super::{on_state, set_threads};
 use anyhow::{bail, Context as _, Result};
+use ferl_rl::grpo::frozen_copy;
+use ferl_rl::{compute_log_prob, PolicyWorker};
 use ferl_runtime::{Actor, Cluster, Context, Handler, ObjectBuffer, ObjectRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::optim::{AdamWConfig, LrSchedule, ScheduleKind};
 use ferl_trainer::params::LocalParams;
-use ferl_trainer::rl::grpo::frozen_copy;
-use ferl_trainer::rl::{compute_log_prob, PolicyWorker};
 use ferl_trainer::rollout::{ensure_device, parse_device, parse_dtype};
 use std::path::Path;
 use std::sync::{Arc, Mutex};

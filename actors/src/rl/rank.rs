@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
-use ferl_trainer::rl::{Colocated, DataShare, GrpoPrompt, GrpoStep, StepperPolicy};
+use ferl_rl::{Colocated, DataShare, GrpoPrompt, GrpoStep, StepperPolicy};
 use ferl_trainer::run::{Phase, StepOutcome};
 
 use crate::rank::RankState;

@@ -1,7 +1,7 @@
 //! The GRPO step's roles backed by actors, for the single-controller [`super::GrpoDriver`]: [`ActorPolicy`] (the
 //! [`PolicyActor`]'s log-probabilities and update), [`ActorReference`] (its frozen reference) and [`ActorRollouts`]
 //! (rollout actors generating shares of the rows, their weights synced from the policy after each update). The step
-//! itself is [`GrpoStep`](ferl_trainer::rl::GrpoStep), the code every other path runs.
+//! itself is [`GrpoStep`](ferl_rl::GrpoStep), the code every other path runs.
 //!
 //! The roles are synchronous (the step is); each call blocks on the actor call through the runtime's handle, so the
 //! driver runs the step inside `tokio::task::block_in_place` (a multi-threaded runtime).
@@ -11,10 +11,8 @@ use super::messages::{token_matrix, ComputeLogProb, Generate, UpdatePolicy, Wire
 use super::policy::PolicyActor;
 use super::rollout::Rollout;
 use anyhow::{bail, Result};
+use ferl_rl::{ActorUpdateConfig, DataShare, PolicyRole, ReferencePolicy, RlBatch, RolloutRole};
 use ferl_runtime::{split_even, ActorRef, WorkerGroup};
-use ferl_trainer::rl::{
-    ActorUpdateConfig, DataShare, PolicyRole, ReferencePolicy, RlBatch, RolloutRole,
-};
 use ferl_trainer::rollout::{GenerationConfig, RolloutModel};
 use std::collections::BTreeMap;
 use std::time::Instant;

@@ -12,14 +12,14 @@
 use super::{median, Prompt, RlArgs};
 use crate::report::Report;
 use anyhow::Result;
+use ferl::rl::{
+    ActorLossConfig, ActorUpdateConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoTrainer, RewardRow,
+    RlBatch,
+};
 use ferl::trainer::data::SftTokenizer;
 use ferl::trainer::engine::{Engine, EngineOptions};
 use ferl::trainer::model::load_model;
 use ferl::trainer::params::LocalParams;
-use ferl::trainer::rl::{
-    ActorLossConfig, ActorUpdateConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoTrainer, RewardRow,
-    RlBatch,
-};
 use std::path::Path;
 use std::time::Instant;
 use tch::Kind;

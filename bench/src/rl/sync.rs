@@ -20,9 +20,9 @@ use super::RlArgs;
 use crate::report::Report;
 use anyhow::{bail, Result};
 use ferl::actors::rl::{spawn_roles, sync_weights, Placement, RoleOptions, WeightSync, WireDtype};
+use ferl::rl::GrpoSettings;
 use ferl::runtime::testbed::{Counter, SinkShared};
 use ferl::runtime::{Cluster, HeadOptions, NodeOptions, SharedBytes, SpawnOptions};
-use ferl::trainer::rl::GrpoSettings;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 

@@ -19,9 +19,9 @@ use ferl_actors::rl::GrpoAlgorithm;
 use ferl_actors::spmd::{world_of_one, SpmdExecutor};
 use ferl_collective::{init_groups_from_env, LaunchEnv, Subgroups};
 use ferl_data::SftTokenizer;
+use ferl_rl::{GrpoStep, ReferencePolicy};
 use ferl_trainer::config::{PpoConfig, SftConfig};
 use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
-use ferl_trainer::rl::{GrpoStep, ReferencePolicy};
 use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads};
 use ferl_trainer::run::{self, RunOptions};
 use std::path::{Path, PathBuf};
@@ -82,10 +82,10 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
 struct Setup {
     view: SftConfig,
     tok: Arc<SftTokenizer>,
-    prompts: Arc<Vec<ferl_trainer::rl::GrpoPrompt>>,
-    reward: Box<dyn ferl_trainer::rl::Reward>,
+    prompts: Arc<Vec<ferl_rl::GrpoPrompt>>,
+    reward: Box<dyn ferl_rl::Reward>,
     registry: LoggerRegistry,
-    settings: ferl_trainer::rl::GrpoSettings,
+    settings: ferl_rl::GrpoSettings,
     _exported: Option<tempfile::TempDir>,
 }
 

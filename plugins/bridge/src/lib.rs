@@ -6,7 +6,7 @@
 //! - [`dataset`]: `data.plugin=NAME` reads examples from a dataset plugin as a [`ferl_trainer::data::DataSource`];
 //! - [`kernels`]: `model.use_liger=true` runs the trainer's RMSNorm, SwiGLU and head through the `liger` kernel plugin
 //!   ([`kernels::liger_kernels`], set on each rank's engine);
-//! - [`reward`]: reward plugins as the trainer's [`ferl_trainer::rl::Reward`], and verl's `naive` reward manager
+//! - [`reward`]: reward plugins as the trainer's [`ferl_rl::Reward`], and verl's `naive` reward manager
 //!   (each row scored by its `data_source`'s reward);
 //! - [`setup`]: one [`ferl_plugin_host::PluginHost`] per job, in its run directory, watching the plugin folders.
 

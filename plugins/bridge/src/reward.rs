@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Context, Result};
 use ferl_plugin_host::{RewardFn, RewardInput};
-use ferl_trainer::rl::{Reward, RewardRow};
+use ferl_rl::{Reward, RewardRow};
 use serde_json::Value;
 use std::collections::BTreeMap;
 

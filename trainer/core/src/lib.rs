@@ -11,7 +11,7 @@
 //! - [`head_share`]: a sequence-parallel group's target rows dealt out evenly over its ranks for the head.
 //! - [`vocab_parallel`]: the head with its output matrix split by vocabulary rows over the ranks that shard it.
 //! - [`loss`]: pluggable losses over per-token log-probabilities and entropies ([`loss::TokenLoss`]): SFT's
-//!   cross-entropy, losses written with autograd over the per-token vectors (the RL losses of [`rl`]).
+//!   cross-entropy, losses written with autograd over the per-token vectors (the RL losses of the `ferl-rl` crate).
 //! - [`kernels`]: the op-override hook ([`kernels::KernelRegistry`]): RMSNorm, SwiGLU and the head replaced by
 //!   kernels (`model.use_liger=true`), the built-in ops otherwise.
 //! - [`optim`]: AdamW, verl's learning-rate schedules, gradient clipping.
@@ -21,8 +21,6 @@
 //!   and metric names.
 //! - [`rollout`]: generation with a KV cache (greedy, temperature, top-k, top-p, seeded) and one-pass scoring of
 //!   prompt + response tokens (log-probabilities, entropies), with the model code and weights of [`model`].
-//! - [`rl`]: verl's core_algos as pure tensor functions (GRPO/RLOO advantages, PPO clipped loss, KL, entropy), and
-//!   GRPO in one process built from them (RL batch, rewards, the actor worker, the colocated step).
 //! - [`step`]: one optimizer step over a global batch (micro-batching, token-mean loss, clipping, skip on non-finite).
 //! - [`storage`]: freeing a parameter buffer's bytes while autograd graphs refer to it, and refilling it (FULL_SHARD).
 
@@ -41,7 +39,6 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod params;
-pub mod rl;
 pub mod rollout;
 mod row_exchange;
 pub mod run;

@@ -6,12 +6,12 @@ use ferl_data::SftTokenizer;
 use ferl_fsdp::checkpoint::LoraExport;
 use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
 use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
-use ferl_trainer::config::{PpoConfig, SftConfig, Supported};
-use ferl_trainer::optim::AdamWConfig;
-use ferl_trainer::rl::{
+use ferl_rl::{
     ActorLossConfig, AdvEstimator, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode, Reward,
     AGG_MODES, KL_PENALTIES, OUTCOME_ESTIMATORS,
 };
+use ferl_trainer::config::{PpoConfig, SftConfig, Supported};
+use ferl_trainer::optim::AdamWConfig;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -1,5 +1,5 @@
 //! The value types of verl's algorithm keys, defined once and shared by the config, the trainer's RL code
-//! (`ferl_trainer::rl`, which re-exports them) and `ferl grpo`: [`AdvEstimator`] (`algorithm.adv_estimator`),
+//! (`ferl_rl`, which re-exports them) and `ferl grpo`: [`AdvEstimator`] (`algorithm.adv_estimator`),
 //! [`LossAggMode`] (`*.loss_agg_mode`), [`KlPenalty`] (`actor_rollout_ref.actor.kl_loss_type`,
 //! `algorithm.kl_penalty`) and [`PolicyLossConfig`] (`actor_rollout_ref.actor.policy_loss.*`).
 //!

@@ -8,8 +8,8 @@
 //! scores token `t` from position `t - 1`, so its target rows are exactly the response tokens, sample by sample and
 //! position by position — the row-major order of the masked matrix entries ([`RlBatch::gather_tokens`]).
 
-use crate::batch::{Layout, MicroBatch, SampleRef};
 use anyhow::{bail, Result};
+use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
 use tch::{Device, Kind, Tensor};
 
 /// One row: a prompt, one response to it and what the reward needs.

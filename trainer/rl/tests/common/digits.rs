@@ -1,14 +1,14 @@
-//! The digit task of the GRPO tests (`trainer/core/tests/grpo_learns.rs`, `actors/tests/grpo_actors.rs`): a tiny
+//! The digit task of the GRPO tests (`trainer/rl/tests/grpo_learns.rs`, `actors/tests/grpo_actors.rs`): a tiny
 //! random Qwen2 (vocabulary 16: pad 0, BOS 1, EOS 2, digits 3..=12) prompted with `[BOS, d]`, twice per digit and
 //! step, earning 1 when the first token of its response is `d` (else 0), with the settings that learn it.
 
-use ferl_trainer::engine::{Engine, EngineOptions};
-use ferl_trainer::model::{init_model, load_model};
-use ferl_trainer::params::LocalParams;
-use ferl_trainer::rl::{
+use ferl_rl::{
     ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer,
     KlPenalty, LossAggMode, Reward, RewardRow,
 };
+use ferl_trainer::engine::{Engine, EngineOptions};
+use ferl_trainer::model::{init_model, load_model};
+use ferl_trainer::params::LocalParams;
 use std::path::{Path, PathBuf};
 use tch::Kind;
 

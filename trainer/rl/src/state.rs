@@ -2,15 +2,15 @@
 //! ([`STATE_TENSORS`], fp32, exact) and the step counters ([`STATE_META`]). The one-process trainer
 //! ([`super::GrpoTrainer`]) and the policy actor write and read the same files.
 //!
-//! As SFT's checkpoints ([`crate::checkpoint`]): the tensors are written to a temporary file and renamed, then
+//! As SFT's checkpoints ([`ferl_trainer::checkpoint`]): the tensors are written to a temporary file and renamed, then
 //! [`STATE_META`] (atomically, last) records the size and CRC-32 of every other file of the folder, and a restore
 //! verifies them first, so a corrupted or truncated state is refused naming the file instead of loading garbage.
 
 use super::policy_worker::PolicyWorker;
-use crate::checkpoint::digest::{digest_dir, verify_dir, FileDigest};
-use crate::checkpoint::write_atomic;
-use crate::params::ParamStore;
 use anyhow::{bail, Context, Result};
+use ferl_trainer::checkpoint::digest::{digest_dir, verify_dir, FileDigest};
+use ferl_trainer::checkpoint::write_atomic;
+use ferl_trainer::params::ParamStore;
 use std::collections::BTreeMap;
 use std::path::Path;
 use tch::{Device, Tensor};

@@ -8,10 +8,10 @@
 
 use super::batch::RlBatch;
 use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare, StepperPolicy};
-use crate::engine::Engine;
-use crate::params::ParamStore;
-use crate::rollout::{GenerationConfig, RolloutModel};
 use anyhow::Result;
+use ferl_trainer::engine::Engine;
+use ferl_trainer::params::ParamStore;
+use ferl_trainer::rollout::{GenerationConfig, RolloutModel};
 use std::collections::BTreeMap;
 use std::time::Instant;
 use tch::{Device, Tensor};

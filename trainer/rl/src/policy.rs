@@ -3,13 +3,13 @@
 //! `actor.kl_loss_type`), entropy from logits ([`entropy_from_logits`]) and their sum ([`actor_loss`]).
 
 use super::{agg_loss, masked_mean, matrix, same_shape, GlobalBatch, KlPenalty, LossAggMode};
-use crate::config::ppo::ActorConfig;
 use anyhow::{bail, Result};
+use ferl_trainer::config::ppo::ActorConfig;
 use tch::Tensor;
 
 /// verl's clip keys of `actor_rollout_ref.actor` (`clip_ratio`, `_low`, `_high`, `_c`), as the policy loss takes
 /// them. (verl's `actor_rollout_ref.actor.policy_loss.*` is the config's
-/// [`PolicyLossConfig`](crate::config::ppo::PolicyLossConfig).)
+/// [`PolicyLossConfig`](ferl_trainer::config::ppo::PolicyLossConfig).)
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ClipConfig {
     /// `clip_ratio`: ε of PPO's clip (0.2).
@@ -316,9 +316,9 @@ pub fn actor_loss(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ppo::AdvEstimator;
-    use crate::config::PpoConfig;
-    use crate::rl::GrpoSettings;
+    use crate::GrpoSettings;
+    use ferl_trainer::config::ppo::AdvEstimator;
+    use ferl_trainer::config::PpoConfig;
 
     fn actor(overrides: &[&str]) -> ActorConfig {
         let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();

@@ -25,11 +25,11 @@ use super::policy_worker::{ActorUpdateConfig, PolicyWorker};
 use super::reward::Reward;
 use super::roles::{Colocated, ReferencePolicy};
 use super::{check_outcome_estimator, ActorLossConfig, AdvEstimator};
-use crate::engine::Engine;
-use crate::optim::{AdamWConfig, LrSchedule, ScheduleKind};
-use crate::params::{LocalParams, ParamStore};
-use crate::rollout::SamplingParams;
 use anyhow::{bail, Context, Result};
+use ferl_trainer::engine::Engine;
+use ferl_trainer::optim::{AdamWConfig, LrSchedule, ScheduleKind};
+use ferl_trainer::params::{LocalParams, ParamStore};
+use ferl_trainer::rollout::SamplingParams;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
@@ -278,7 +278,7 @@ impl<P: ParamStore> GrpoTrainer<P> {
         settings.validate()?;
         let device = {
             let store = engine.store_mut();
-            let stage = crate::model::layout::Stage::Embedding;
+            let stage = ferl_trainer::model::layout::Stage::Embedding;
             let device = store.gather(stage)?.tensors[0].device();
             store.release(stage);
             device
@@ -332,7 +332,7 @@ impl<P: ParamStore> GrpoTrainer<P> {
             .run(&mut self.actor.lend(), &mut Colocated::default(), prompts)
     }
 
-    /// Writes the policy's state ([`crate::rl::state`]) with this run's step counter to `dir`. The reference policy
+    /// Writes the policy's state ([`crate::state`]) with this run's step counter to `dir`. The reference policy
     /// is not saved: it is the weights the trainer is built with.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         self.actor.save_state(dir, self.step.completed)

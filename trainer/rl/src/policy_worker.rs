@@ -16,12 +16,12 @@
 
 use super::batch::RlBatch;
 use super::{ActorLossConfig, ActorRows, ActorTokenLoss, GlobalBatch};
-use crate::batch::Layout;
-use crate::engine::Engine;
-use crate::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
-use crate::params::ParamStore;
-use crate::step::Stepper;
 use anyhow::{bail, Context, Result};
+use ferl_trainer::batch::Layout;
+use ferl_trainer::engine::Engine;
+use ferl_trainer::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
+use ferl_trainer::params::ParamStore;
+use ferl_trainer::step::Stepper;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;

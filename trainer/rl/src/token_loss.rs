@@ -5,9 +5,9 @@
 //! `loss_agg_mode` sees its sequences.
 
 use super::{actor_loss, ActorLossConfig, ActorLossInputs, GlobalBatch};
-use crate::head::TokenStats;
-use crate::loss::{AutogradTokenLoss, TokenLoss, TokenLossValue};
 use anyhow::{bail, Result};
+use ferl_trainer::head::TokenStats;
+use ferl_trainer::loss::{AutogradTokenLoss, TokenLoss, TokenLossValue};
 use std::cell::RefCell;
 use tch::{Kind, Tensor};
 

@@ -5,17 +5,18 @@
 //! for every `loss_agg_mode`. Asserted: per-token log-probabilities within 1e-5; the loss, its terms and the
 //! gradient's global L2 norm within 1e-4 (relative).
 
+#[path = "../../core/tests/common/mod.rs"]
 mod common;
 
 use common::{floats, py_script, read_samples, run_reference, venv_python};
+use ferl_rl::{
+    ActorLossConfig, ActorRows, ActorTokenLoss, ClipConfig, GlobalBatch, KlPenalty, LossAggMode,
+    AGG_MODES,
+};
 use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::model::load_model;
 use ferl_trainer::params::{LocalParams, ParamStore};
-use ferl_trainer::rl::{
-    ActorLossConfig, ActorRows, ActorTokenLoss, ClipConfig, GlobalBatch, KlPenalty, LossAggMode,
-    AGG_MODES,
-};
 use std::path::Path;
 use std::process::Command;
 use tch::{Device, Kind, Tensor};

@@ -1,13 +1,14 @@
-//! `ferl_trainer::rl` against a PyTorch implementation of verl's core_algos formulas (`py/rl_reference.py`) on
+//! `ferl_rl` against a PyTorch implementation of verl's core_algos formulas (`py/rl_reference.py`) on
 //! fixed inputs: GRPO (with and without std normalisation, two epsilons) and RLOO advantages, `agg_loss` in every
 //! mode (local and global normalisers), the clipped policy loss with its metrics and gradient for several clip
 //! settings, every KL estimator with its gradient, entropy from logits, and the actor's whole loss with gradients.
 //! Every value must agree within 1e-6 (absolute, relative above magnitude 1).
 
+#[path = "../../core/tests/common/mod.rs"]
 mod common;
 
 use common::{run_script, venv_python};
-use ferl_trainer::rl::{
+use ferl_rl::{
     actor_loss, agg_loss, compute_policy_loss, entropy_from_logits, grpo_outcome_advantage,
     kl_penalty, outcome_advantage, rloo_outcome_advantage, ActorLossConfig, ActorLossInputs,
     AdvEstimator, ClipConfig, GlobalBatch, KlPenalty, LossAggMode, AGG_MODES,

@@ -1,14 +1,16 @@
-//! verl's `core_algos` as pure tensor functions: advantages ([`advantage`]: GRPO, RLOO), the PPO clipped policy
+//! ferl's RL crate. verl's `core_algos` as pure tensor functions: advantages ([`advantage`]: GRPO, RLOO), the PPO clipped policy
 //! loss, KL penalties and entropy ([`policy`]), and the loss aggregation every loss shares ([`agg_loss`]); the actor's
 //! loss as a loss of the engine ([`token_loss`]: [`ActorTokenLoss`] over a micro-batch's response tokens).
 //!
-//! Built from them, GRPO in one process: the step's batch ([`batch`]: [`RlBatch`]), rewards ([`reward`]), the actor
-//! worker over the engine ([`policy_worker`]: `compute_log_prob`, `update_policy`) and the step itself ([`grpo`]:
-//! [`GrpoTrainer`], colocated with its rollout snapshot).
+//! Built from them: the step's batch ([`batch`]: [`RlBatch`]), rewards ([`reward`]), the actor worker over the
+//! engine ([`policy_worker`]: `compute_log_prob`, `update_policy`, each rank's [`DataShare`]), the roles a step
+//! asks for ([`roles`]: [`PolicyRole`], [`ReferencePolicy`], [`RolloutRole`]), and one GRPO/RLOO step written
+//! against them ([`grpo_step`]: [`GrpoStep`]) that one process ([`GrpoTrainer`]), every trainer rank
+//! (`ferl_actors::rl::GrpoAlgorithm`) and the actor driver (`ferl_actors::rl::GrpoDriver`) run.
 //!
 //! Shapes follow verl: per-token tensors are `[batch, response_length]` and `response_mask` marks the response
 //! tokens (any dtype; non-zero = counted). Each function is checked against a PyTorch implementation of verl's
-//! formulas on fixed inputs (`trainer/core/tests/rl_core_algos.rs`, `trainer/py/rl_reference.py`).
+//! formulas on fixed inputs (`trainer/rl/tests/rl_core_algos.rs`, `trainer/py/rl_reference.py`).
 //!
 //! Invariants:
 //! 1. No function mutates its inputs or holds state; gradients flow where verl's do (the policy loss, KL and
@@ -30,12 +32,12 @@ pub mod token_loss;
 use anyhow::{bail, Result};
 use tch::Tensor;
 
-/// The config crate's value types of verl's algorithm keys, used here as they are (defined once, in
-/// [`ferl_config::ppo`]).
-pub use crate::config::ppo::{AdvEstimator, KlPenalty, LossAggMode};
 pub use advantage::{check_outcome_estimator, outcome_advantage, OUTCOME_ESTIMATORS};
 pub use advantage::{grpo_outcome_advantage, rloo_outcome_advantage};
 pub use batch::{RlBatch, RlRow};
+/// The config crate's value types of verl's algorithm keys, used here as they are (defined once, in
+/// [`ferl_trainer::config::ppo`]).
+pub use ferl_trainer::config::ppo::{AdvEstimator, KlPenalty, LossAggMode};
 pub use grpo::{derive_seed, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
 pub use grpo_step::GrpoStep;
 pub use policy::{

@@ -5,7 +5,7 @@
 //! 1. `update_weights` + `gen`: the [`RolloutRole`] generates the rank's rows — colocated, from the policy's weights
 //!    gathered into a rollout model (the whole model beside this rank's shard until generation ends); on a separate
 //!    pool, by rollout actors synced after each update. Row `i` samples from its own
-//!    stream ([`crate::rollout::GenerationConfig::first_row`]) of `derive_seed(seed, step, 0)`, so its tokens do not
+//!    stream ([`ferl_trainer::rollout::GenerationConfig::first_row`]) of `derive_seed(seed, step, 0)`, so its tokens do not
 //!    depend on the rank or the number of ranks. One sum over the ranks gives every rank every response.
 //! 2. `reward`: each rank scores its rows; one sum gives every rank every score.
 //! 3. `old_log_prob`, `ref`: each rank computes its rows' log-probabilities; sums give every rank the matrices.
@@ -21,8 +21,8 @@ use super::grpo::{data_metrics, derive_seed, timed, Decoder, GrpoPrompt, GrpoSet
 use super::reward::{score_rows, Reward};
 use super::roles::{PolicyRole, ReferencePolicy, RolloutRole};
 use super::{agg_loss, outcome_advantage, sum_tensor_over_ranks, GlobalBatch, GrpoStepOutput};
-use crate::rollout::GenerationConfig;
 use anyhow::{bail, Result};
+use ferl_trainer::rollout::GenerationConfig;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::Instant;

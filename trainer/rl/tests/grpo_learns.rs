@@ -20,8 +20,8 @@
 mod digits;
 
 use digits::{assert_same_step, model_dir, one_process, prompts, settings, MAX_STEPS};
+use ferl_rl::{AdvEstimator, GrpoSettings, GrpoStepOutput, GrpoTrainer, LossAggMode};
 use ferl_trainer::params::LocalParams;
-use ferl_trainer::rl::{AdvEstimator, GrpoSettings, GrpoStepOutput, GrpoTrainer, LossAggMode};
 use std::path::Path;
 use std::time::Instant;
 use tch::Kind;
@@ -189,7 +189,7 @@ fn a_corrupted_or_truncated_state_is_refused_naming_the_file() {
     let mut t = trainer(&model);
     t.step(&prompts()).unwrap();
     t.save(&ckpt).unwrap();
-    let file = ckpt.join(ferl_trainer::rl::grpo::STATE_TENSORS);
+    let file = ckpt.join(ferl_rl::grpo::STATE_TENSORS);
     let good = std::fs::read(&file).unwrap();
     trainer(&model).load(&ckpt).unwrap();
 
