@@ -5,7 +5,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/env.sh"
-pins=(torch==2.11.0 numpy==2.4.6 safetensors==0.8.0 transformers==5.24.0 tensorboard==2.21.0 pyarrow==26.0.1 peft==0.21.2 mlflow-skinny==3.17.2 maturin==1.16.0)
+pins=(torch==2.11.0 numpy==2.4.6 safetensors==0.8.0 transformers==5.24.0 tensorboard==2.21.0 pyarrow==26.0.1 peft==0.21.2 mlflow-skinny==3.17.2 maturin==1.16.0 trl==1.16.0)
 stamp="$FERL_VENV/.ferl-pins"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ]; then
   exit 0

@@ -27,6 +27,8 @@
 //!   model folder the generation rows wrote. [`grpo`]'s `grpo_step_update_weights_s` is the colocated snapshot inside
 //!   one process instead.
 //!
+//! - [`learn`] (`--learn`): time for `ferl grpo` (world 1 and 2) and TRL's `GRPOTrainer` to reach a mean reward of
+//!   0.8 on the digit task.
 //! - [`ranks`]: `ferl grpo` on the trainer ranks at world 1 and 2 (`--ranks-model tiny|0.5b`): step time, peak memory
 //!   per rank and the colocated weight gather beside a memory-copy ceiling.
 //!
@@ -34,6 +36,7 @@
 
 mod generation;
 mod grpo;
+mod learn;
 mod products;
 mod ranks;
 mod sync;
@@ -85,6 +88,12 @@ pub(crate) struct RlArgs {
     /// Runs per world of the trainer-rank rows (their median, min and max are reported).
     #[arg(long, default_value_t = 3)]
     ranks_runs: usize,
+    /// Race ferl (world 1 and 2) and TRL's GRPOTrainer to a mean reward of 0.8 on the digit task.
+    #[arg(long)]
+    learn: bool,
+    /// Runs per side of the learning rows.
+    #[arg(long, default_value_t = 3)]
+    learn_runs: usize,
     /// Timed steps per run of the trainer-rank rows (after a warm-up step).
     #[arg(long, default_value_t = 2)]
     ranks_steps: usize,
@@ -167,6 +176,9 @@ fn measure(a: &RlArgs, models: &[&str], dir: &Path, out: &mut Report) -> Result<
             sync::run(a, name, &model, out)?;
         }
         std::fs::remove_dir_all(&model)?;
+    }
+    if a.learn {
+        learn::run(a, dir, out)?;
     }
     if a.ranks_model != "none" {
         let model = write_model(a, &a.ranks_model, dir)?;

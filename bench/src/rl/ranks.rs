@@ -118,7 +118,7 @@ pub(crate) fn run(
 }
 
 /// The `ferl` binary beside this one.
-fn ferl_binary() -> Result<PathBuf> {
+pub(super) fn ferl_binary() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let ferl = exe.with_file_name("ferl");
     if !ferl.is_file() {

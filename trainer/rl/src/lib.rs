@@ -20,6 +20,7 @@
 
 pub mod advantage;
 pub mod batch;
+pub mod digits;
 pub mod grpo;
 pub mod grpo_step;
 pub mod policy;
