@@ -118,6 +118,7 @@ fn ferl_to_goal(
             "trainer.logger=[jsonl]",
             "trainer.device=cpu",
             "trainer.seed=42",
+            "algorithm.adv_estimator=grpo",
         ]
         .map(String::from),
     );
@@ -131,10 +132,17 @@ fn ferl_to_goal(
     let text = std::fs::read_to_string(run_dir.join("metrics.jsonl"))?;
     std::fs::remove_dir_all(run_dir).ok();
     let mut elapsed = 0.0;
+    let mut curve = Vec::new();
     for line in text.lines() {
         let l: Value = serde_json::from_str(line)?;
         elapsed += l["timing_s/step"].as_f64().unwrap_or(0.0);
-        if l["critic/score/mean"].as_f64().unwrap_or(0.0) >= GOAL {
+        let score = l["critic/score/mean"].as_f64().unwrap_or(0.0);
+        curve.push(format!("{score:.2}@{elapsed:.2}s"));
+        if score >= GOAL {
+            eprintln!(
+                "rl: learn: ferl world {world}: mean reward per step: {}",
+                curve.join(" ")
+            );
             return Ok(elapsed);
         }
     }
@@ -145,7 +153,7 @@ fn ferl_to_goal(
 fn trl_to_goal(a: &RlArgs, model: &Path, data: &Path, out: &Path) -> Result<f64> {
     let venv = std::env::var("FERL_VENV").context("FERL_VENV (source scripts/env.sh)")?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/rl/trl_peer.py");
-    let status = Command::new("unshare")
+    let output = Command::new("unshare")
         .arg("-n")
         .arg(Path::new(&venv).join("bin/python"))
         .arg(script)
@@ -156,17 +164,32 @@ fn trl_to_goal(a: &RlArgs, model: &Path, data: &Path, out: &Path) -> Result<f64>
         .args(["--generations", &STEPS.to_string()])
         .env("HF_HUB_OFFLINE", "1")
         .env("TRANSFORMERS_OFFLINE", "1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .context("running TRL (pip install trl==1.16.0 into the venv)")?;
-    if !status.success() {
-        bail!("the TRL peer failed ({status}); run bench/src/rl/trl_peer.py by hand to see why");
+        .output()
+        .context("running TRL (scripts/setup.sh installs trl into the venv)")?;
+    if !output.status.success() {
+        let err = String::from_utf8_lossy(&output.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(15).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        bail!(
+            "the TRL peer failed ({}):\n{}",
+            output.status,
+            tail.join("\n")
+        );
     }
     let v: Value = serde_json::from_str(&std::fs::read_to_string(out)?)?;
+    let curve: Vec<String> = (v["curve"].as_array().into_iter().flatten())
+        .map(|p| {
+            format!(
+                "{:.2}@{:.2}s",
+                p[2].as_f64().unwrap_or(0.0),
+                p[1].as_f64().unwrap_or(0.0)
+            )
+        })
+        .collect();
     eprintln!(
-        "rl: learn: TRL set-up (imports, model, trainer) {:.1} s",
-        v["setup_s"].as_f64().unwrap_or(0.0)
+        "rl: learn: TRL set-up (imports, model, trainer) {:.1} s; mean reward per generation: {}",
+        v["setup_s"].as_f64().unwrap_or(0.0),
+        curve.join(" ")
     );
     v["reached_s"]
         .as_f64()

@@ -191,6 +191,7 @@ fn one_run(
         "actor_rollout_ref.model.enable_gradient_checkpointing=false".into(),
         "trainer.logger=[jsonl]".into(),
         "trainer.device=cpu".into(),
+        "algorithm.adv_estimator=grpo".into(),
     ]);
     let output = cmd.output().context("running ferl grpo")?;
     if !output.status.success() {

@@ -17,7 +17,7 @@ const TOKENS: [&str; 16] = [
 /// followed by its messages' words.
 pub fn write_digit_model(dir: &Path, seed: i64) -> Result<()> {
     let config = json!({
-        "model_type": "qwen2", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
         "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
