@@ -366,7 +366,7 @@ pub(crate) fn check_values(cfg: &PpoConfig) -> Result<()> {
     }
     if cfg.trainer.device != "cpu" {
         bail!(
-            "trainer.device={}: ferl grpo runs on the CPU in one process for now; set trainer.device=cpu",
+            "trainer.device={}: ferl grpo trains on the CPU for now (its CUDA path is not built yet); set trainer.device=cpu",
             cfg.trainer.device
         );
     }
