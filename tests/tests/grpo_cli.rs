@@ -315,6 +315,48 @@ fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
 }
 
 #[test]
+fn the_ranks_die_with_a_killed_launcher() {
+    let dir = fixture();
+    let d = dir.path();
+    let shape = ["actor_rollout_ref.rollout.n=4", "--nproc-per-node", "2"];
+    let mut launcher = Command::new(ferl_binary())
+        .env("OMP_NUM_THREADS", "1")
+        .args(grpo_args(d, "orphans", 1000, &shape))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let jsonl = d.join("orphans/metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&jsonl).map_or(0, |t| t.lines().count()) < 1 {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "no first step in 5 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ranks = children(launcher.id());
+    assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            !s.split_whitespace()
+                .nth(2)
+                .is_some_and(|state| state == "Z")
+        })
+    };
+    let killed = std::time::Instant::now();
+    while ranks.iter().any(|&p| alive(p)) {
+        assert!(
+            killed.elapsed().as_secs() < 10,
+            "ranks {ranks:?} outlived their killed launcher by 10 s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
 fn grpo_scores_with_the_reward_plugin_of_custom_reward_function_path() {
     let dir = fixture();
     let d = dir.path();

@@ -1,9 +1,11 @@
 //! `ferl grpo --nproc-per-node N`: starts N ranks of this command on this machine with the environment torchrun's
 //! standalone mode gives them (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1`, a
 //! free `MASTER_PORT`, a fresh `FERL_JOB_SECRET` unless one is set), so each runs the launcher path. The ranks split the cores; rank 0 logs and commits
-//! checkpoints. When a rank fails the others are stopped and the command fails naming the rank.
+//! checkpoints. When a rank fails the others are stopped and the command fails naming the rank; when the launcher
+//! itself is killed, its ranks are killed with it (`PR_SET_PDEATHSIG`).
 
 use anyhow::{bail, Context, Result};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::time::Duration;
 
@@ -42,7 +44,15 @@ fn start_and_wait(n: usize, args: &[String]) -> Result<()> {
     let secret = std::env::var("FERL_JOB_SECRET").unwrap_or_else(|_| job_secret());
     let mut ranks = Vec::with_capacity(n);
     for rank in 0..n {
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        // SAFETY: prctl is async-signal-safe; a rank dies with its launcher instead of holding its cores.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
             .args(args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
