@@ -340,11 +340,9 @@ fn the_ranks_die_with_a_killed_launcher() {
     launcher.kill().unwrap();
     launcher.wait().unwrap();
     let alive = |pid: u32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-            !s.split_whitespace()
-                .nth(2)
-                .is_some_and(|state| state == "Z")
-        })
+        // A zombie (state Z) has exited; only its exit status is left to reap.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split_whitespace().nth(2).is_none_or(|state| state != "Z"))
     };
     let killed = std::time::Instant::now();
     while ranks.iter().any(|&p| alive(p)) {
