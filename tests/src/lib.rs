@@ -339,3 +339,21 @@ pub fn torchrun() -> Option<PathBuf> {
         None
     }
 }
+
+/// Runs `ferl <args>` as `nproc` ranks of the real `torchrun --no-python --standalone` (one intra-op thread each, a
+/// fresh job secret) inside a private network namespace with only loopback: torchrun opens its own sockets.
+pub fn run_under_torchrun(torchrun: &Path, nproc: usize, args: &[String]) -> std::process::Output {
+    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+    let script = format!(
+        "ip link set lo up && exec {} --no-python --standalone --nnodes=1 --nproc_per_node={nproc} {} {}",
+        torchrun.display(),
+        ferl_binary().display(),
+        quoted.join(" ")
+    );
+    Command::new("unshare")
+        .args(["-n", "bash", "-c", &script])
+        .env("OMP_NUM_THREADS", "1")
+        .env("FERL_JOB_SECRET", job_secret_hex())
+        .output()
+        .expect("run unshare -n torchrun")
+}

@@ -198,7 +198,6 @@ fn sft_as_two_env_ranks(ferl: &Path, keys: &[String]) {
 #[test]
 fn ferl_sft_under_torchrun_matches_single_process() {
     let Some(torchrun) = torchrun() else { return };
-    let ferl = ferl_binary();
     let fx = Fixture::new().unwrap();
     let extra = [
         "trainer.resume_mode=disable",
@@ -206,19 +205,8 @@ fn ferl_sft_under_torchrun_matches_single_process() {
     ];
     let reference = reference_run(&fx.overrides(2, "ref", &extra)).unwrap();
     let keys = fx.overrides(2, "torchrun", &extra);
-    // torchrun opens its own sockets: run it in a private network namespace with only loopback.
-    let script = format!(
-        "ip link set lo up && exec {} --no-python --standalone --nnodes=1 --nproc_per_node=2 {} sft {}",
-        torchrun.display(),
-        ferl.display(),
-        keys.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(" ")
-    );
-    let out = Command::new("unshare")
-        .args(["-n", "bash", "-c", &script])
-        .env("OMP_NUM_THREADS", "1")
-        .env("FERL_JOB_SECRET", job_secret_hex())
-        .output()
-        .unwrap();
+    let args = [vec!["sft".to_string()], keys].concat();
+    let out = run_under_torchrun(&torchrun, 2, &args);
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     check(out, "torchrun --no-python ... ferl sft");
     let line = "1 intra-op thread per rank (OMP_NUM_THREADS=1; ";

@@ -232,21 +232,7 @@ fn grpo_under_torchrun_equals_one_process() {
     ];
     let one = run_ferl(&grpo_args(d, "w1", 3, &shape));
     assert!(one.status.success(), "{}", text(&one));
-    // torchrun opens its own sockets: it runs in a private network namespace with only loopback.
-    let args = grpo_args(d, "torchrun", 3, &shape);
-    let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
-    let script = format!(
-        "ip link set lo up && exec {} --no-python --standalone --nnodes=1 --nproc_per_node=2 {} {}",
-        torchrun.display(),
-        ferl_binary().display(),
-        quoted.join(" ")
-    );
-    let out = Command::new("unshare")
-        .args(["-n", "bash", "-c", &script])
-        .env("OMP_NUM_THREADS", "1")
-        .env("FERL_JOB_SECRET", job_secret_hex())
-        .output()
-        .unwrap();
+    let out = run_under_torchrun(&torchrun, 2, &grpo_args(d, "torchrun", 3, &shape));
     assert!(out.status.success(), "{}", text(&out));
     assert_same_steps(
         "2 ranks under torchrun",
@@ -254,6 +240,27 @@ fn grpo_under_torchrun_equals_one_process() {
         &metrics(&d.join("torchrun")),
         1e-5,
     );
+}
+
+/// `ferl grpo` with `args` started in the background; returns once its run folder `run` logged `lines` steps.
+fn launch_until_logged(args: &[String], run: &Path, lines: usize) -> std::process::Child {
+    let launcher = Command::new(ferl_binary())
+        .env("OMP_NUM_THREADS", "1")
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let jsonl = run.join("metrics.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&jsonl).map_or(0, |t| t.lines().count()) < lines {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "no step {lines} in 5 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    launcher
 }
 
 /// The pids of `pid`'s child processes.
@@ -273,22 +280,8 @@ fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
     let clean = run_ferl(&grpo_args(d, "clean", 6, &shape));
     assert!(clean.status.success(), "{}", text(&clean));
     let restarts = [&shape[..], &["trainer.max_restarts=1"]].concat();
-    let launcher = Command::new(ferl_binary())
-        .env("OMP_NUM_THREADS", "1")
-        .args(grpo_args(d, "killed", 6, &restarts))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let jsonl = d.join("killed/metrics.jsonl");
-    let started = std::time::Instant::now();
-    while std::fs::read_to_string(&jsonl).map_or(0, |t| t.lines().count()) < 3 {
-        assert!(
-            started.elapsed().as_secs() < 300,
-            "no third step in 5 minutes"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let args = grpo_args(d, "killed", 6, &restarts);
+    let launcher = launch_until_logged(&args, &d.join("killed"), 3);
     let ranks = children(launcher.id());
     assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
     // SAFETY: kill has no memory preconditions.
@@ -319,22 +312,8 @@ fn the_ranks_die_with_a_killed_launcher() {
     let dir = fixture();
     let d = dir.path();
     let shape = ["actor_rollout_ref.rollout.n=4", "--nproc-per-node", "2"];
-    let mut launcher = Command::new(ferl_binary())
-        .env("OMP_NUM_THREADS", "1")
-        .args(grpo_args(d, "orphans", 1000, &shape))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let jsonl = d.join("orphans/metrics.jsonl");
-    let started = std::time::Instant::now();
-    while std::fs::read_to_string(&jsonl).map_or(0, |t| t.lines().count()) < 1 {
-        assert!(
-            started.elapsed().as_secs() < 300,
-            "no first step in 5 minutes"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let args = grpo_args(d, "orphans", 1000, &shape);
+    let mut launcher = launch_until_logged(&args, &d.join("orphans"), 1);
     let ranks = children(launcher.id());
     assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
     launcher.kill().unwrap();

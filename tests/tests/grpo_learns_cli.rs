@@ -7,6 +7,7 @@
 //! from its start to ≥ 0.8 within 40 steps on the two ranks and stays learned (≥ 0.75 over the last 10; the curve
 //! is printed: 0.06 at step 1, 0.8 first at step 11 when this test was written).
 
+use ferl_rl::digits::GRPO_KEYS;
 use ferl_tests::rl::{template_reward, write_digit_model, write_digit_prompts};
 use ferl_tests::*;
 use serde_json::Value;
@@ -34,27 +35,11 @@ fn grpo_on_two_ranks_learns_the_digit_task_through_the_cli() {
         "custom_reward_function.name=template-reward".into(),
         format!("trainer.total_training_steps={STEPS}"),
     ];
+    args.extend(GRPO_KEYS.iter().map(|k| k.to_string()));
     args.extend(
         [
-            "data.train_batch_size=20",
-            "data.max_prompt_length=8",
-            "data.max_response_length=1",
-            "actor_rollout_ref.rollout.n=8",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=5",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-            "actor_rollout_ref.actor.ppo_epochs=2",
-            "actor_rollout_ref.actor.shuffle=true",
-            "actor_rollout_ref.actor.clip_ratio_high=0.28",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.001",
-            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-            "actor_rollout_ref.actor.optim.lr=3e-3",
-            "actor_rollout_ref.actor.optim.weight_decay=0",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-            "algorithm.adv_estimator=grpo",
             "trainer.logger=[console,jsonl]",
-            "trainer.device=cpu",
-            "trainer.seed=42",
         ]
         .map(String::from),
     );

@@ -170,9 +170,6 @@ impl Generate {
     }
 }
 
-/// Turns a response's token ids into text (the caller's tokenizer).
-pub type DecodeFn = dyn Fn(&[i64]) -> String;
-
 /// What a [`Generate`] produced, row by row.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
 pub struct Generations {
@@ -182,43 +179,6 @@ pub struct Generations {
     pub log_probs: Vec<Vec<f32>>,
     /// Whether an EOS token ended each response.
     pub stopped_at_eos: Vec<bool>,
-}
-
-impl Generations {
-    /// The step's batch: `n` rows per prompt of `prompts` (in order, sharing the prompt's index as `uid`), each
-    /// with its response, the response's text from `decode` (empty without one), and what the reward reads.
-    pub fn into_batch(
-        self,
-        prompts: &[GrpoPrompt],
-        n: usize,
-        decode: Option<&DecodeFn>,
-    ) -> Result<RlBatch> {
-        if self.responses.len() != prompts.len() * n {
-            bail!(
-                "{} responses for {} prompts × n = {n}",
-                self.responses.len(),
-                prompts.len()
-            );
-        }
-        let rows = self
-            .responses
-            .into_iter()
-            .enumerate()
-            .map(|(i, response)| {
-                let p = &prompts[i / n];
-                RlRow {
-                    prompt: p.ids.clone(),
-                    response_text: decode.map(|d| d(&response)).unwrap_or_default(),
-                    response,
-                    uid: (i / n) as u64,
-                    prompt_text: p.text.clone(),
-                    ground_truth: p.ground_truth.clone(),
-                    extra: p.extra.clone(),
-                }
-            })
-            .collect();
-        Ok(RlBatch::new(rows))
-    }
 }
 
 /// The element type of a weights payload.

@@ -98,30 +98,10 @@ fn ferl_to_goal(
         "custom_reward_function.name=template-reward".into(),
         format!("trainer.total_training_steps={STEPS}"),
     ]);
-    cmd.args(
-        [
-            "data.train_batch_size=20",
-            "data.max_prompt_length=8",
-            "data.max_response_length=1",
-            "actor_rollout_ref.rollout.n=8",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=5",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
-            "actor_rollout_ref.actor.ppo_epochs=2",
-            "actor_rollout_ref.actor.shuffle=true",
-            "actor_rollout_ref.actor.clip_ratio_high=0.28",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_coef=0.001",
-            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-            "actor_rollout_ref.actor.optim.lr=3e-3",
-            "actor_rollout_ref.actor.optim.weight_decay=0",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-            "trainer.logger=[jsonl]",
-            "trainer.device=cpu",
-            "trainer.seed=42",
-            "algorithm.adv_estimator=grpo",
-        ]
-        .map(String::from),
-    );
+    cmd.args(ferl::rl::digits::GRPO_KEYS).args([
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+        "trainer.logger=[jsonl]",
+    ]);
     let output = cmd.output().context("running ferl grpo")?;
     if !output.status.success() {
         bail!(

@@ -69,3 +69,27 @@ pub fn write_digit_prompts(file: &Path, copies: usize) -> Result<()> {
     std::fs::write(file, text)?;
     Ok(())
 }
+
+/// The `ferl grpo` keys the digit task learns with (besides data, model, reward and run length): 20 prompts × n 8
+/// per step at temperature 1, one-token responses, mini-batches of 5 prompts (4 optimizer steps), 2 PPO epochs,
+/// lr 3e-3 without weight decay, a KL loss (`low_var_kl`, 0.001) to the initial weights, clip ratios 0.2/0.28,
+/// seed 42. With these the mean reward goes from about 0.06 to 0.8 in about 11 steps.
+pub const GRPO_KEYS: &[&str] = &[
+    "data.train_batch_size=20",
+    "data.max_prompt_length=8",
+    "data.max_response_length=1",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=5",
+    "actor_rollout_ref.actor.ppo_epochs=2",
+    "actor_rollout_ref.actor.shuffle=true",
+    "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.optim.lr=3e-3",
+    "actor_rollout_ref.actor.optim.weight_decay=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+    "algorithm.adv_estimator=grpo",
+    "trainer.device=cpu",
+    "trainer.seed=42",
+];

@@ -15,12 +15,14 @@
 //! - `actor/grad_norm` (before clipping), `actor/lr` (of the last step).
 
 use super::batch::RlBatch;
+use super::roles::PolicyRole;
 use super::{ActorLossConfig, ActorRows, ActorTokenLoss, GlobalBatch};
 use anyhow::{bail, Context, Result};
 use ferl_trainer::batch::Layout;
 use ferl_trainer::engine::Engine;
 use ferl_trainer::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
 use ferl_trainer::params::ParamStore;
+use ferl_trainer::rollout::RolloutModel;
 use ferl_trainer::step::Stepper;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -317,7 +319,7 @@ impl<P: ParamStore> PolicyWorker<P> {
         }
     }
 
-    /// [`StepperPolicy::compute_log_prob`].
+    /// [`PolicyRole::compute_log_prob`] over this worker's stepper.
     pub fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
@@ -329,7 +331,7 @@ impl<P: ParamStore> PolicyWorker<P> {
             .compute_log_prob(batch, micro_batch_size, temperature, entropy)
     }
 
-    /// [`StepperPolicy::update_policy`].
+    /// [`PolicyRole::update_policy`] over this worker's stepper.
     pub fn update_policy(
         &mut self,
         batch: &RlBatch,
@@ -339,15 +341,24 @@ impl<P: ParamStore> PolicyWorker<P> {
     }
 }
 
-impl<P: ParamStore> StepperPolicy<'_, P> {
+/// The policy of a GRPO step over a borrowed stepper: one process's, or a trainer rank's sharded one.
+impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
+    fn device(&self) -> Device {
+        self.stepper.device
+    }
+
+    fn share(&self) -> DataShare {
+        self.share
+    }
+
     /// Sums `values` over the store's ranks.
-    pub fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+    fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>> {
         self.stepper.engine.store_mut().all_reduce_sum(values)
     }
 
     /// [`compute_log_prob`] under the current policy, each rank computing its share of the rows: `[rows, width]`
     /// log-probabilities and entropies of every row on every rank.
-    pub fn compute_log_prob(
+    fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
         micro_batch_size: usize,
@@ -380,7 +391,7 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
     /// verl's `update_policy` over `batch` (it must hold old log-probabilities and advantages, and reference
     /// log-probabilities with `use_kl_loss`); returns the `actor/*` metrics (see the module docs). Every optimizer
     /// step of the call uses the schedule's learning rate at [`Self::completed_steps`], which then advances by one.
-    pub fn update_policy(
+    fn update_policy(
         &mut self,
         batch: &RlBatch,
         cfg: &ActorUpdateConfig,
@@ -410,6 +421,14 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
         Ok(out)
     }
 
+    fn rollout_model(&mut self) -> Result<RolloutModel> {
+        let engine = &mut self.stepper.engine;
+        let (cfg, kind) = (engine.config().clone(), engine.compute_kind());
+        RolloutModel::from_store(cfg, engine.store_mut(), kind)
+    }
+}
+
+impl<P: ParamStore> StepperPolicy<'_, P> {
     /// Zeroes the gradients and accumulates those of this rank's share of mini-batch `rows`, micro-batch by
     /// micro-batch, each normalised by the whole mini-batch.
     fn mini_batch_grads(

@@ -1,13 +1,17 @@
-//! The roles a GRPO step asks for, whatever runs them: [`PolicyRole`] is the policy (old log-probabilities, the
-//! update, the rollout's weights, sums over the data-parallel ranks); [`ReferencePolicy`] is the frozen reference
-//! (an engine over any store: a whole copy in one process, or shards of a frozen store on trainer ranks);
-//! [`RolloutRole`] generates: [`Colocated`] from the policy's own weights gathered for the step, or rollout actors on
-//! a separate pool (`ferl_actors::rl`) whose weights are synced after each update. [`StepperPolicy`] implements it over a
-//! stepper — a one-process [`super::PolicyWorker`]'s, or a trainer rank's sharded one — so the step
-//! ([`super::grpo_step::GrpoStep`]) is written once for one process and for every rank of a sharded run.
+//! The roles a GRPO step asks for, whatever runs them:
+//! - [`PolicyRole`]: the policy (old log-probabilities, the update, the rollout's weights, sums over the
+//!   data-parallel ranks), implemented by `StepperPolicy` over a stepper — a one-process [`super::PolicyWorker`]'s
+//!   or a trainer rank's sharded one — and by the policy actor (`ferl_actors::rl::remote`);
+//! - [`ReferencePolicy`]: the frozen reference (an engine over any store: a whole copy in one process, or shards of
+//!   a frozen store on trainer ranks);
+//! - [`RolloutRole`]: generation — [`Colocated`] from the policy's own weights gathered for the step, or rollout
+//!   actors on a separate pool (`ferl_actors::rl`) whose weights are synced after each update.
+//!
+//! So the step ([`super::grpo_step::GrpoStep`]) is written once for one process, every rank of a sharded run and
+//! the actor driver.
 
 use super::batch::RlBatch;
-use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare, StepperPolicy};
+use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare};
 use anyhow::Result;
 use ferl_trainer::engine::Engine;
 use ferl_trainer::params::ParamStore;
@@ -43,44 +47,6 @@ pub trait PolicyRole {
     /// A rollout model of the current weights: the colocated weight sync, gathered from the shards stage by stage
     /// (every rank holds the whole model until the caller drops it).
     fn rollout_model(&mut self) -> Result<RolloutModel>;
-}
-
-impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
-    fn device(&self) -> Device {
-        self.stepper.device
-    }
-
-    fn share(&self) -> DataShare {
-        self.share
-    }
-
-    fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>> {
-        StepperPolicy::sum_over_ranks(self, values)
-    }
-
-    fn compute_log_prob(
-        &mut self,
-        batch: &RlBatch,
-        micro_batch_size: usize,
-        temperature: f64,
-        entropy: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        StepperPolicy::compute_log_prob(self, batch, micro_batch_size, temperature, entropy)
-    }
-
-    fn update_policy(
-        &mut self,
-        batch: &RlBatch,
-        cfg: &ActorUpdateConfig,
-    ) -> Result<BTreeMap<String, f64>> {
-        StepperPolicy::update_policy(self, batch, cfg)
-    }
-
-    fn rollout_model(&mut self) -> Result<RolloutModel> {
-        let engine = &mut self.stepper.engine;
-        let (cfg, kind) = (engine.config().clone(), engine.compute_kind());
-        RolloutModel::from_store(cfg, engine.store_mut(), kind)
-    }
 }
 
 /// The frozen reference policy as a GRPO step uses it: log-probabilities of some rows, no gradients. A sharded
