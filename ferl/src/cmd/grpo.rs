@@ -36,7 +36,11 @@ pub(crate) struct GrpoArgs {
     pub config: super::ConfigArgs,
     /// Ranks on this machine (data-parallel, the policy sharded over them), started as torchrun's standalone mode
     /// starts them. Without it: one process, or one rank of torchrun/SLURM when their environment is set.
-    #[arg(long, value_name = "N")]
+    #[arg(
+        long = "nproc-per-node",
+        visible_alias = "nproc_per_node",
+        value_name = "N"
+    )]
     pub nproc_per_node: Option<usize>,
 }
 
@@ -52,8 +56,8 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
         Setup::new(&cfg, n)?;
         return launch::local_ranks(n, cfg.trainer.max_restarts);
     }
-    let launcher = std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some();
-    let env = match launcher {
+    // A launcher rank exactly when `ferl sft` would be one (torchrun's RANK/WORLD_SIZE, or a SLURM step of tasks).
+    let env = match super::sft_dist::launched_externally() {
         true => Some(LaunchEnv::from_env().context("the launcher's environment")?),
         false => None,
     };

@@ -81,9 +81,9 @@ fn rank_args(args: impl Iterator<Item = String>) -> Vec<String> {
     for a in args {
         if skip_value {
             skip_value = false;
-        } else if a == "--nproc-per-node" {
+        } else if a == "--nproc-per-node" || a == "--nproc_per_node" {
             skip_value = true;
-        } else if !a.starts_with("--nproc-per-node=") {
+        } else if !a.starts_with("--nproc-per-node=") && !a.starts_with("--nproc_per_node=") {
             out.push(a);
         }
     }
