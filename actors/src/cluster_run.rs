@@ -17,6 +17,7 @@ use ferl_trainer::run::{RestartPolicy, RestartRecord};
 use crate::checkpoint::{Checkpointer, CheckpointerArgs};
 use crate::data_loader::{DataLoader, DataLoaderArgs};
 use crate::messages::{DatasetInfo, GetDatasetInfo, IntraOpThreads};
+use crate::rl::RlRankArgs;
 use crate::trainer_rank::{SecretHex, TrainerRank, TrainerRankArgs};
 
 /// How long a run waits for its first resource group.
@@ -39,6 +40,9 @@ pub struct ClusterRun {
     pub job: String,
     /// `--nproc-per-node` when the ranks must be spread over `--nnodes` distinct nodes, that many on each.
     pub per_node: Option<usize>,
+    /// GRPO's settings when the ranks train RL (`cfg` is then the actor's view of the PPO config; the driver sends
+    /// each step's prompts, and no data loader is spawned); none for SFT.
+    pub rl: Option<RlRankArgs>,
 }
 
 /// The actors one attempt of a cluster run trains with.
@@ -47,8 +51,8 @@ pub struct RunActors {
     pub group: ResourceGroup,
     /// One trainer rank per bundle, in rank order.
     pub ranks: WorkerGroup<TrainerRank>,
-    /// The data loader.
-    pub loader: ActorRef<DataLoader>,
+    /// The data loader (SFT; an RL run's driver holds its prompts itself).
+    pub loader: Option<ActorRef<DataLoader>>,
     /// The checkpointer.
     pub checkpointer: ActorRef<Checkpointer>,
 }
@@ -145,15 +149,23 @@ impl ClusterRun {
         }
     }
 
-    /// Spawns the ranks into `group` and a checkpointer; `loader` serves their batches.
+    /// What the run trains, for names and `ferl status`: `sft` or `grpo`.
+    pub fn kind(&self) -> &'static str {
+        match self.rl {
+            Some(_) => "grpo",
+            None => "sft",
+        }
+    }
+
+    /// Spawns the ranks into `group` and a checkpointer; `loader` serves their batches (SFT).
     pub async fn spawn_ranks(
         &self,
         group: ResourceGroup,
-        loader: ActorRef<DataLoader>,
+        loader: Option<ActorRef<DataLoader>>,
     ) -> Result<RunActors> {
         let world = group.bundles.len();
         let yaml = self.cfg.to_yaml();
-        let prefix = format!("ferl/sft/{}/{}", std::process::id(), group.id);
+        let prefix = format!("ferl/{}/{}/{}", self.kind(), std::process::id(), group.id);
         // A fresh secret per group, handed to the ranks only in their (authenticated) spawn messages.
         let secret = SecretHex(JobSecret::generate()?.to_hex());
         let rank_args = |rank: usize| TrainerRankArgs {
@@ -163,6 +175,7 @@ impl ClusterRun {
             total_steps: self.total_steps,
             group_prefix: prefix.clone(),
             job_secret: secret.clone(),
+            rl: self.rl.clone(),
         };
         let ranks = WorkerGroup::<TrainerRank>::spawn(
             &self.cluster,
@@ -197,7 +210,11 @@ impl ClusterRun {
     }
 
     /// Spawns every actor of a first attempt at `world` ranks.
-    pub async fn start(&self, world: usize, loader: ActorRef<DataLoader>) -> Result<RunActors> {
+    pub async fn start(
+        &self,
+        world: usize,
+        loader: Option<ActorRef<DataLoader>>,
+    ) -> Result<RunActors> {
         let group = self.reserve(world, FIRST_GROUP_WAIT, true).await?;
         self.spawn_ranks(group, loader).await
     }
@@ -206,7 +223,7 @@ impl ClusterRun {
     /// take is logged, never fatal).
     pub async fn publish(&self, state: &str, world: usize, restarts: &[RestartRecord]) {
         let record = serde_json::json!({
-            "name": self.job, "kind": "sft", "state": state, "world_size": world,
+            "name": self.job, "kind": self.kind(), "state": state, "world_size": world,
             "experiment": self.cfg.trainer.experiment_name, "restarts": restarts,
             // The head marks the job `failed: driver lost` when this driver stops beating.
             "driver": self.cluster.driver_id(),
@@ -231,11 +248,14 @@ impl ClusterRun {
             actors.checkpointer.clone(),
         );
         let stops = tokio::spawn(async move {
-            let (g, l, k) = tokio::join!(
-                c.remove_group(&group),
-                c.kill(&loader),
-                c.kill(&checkpointer)
-            );
+            let kill_loader = async {
+                match &loader {
+                    Some(l) => c.kill(l).await,
+                    None => Ok(()),
+                }
+            };
+            let (g, l, k) =
+                tokio::join!(c.remove_group(&group), kill_loader, c.kill(&checkpointer));
             for e in [g.err(), l.err(), k.err()].into_iter().flatten() {
                 tracing::debug!("tearing down: {e}");
             }
@@ -277,11 +297,16 @@ impl ClusterRun {
             let left = deadline.saturating_duration_since(Instant::now());
             let group = self.reserve(world, left, false).await?;
             let spawned = async {
-                let (loader, _) = self.spawn_loader(world).await?;
+                let loader = match self.rl {
+                    Some(_) => None,
+                    None => Some(self.spawn_loader(world).await?.0),
+                };
                 match self.spawn_ranks(group.clone(), loader.clone()).await {
                     Ok(actors) => Ok(actors),
                     Err(e) => {
-                        self.cluster.kill(&loader).await.ok();
+                        if let Some(loader) = &loader {
+                            self.cluster.kill(loader).await.ok();
+                        }
                         Err(e)
                     }
                 }

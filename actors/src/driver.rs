@@ -5,6 +5,7 @@
 //! The loop runs on a blocking thread; each executor call blocks on the actors' replies through the runtime handle.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
 use ferl_trainer::checkpoint::{RunMeta, HF_DIR};
@@ -12,10 +13,14 @@ use ferl_trainer::run::{Phase, RestartPolicy, RestartRecord, StepExecutor, StepO
 use tokio::runtime::Handle;
 
 use crate::cluster_run::{cause_kind, ClusterRun, RunActors};
+use crate::data_loader::DataLoader;
 use crate::data_loader::{call_samples, rows_done, validation_calls};
 use crate::messages::*;
 use crate::rank::micro_batches;
+use crate::rl::{RlTrainStep, WirePrompt};
 use crate::trainer_rank::TrainerRank;
+use ferl_rl::GrpoPrompt;
+use ferl_runtime::ActorRef;
 
 /// The actors a cluster run trains with.
 pub struct ClusterExecutor {
@@ -29,6 +34,10 @@ pub struct ClusterExecutor {
     pub micro_batch_size: usize,
     /// Rows of the loader's validation set (0: none).
     pub val_len: usize,
+    /// An RL run's prompts (the loop's training set), sent to the ranks step by step; none for SFT.
+    pub prompts: Option<Arc<Vec<GrpoPrompt>>>,
+    /// Steps the run completed (an RL step's sampling derives from it).
+    pub completed: u64,
 }
 
 impl ClusterExecutor {
@@ -62,16 +71,21 @@ impl ClusterExecutor {
     }
 }
 
-impl StepExecutor for ClusterExecutor {
-    fn world_size(&self) -> usize {
-        self.actors.ranks.members().len()
+impl ClusterExecutor {
+    /// The data loader (an SFT run's).
+    fn loader(&self) -> Result<&ActorRef<DataLoader>> {
+        self.actors
+            .loader
+            .as_ref()
+            .context("this run has no data loader (an RL run's driver sends its prompts itself)")
     }
 
-    fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
+    /// One SFT step: the loader cuts the global batch into the ranks' micro-batches.
+    fn sft_step(&self, batch: &[usize]) -> Result<StepOutcome> {
         let indices = batch.iter().map(|&i| i as u64).collect();
         let b = self
             .handle
-            .block_on(self.actors.loader.call(BatchOf { indices }))
+            .block_on(self.loader()?.call(BatchOf { indices }))
             .context("data loader: batch")?;
         let targets = b.global_targets;
         let messages = b
@@ -96,13 +110,41 @@ impl StepExecutor for ClusterExecutor {
         })
     }
 
+    /// One RL step: every rank gets the step's prompts and takes its share of the rows; they all know the result.
+    fn rl_step(&self, prompts: &[GrpoPrompt], batch: &[usize]) -> Result<StepOutcome> {
+        let message = RlTrainStep {
+            prompts: batch
+                .iter()
+                .map(|&i| WirePrompt::from(&prompts[i]))
+                .collect(),
+            completed: self.completed,
+        };
+        let mut replies = self.all("RL step", message)?;
+        Ok(replies.swap_remove(0).into())
+    }
+}
+
+impl StepExecutor for ClusterExecutor {
+    fn world_size(&self) -> usize {
+        self.actors.ranks.members().len()
+    }
+
+    fn train_step(&mut self, batch: &[usize]) -> Result<StepOutcome> {
+        let outcome = match self.prompts.clone() {
+            Some(prompts) => self.rl_step(&prompts, batch),
+            None => self.sft_step(batch),
+        }?;
+        self.completed += 1;
+        Ok(outcome)
+    }
+
     fn validate(&mut self, progress: &Phase) -> Result<Option<f64>> {
         if self.val_len == 0 {
             return Ok(None);
         }
         progress.set_length(self.val_len as u64);
         progress.set_position(0);
-        let shards = self.handle.block_on(self.actors.loader.call(ValShards))?;
+        let shards = self.handle.block_on(self.loader()?.call(ValShards))?;
         let micro = self.micro_batch_size;
         let rounds = shards
             .iter()
@@ -148,6 +190,7 @@ impl StepExecutor for ClusterExecutor {
     }
 
     fn load(&mut self, dir: &Path) -> Result<()> {
+        self.completed = ferl_trainer::checkpoint::read_meta(dir)?.global_step;
         let dir = dir.display().to_string();
         self.all("loading the checkpoint", LoadShard { dir })?;
         Ok(())

@@ -57,6 +57,24 @@ impl DriverPlugins {
         })
     }
 
+    /// The plugins of a run whose driver already holds its plugin host `host` (`ferl grpo`'s); what it ships is
+    /// snapshotted under `run_dir`.
+    pub fn from_host(host: Arc<PluginHost>, run_dir: &Path) -> Self {
+        Self {
+            host,
+            store: PluginStore::new(run_dir.join("plugins").join("store")),
+        }
+    }
+
+    /// Adds a snapshot of the plugin file `file` to the files `opts` ships, under `key`.
+    pub fn ship_file(&self, opts: SpawnOptions, key: &str, file: &Path) -> Result<SpawnOptions> {
+        let (_, stored) = self
+            .store
+            .insert_file(file)
+            .with_context(|| format!("snapshotting {} to ship it", file.display()))?;
+        Ok(opts.ship_file(key, stored))
+    }
+
     /// The job's plugin host.
     pub fn host(&self) -> &Arc<PluginHost> {
         &self.host

@@ -6,10 +6,10 @@ use crate::data_loader::DataLoader;
 use crate::messages::*;
 use crate::metrics::Metrics;
 use crate::rl::messages::*;
-use crate::rl::{PolicyActor, Rollout};
+use crate::rl::{PolicyActor, RlTrainStep, Rollout};
 use crate::trainer_rank::TrainerRank;
 
-ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, Validate, SaveShard, FinishSave, LoadShard, Export, IntraOpThreads]);
+ferl_runtime::register_actor!(TrainerRank, calls: [TrainStep, RlTrainStep, Validate, SaveShard, FinishSave, LoadShard, Export, IntraOpThreads]);
 ferl_runtime::register_actor!(DataLoader, calls: [GetDatasetInfo, BatchOf, ValShards]);
 ferl_runtime::register_actor!(Checkpointer, calls: [Commit, Flush]);
 ferl_runtime::register_actor!(Metrics, calls: [Log, FlushLogs]);

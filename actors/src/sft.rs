@@ -444,13 +444,14 @@ async fn train_checked(
         total_steps: 0,
         job: format!("sft-{}", std::process::id()),
         per_node,
+        rl: None,
     };
     let waiting = run::Progress::waiting("data loader: reading and tokenizing the data");
     let (loader, info) = run.spawn_loader(world).await?;
     waiting.finish();
     run.total_steps = run::RunPlan::new(&cfg, info.train_len as usize)?.total_steps;
     let waiting = run::Progress::waiting(&format!("starting {world} trainer rank(s)"));
-    let actors = match run.start(world, loader.clone()).await {
+    let actors = match run.start(world, Some(loader.clone())).await {
         Ok(actors) => actors,
         Err(e) => {
             cluster.kill(&loader).await.ok();
@@ -470,15 +471,29 @@ async fn train_checked(
         true,
         mfu_inputs(num_params, device),
     )?;
-    run.publish("running", world, &[]).await;
-    let mut exec = ClusterExecutor {
+    let train_len = info.train_len as usize;
+    let exec = ClusterExecutor {
         handle: tokio::runtime::Handle::current(),
         run: run.clone(),
         actors,
         micro_batch_size: cfg.data.micro_batch_size_per_gpu,
         val_len: info.val_len as usize,
+        prompts: None,
+        completed: 0,
     };
-    let train_len = info.train_len as usize;
+    drive_on_cluster(exec, cfg, train_len, opts).await
+}
+
+/// Runs the one loop over `exec`'s actors (on a blocking thread), shows the run in `ferl status` while it runs and
+/// how it ended, and tears its actors down.
+pub(crate) async fn drive_on_cluster(
+    mut exec: ClusterExecutor,
+    cfg: SftConfig,
+    train_len: usize,
+    opts: RunOptions,
+) -> Result<RunSummary> {
+    let run = exec.run.clone();
+    run.publish("running", exec.world_size(), &[]).await;
     let (summary, exec) = tokio::task::spawn_blocking(move || {
         let summary = run::run(&mut exec, &cfg, train_len, opts);
         (summary, exec)

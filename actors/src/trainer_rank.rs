@@ -19,6 +19,7 @@ use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads, ThreadC
 use crate::messages::*;
 use crate::rank::RankState;
 use crate::rendezvous::ClusterRendezvous;
+use crate::rl::{GrpoAlgorithm, RlRankArgs, RlStepDone, RlTrainStep, WirePrompt};
 
 /// Constructor arguments of [`TrainerRank`].
 #[derive(rkyv::Archive, rkyv::Serialize, rkyv::Deserialize, Debug, Clone)]
@@ -35,6 +36,9 @@ pub struct TrainerRankArgs {
     pub group_prefix: String,
     /// The group's job secret, fresh from the driver for each group: every collective connection proves it.
     pub job_secret: SecretHex,
+    /// GRPO's settings when the rank trains RL (`config_yaml` is then the actor's view of the PPO config); none for
+    /// SFT.
+    pub rl: Option<RlRankArgs>,
 }
 
 /// A job secret in a spawn message, as hex (it travels only inside the cluster's authenticated messages); its `Debug`
@@ -51,6 +55,8 @@ impl std::fmt::Debug for SecretHex {
 /// A training rank hosted by the runtime.
 pub struct TrainerRank {
     state: Arc<Mutex<RankState>>,
+    /// The RL algorithm it trains ([`RlTrainStep`]), when its spawn asked for one.
+    rl: Option<Arc<Mutex<GrpoAlgorithm>>>,
     /// Its intra-op threads: its node's cores split over the group's ranks there (`LOCAL_WORLD_SIZE`).
     threads: ThreadChoice,
 }
@@ -117,12 +123,21 @@ impl Actor for TrainerRank {
                     .with_context(|| format!("trainer rank {rank}/{world}: loading plugins"))?;
                 state.set_kernels(crate::plugins::liger_kernels(host));
             }
-            anyhow::Ok(state)
+            let rl = match &args.rl {
+                Some(rl) => Some(
+                    GrpoAlgorithm::for_rank(rl, &state)
+                        .with_context(|| format!("trainer rank {rank}/{world}: building GRPO"))?,
+                ),
+                None => None,
+            };
+            anyhow::Ok((state, rl))
         })
         .await
         .context("trainer rank: start task")??;
+        let (state, rl) = state;
         Ok(Self {
             state: Arc::new(Mutex::new(state)),
+            rl: rl.map(|a| Arc::new(Mutex::new(a))),
             threads,
         })
     }
@@ -133,6 +148,28 @@ impl Handler<TrainStep> for TrainerRank {
         self.with_state("train step", move |s| {
             let sizes: Vec<usize> = m.micro_sizes.iter().map(|&n| n as usize).collect();
             s.train_micro_batches(&m.samples, &sizes, m.global_targets)
+        })
+        .await
+    }
+}
+
+impl Handler<RlTrainStep> for TrainerRank {
+    async fn handle(&self, m: RlTrainStep, _: &Context) -> Result<RlStepDone> {
+        let rl = self
+            .rl
+            .clone()
+            .context("this trainer rank was spawned for SFT, not RL")?;
+        self.with_state("RL step", move |s| {
+            let prompts = m
+                .prompts
+                .iter()
+                .map(WirePrompt::prompt)
+                .collect::<Result<Vec<_>>>()?;
+            let mut algorithm = rl.lock().map_err(|_| {
+                anyhow::anyhow!("the RL algorithm was poisoned by an earlier panic")
+            })?;
+            let outcome = algorithm.train_prompts(s, &prompts, m.completed)?;
+            Ok(RlStepDone::from(outcome))
         })
         .await
     }

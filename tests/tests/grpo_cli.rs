@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use ferl_tests::cluster::LoopbackCluster;
 use ferl_tests::*;
 use serde_json::Value;
 
@@ -221,6 +222,157 @@ fn grpo_on_2_and_4_ranks_equals_one_process_and_resumes_across_world_sizes() {
     assert_same_steps("1 process resumed on 2 ranks", &one, &r12, 1e-5);
 }
 
+/// `ferl grpo --address` on a cluster started with `ferl start` (a head and a node on loopback, one CPU each;
+/// `--nnodes 2`: one trainer-rank actor on each): its steps equal one process within 1e-5, and its checkpoints
+/// resume in one process, and the reverse; `ferl status` shows the finished GRPO job.
+#[test]
+fn grpo_on_a_ferl_start_cluster_equals_one_process_and_resumes_across_paths() {
+    let dir = fixture();
+    let d = dir.path();
+    let shape = [
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+    ];
+    let in_process = |name: &str, steps: usize| {
+        let out = run_ferl(&grpo_args(d, name, steps, &shape));
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        metrics(&d.join(name))
+    };
+    let cluster = LoopbackCluster::start(&[1, 1]);
+    let on_cluster = |name: &str, steps: usize| {
+        let mut args = grpo_args(d, name, steps, &shape);
+        let flags = ["--address", &cluster.address, "--nproc-per-node", "1"];
+        args.extend(
+            flags
+                .iter()
+                .chain(&["--nnodes", "2"])
+                .map(|s| s.to_string()),
+        );
+        let out = cluster
+            .command()
+            .env("OMP_NUM_THREADS", "1")
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name} on the cluster: {}",
+            text(&out)
+        );
+        metrics(&d.join(name))
+    };
+    let one = in_process("w1", 4);
+    let two = on_cluster("cluster", 4);
+    assert_same_steps("2 trainer-rank actors on 2 nodes", &one, &two, 1e-5);
+    let status = cluster.status();
+    let job = status["jobs"]
+        .as_array()
+        .and_then(|j| j.first())
+        .unwrap_or_else(|| panic!("no job in `ferl status`: {status:#}"));
+    assert_eq!(
+        (&job["kind"], &job["state"], &job["world_size"]),
+        (&"grpo".into(), &"finished".into(), &2.into()),
+        "{job:#}"
+    );
+    on_cluster("c1", 2);
+    let c1 = in_process("c1", 4);
+    assert_same_steps(
+        "the cluster's checkpoint resumed in 1 process",
+        &one,
+        &c1,
+        1e-5,
+    );
+    in_process("1c", 2);
+    let one_c = on_cluster("1c", 4);
+    assert_same_steps(
+        "1 process's checkpoint resumed on the cluster",
+        &one,
+        &one_c,
+        1e-5,
+    );
+}
+
+/// The processes whose stdout is a trainer-rank worker's log under `dir` (a cluster's session folder).
+fn trainer_rank_workers_under(dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/fd/1")).is_ok_and(|p| {
+                p.starts_with(dir) && p.to_string_lossy().ends_with("_TrainerRank.log")
+            })
+        })
+        .collect()
+}
+
+/// `trainer.max_restarts=1` on the cluster path: a trainer-rank actor SIGKILLed after step 3 of 6 is replaced, the
+/// run resumes from its checkpoint, and steps 4-6 equal an uninterrupted run within 1e-5.
+#[test]
+fn a_killed_rank_actor_on_the_cluster_restarts_and_the_run_continues_as_if_uninterrupted() {
+    let dir = fixture();
+    let d = dir.path();
+    let shape = ["actor_rollout_ref.rollout.n=4"];
+    let clean = run_ferl(&grpo_args(d, "clean", 6, &shape));
+    assert!(clean.status.success(), "{}", text(&clean));
+    let cluster = LoopbackCluster::start(&[2]);
+    let mut args = grpo_args(
+        d,
+        "killed",
+        6,
+        &[&shape[..], &["trainer.max_restarts=1"]].concat(),
+    );
+    args.extend(["--address", &cluster.address, "--nproc-per-node", "2"].map(String::from));
+    let driver = cluster
+        .command()
+        .env("OMP_NUM_THREADS", "1")
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while metrics_lines(&d.join("killed")) < 3 {
+        assert!(started.elapsed().as_secs() < 300, "no step 3 in 5 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ranks = trainer_rank_workers_under(cluster.dir.path());
+    assert_eq!(ranks.len(), 2, "the cluster's trainer ranks: {ranks:?}");
+    // SAFETY: kill has no memory preconditions.
+    assert_eq!(unsafe { libc::kill(ranks[1] as i32, libc::SIGKILL) }, 0);
+    let out = driver.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let lines = metrics(&d.join("killed"));
+    let restarts = lines.iter().filter_map(|l| l["system/restarts"].as_f64());
+    assert_eq!(restarts.fold(0.0, f64::max), 1.0, "{}", text(&out));
+    assert_same_steps(
+        "steps 4-6 after the restart",
+        &metrics(&d.join("clean"))[3..],
+        &last_lines_of(&lines, 4..=6),
+        1e-5,
+    );
+}
+
+/// The last line `lines` logged for each of `steps` (a restarted run logs the steps after its checkpoint again).
+fn last_lines_of(lines: &[Value], steps: std::ops::RangeInclusive<u64>) -> Vec<Value> {
+    let last_of = |step: u64| {
+        lines
+            .iter()
+            .rev()
+            .find(|l| l["step"].as_u64() == Some(step))
+            .cloned()
+            .unwrap_or_else(|| panic!("no step {step} in {lines:?}"))
+    };
+    steps.map(last_of).collect()
+}
+
+/// Lines `metrics.jsonl` under `run` holds (0 before it exists).
+fn metrics_lines(run: &Path) -> usize {
+    std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |t| t.lines().count())
+}
+
 #[test]
 fn grpo_under_torchrun_equals_one_process() {
     let Some(torchrun) = torchrun() else { return };
@@ -289,20 +441,10 @@ fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
     let out = launcher.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("restart 1 of 1"), "{}", text(&out));
-    let lines = metrics(&d.join("killed"));
-    let last_of = |step: u64| {
-        lines
-            .iter()
-            .rev()
-            .find(|l| l["step"].as_u64() == Some(step))
-            .cloned()
-            .unwrap_or_else(|| panic!("no step {step} in {lines:?}"))
-    };
-    let resumed: Vec<Value> = (4..=6).map(last_of).collect();
     assert_same_steps(
         "steps 4-6 after the restart",
         &metrics(&d.join("clean"))[3..],
-        &resumed,
+        &last_lines_of(&metrics(&d.join("killed")), 4..=6),
         1e-5,
     );
 }

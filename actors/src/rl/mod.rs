@@ -14,21 +14,24 @@
 //! one-process `ferl_rl::GrpoTrainer` does: the same seeds ([`ferl_rl::derive_seed`]), the same
 //! functions, the same values in the same order.
 
+pub mod cluster;
 pub mod driver;
 pub mod messages;
 pub mod policy;
 pub mod rank;
 pub mod remote;
 pub mod rollout;
+pub mod setup;
 pub mod weights;
 
+pub use cluster::{train_grpo_on_cluster, GrpoClusterJob};
 pub use driver::{
     run_grpo_on_groups, spawn_roles, sync_weights, GrpoDriver, GrpoRoles, Placement, RoleOptions,
     WeightSync,
 };
 pub use messages::*;
 pub use policy::{PolicyActor, PolicyArgs};
-pub use rank::GrpoAlgorithm;
+pub use rank::{GrpoAlgorithm, RlRankArgs, RlStepDone, RlTrainStep, WirePrompt};
 pub use rollout::{Rollout, RolloutArgs};
 
 use anyhow::{Context as _, Result};

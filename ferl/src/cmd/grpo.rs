@@ -7,7 +7,9 @@
 //! resumes from the newest, at any world size.
 //!
 //! Launch paths: one process; `--nproc-per-node N` (N local ranks, started as torchrun's standalone mode starts
-//! them, [`launch`]); one rank of an external launcher (torchrun's or SLURM's environment).
+//! them, [`launch`]); one rank of an external launcher (torchrun's or SLURM's environment); trainer-rank actors of
+//! a running cluster (`--address HOST:PORT [--nproc-per-node N] [--nnodes M]`, a cluster of `ferl start`,
+//! [`ferl_actors::rl::train_grpo_on_cluster`]).
 
 mod launch;
 mod setup;
@@ -15,16 +17,16 @@ mod setup;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferl_actors::rank::RankState;
-use ferl_actors::rl::GrpoAlgorithm;
+use ferl_actors::rl::setup as rl_setup;
+use ferl_actors::rl::{train_grpo_on_cluster, GrpoAlgorithm, GrpoClusterJob};
 use ferl_actors::spmd::{world_of_one, SpmdExecutor};
 use ferl_collective::{init_groups_from_env, LaunchEnv, Subgroups};
 use ferl_data::SftTokenizer;
-use ferl_rl::{GrpoStep, ReferencePolicy};
 use ferl_trainer::config::{PpoConfig, SftConfig};
 use ferl_trainer::metrics::{config_params, LoggerContext, LoggerRegistry, MetricsLogger};
 use ferl_trainer::run::threads::{local_ranks_from_env, set_rank_threads};
 use ferl_trainer::run::{self, RunOptions};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use tch::Device;
 
@@ -42,6 +44,13 @@ pub(crate) struct GrpoArgs {
         value_name = "N"
     )]
     pub nproc_per_node: Option<usize>,
+    /// Machines of the running cluster at --address: --nproc-per-node ranks on each of --nnodes distinct nodes.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// A running cluster's head, `HOST:PORT` (token from FERL_TOKEN or the local head): the ranks are its
+    /// trainer-rank actors. Default: FERL_ADDRESS.
+    #[arg(long, env = "FERL_ADDRESS")]
+    pub address: Option<String>,
 }
 
 /// Loads the config, checks it, and trains on the launch path the arguments and environment give.
@@ -51,22 +60,30 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     if c.print_job(|| cfg.to_yaml())? {
         return Ok(());
     }
-    if let Some(n) = args.nproc_per_node {
+    check_flags(&args)?;
+    if let (None, Some(n)) = (&args.address, args.nproc_per_node) {
         // Everything the config and data show is refused here, before a rank is started.
         Setup::new(&cfg, n)?;
         return launch::local_ranks(n, cfg.trainer.max_restarts);
     }
     // A launcher rank exactly when `ferl sft` would be one (torchrun's RANK/WORLD_SIZE, or a SLURM step of tasks).
-    let env = match super::sft_dist::launched_externally() {
-        true => Some(LaunchEnv::from_env().context("the launcher's environment")?),
-        false => None,
+    let env = match (&args.address, super::sft_dist::launched_externally()) {
+        (None, true) => Some(LaunchEnv::from_env().context("the launcher's environment")?),
+        _ => None,
     };
-    let world = env.as_ref().map_or(1, |e| e.world_size);
-    let setup = Setup::new(&cfg, world)?;
     let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
     let fresh = !run_dir.exists();
     let coordinator = env.as_ref().is_none_or(|e| e.rank == 0);
-    let trained = train(&cfg, setup, env);
+    let trained = match &args.address {
+        Some(address) => {
+            let nproc = args.nproc_per_node.unwrap_or(1);
+            on_cluster(&cfg, address, nproc, args.nnodes)
+        }
+        None => {
+            let world = env.as_ref().map_or(1, |e| e.world_size);
+            Setup::new(&cfg, world).and_then(|setup| train(&cfg, setup, env))
+        }
+    };
     if let Err(e) = &trained {
         // A run that made the folder and failed before its first checkpoint (a reward scoring NaN, say) leaves
         // nothing.
@@ -81,6 +98,51 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
     trained.map(|_| ())
 }
 
+/// Flags that cannot make a launch, refused before anything is created (as `ferl sft` refuses them).
+fn check_flags(args: &GrpoArgs) -> Result<()> {
+    if args.nproc_per_node == Some(0) {
+        anyhow::bail!("--nproc-per-node 0: give at least 1 rank per node");
+    }
+    if args.nnodes == 0 {
+        anyhow::bail!("--nnodes 0: give at least 1 node");
+    }
+    if args.address.is_none() && args.nnodes > 1 {
+        anyhow::bail!(
+            "--nnodes {} needs --address of a running cluster (start one with `ferl start --head`)",
+            args.nnodes
+        );
+    }
+    Ok(())
+}
+
+/// Trains on `nproc` × `nnodes` trainer-rank actors of the running cluster at `address`, driven from here.
+fn on_cluster(
+    cfg: &PpoConfig,
+    address: &str,
+    nproc: usize,
+    nnodes: usize,
+) -> Result<run::RunSummary> {
+    let world = nproc * nnodes;
+    let setup = Setup::new(cfg, world)?;
+    let opts = coordinator_options(cfg, &setup.view, &setup.registry)?;
+    let job = GrpoClusterJob {
+        ppo: cfg.clone(),
+        view: setup.view.clone(),
+        prompts: Arc::clone(&setup.prompts),
+        host: Arc::clone(&setup.host),
+        per_node: (nnodes > 1).then_some(nproc),
+    };
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async {
+        let cluster = ferl_runtime::connect(address, None)
+            .await
+            .with_context(|| format!("joining the cluster at {address}"))?;
+        let summary = train_grpo_on_cluster(&cluster, job, world, opts).await;
+        cluster.shutdown().await;
+        summary
+    })
+}
+
 /// What every rank builds before the model: the checked config, the actor's view of it, the tokenizer, prompts,
 /// reward and logger kinds.
 struct Setup {
@@ -89,6 +151,7 @@ struct Setup {
     prompts: Arc<Vec<ferl_rl::GrpoPrompt>>,
     reward: Box<dyn ferl_rl::Reward>,
     registry: LoggerRegistry,
+    host: Arc<ferl_plugin_host::PluginHost>,
     settings: ferl_rl::GrpoSettings,
     _exported: Option<tempfile::TempDir>,
 }
@@ -104,20 +167,18 @@ impl Setup {
         setup::check_values(cfg)?;
         setup::check_world(cfg, world)?;
         let (model_dir, exported) = setup::model_dir(cfg)?;
-        let tok_dir = cfg.data.tokenizer.as_deref().map(PathBuf::from);
-        let tok = Arc::new(SftTokenizer::from_dir(
-            tok_dir.as_deref().unwrap_or(&model_dir),
-            None,
-        )?);
+        let tok = Arc::new(rl_setup::tokenizer(cfg, &model_dir)?);
         let prompts = setup::prompts(cfg, &tok)?;
-        let reward = setup::reward(cfg, || Ok(Arc::clone(&host)), &prompts)?;
+        let sources = rl_setup::data_sources(&prompts);
+        let reward = rl_setup::reward(cfg, || Ok(Arc::clone(&host)), &sources)?;
         Ok(Self {
             view: setup::actor_view(cfg, &model_dir),
-            settings: setup::settings(cfg, &tok)?,
+            settings: rl_setup::grpo_settings(cfg, &tok)?,
             tok,
             prompts: Arc::new(prompts),
             reward,
             registry,
+            host,
             _exported: exported,
         })
     }
@@ -146,17 +207,7 @@ fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::R
     let view = setup.view.clone();
     let total = run::RunPlan::new(&view, setup.prompts.len())?.total_steps;
     let state = rank_state(&view, comm, subgroups.as_ref(), device, total)?;
-    // The reference is sharded like the policy and frozen: no gradients, no optimizer state, no whole copy.
-    let reference = match setup.settings.loss.use_kl_loss {
-        true => Some(Box::new(state.frozen_reference()?) as Box<dyn ReferencePolicy>),
-        false => None,
-    };
-    let mut step = GrpoStep::new(setup.settings.clone(), reference, setup.reward)?;
-    let decoder = Arc::clone(&setup.tok);
-    // As verl hands responses to its reward functions: special tokens (the EOS that ends a response) skipped.
-    step.set_decoder(Box::new(move |ids| {
-        decoder.decode_skip_special(ids).unwrap_or_default()
-    }));
+    let step = rl_setup::grpo_step(setup.settings.clone(), &state, setup.tok, setup.reward)?;
     let algorithm = GrpoAlgorithm::new(Arc::clone(&setup.prompts), step);
     let mut exec = SpmdExecutor::with_algorithm(state, Box::new(algorithm));
     if env.is_none() {

@@ -200,7 +200,7 @@ pub struct GrpoStepOutput {
 }
 
 /// Turns a response's token ids into text (the caller's tokenizer).
-pub type Decoder = Box<dyn Fn(&[i64]) -> String>;
+pub type Decoder = Box<dyn Fn(&[i64]) -> String + Send + Sync>;
 
 /// The seed of random stream `stream` at step `step` of a run seeded with `seed` (SplitMix64 of the three).
 pub fn derive_seed(seed: u64, step: u64, stream: u64) -> u64 {

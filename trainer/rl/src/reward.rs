@@ -22,8 +22,8 @@ pub struct RewardRow<'a> {
     pub extra: &'a serde_json::Value,
 }
 
-/// Scores responses (verl's reward function / reward manager).
-pub trait Reward {
+/// Scores responses (verl's reward function / reward manager). Sendable, so that a trainer-rank actor can hold it.
+pub trait Reward: Send {
     /// The reward's name (for logs).
     fn name(&self) -> String;
     /// One finite score per row, in order.
@@ -46,7 +46,7 @@ impl<F: FnMut(&RewardRow<'_>) -> f64> FnReward<F> {
     }
 }
 
-impl<F: FnMut(&RewardRow<'_>) -> f64> Reward for FnReward<F> {
+impl<F: FnMut(&RewardRow<'_>) -> f64 + Send> Reward for FnReward<F> {
     fn name(&self) -> String {
         self.name.clone()
     }

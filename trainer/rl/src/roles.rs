@@ -50,8 +50,9 @@ pub trait PolicyRole {
 }
 
 /// The frozen reference policy as a GRPO step uses it: log-probabilities of some rows, no gradients. A sharded
-/// reference gathers its stages with collectives, so every rank calls it with as many rows.
-pub trait ReferencePolicy {
+/// reference gathers its stages with collectives, so every rank calls it with as many rows. Sendable, so that a
+/// trainer-rank actor can hold it.
+pub trait ReferencePolicy: Send {
     /// `[rows, width]` log-probabilities of the rows `rows` of `batch` (zeros elsewhere) at `temperature`,
     /// `micro_batch_size` rows per forward on `device`.
     fn log_prob_rows(
@@ -64,7 +65,7 @@ pub trait ReferencePolicy {
     ) -> Result<Tensor>;
 }
 
-impl<P: ParamStore> ReferencePolicy for Engine<P> {
+impl<P: ParamStore + Send> ReferencePolicy for Engine<P> {
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,

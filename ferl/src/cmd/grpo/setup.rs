@@ -1,21 +1,17 @@
-//! What `ferl grpo` builds from a [`PpoConfig`] before its first step: the keys it honours (the config gate), the
-//! trainer's settings, the prompts of `data.train_files`, and the reward.
+//! What the process that starts `ferl grpo` checks and builds from a [`PpoConfig`] before its first step: the keys it
+//! honours (the config gate), the values and world sizes it can run, the model folder, the actor's view of the
+//! config and the prompts of `data.train_files`. What every rank builds (settings, reward, the step) is
+//! [`ferl_actors::rl::setup`].
 
 use anyhow::{bail, Context, Result};
 use ferl_data::SftTokenizer;
 use ferl_fsdp::checkpoint::LoraExport;
-use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
-use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
 use ferl_rl::{
-    ActorLossConfig, AdvEstimator, GrpoPrompt, GrpoSettings, KlPenalty, LossAggMode, Reward,
-    AGG_MODES, KL_PENALTIES, OUTCOME_ESTIMATORS,
+    AdvEstimator, GrpoPrompt, KlPenalty, LossAggMode, AGG_MODES, KL_PENALTIES, OUTCOME_ESTIMATORS,
 };
 use ferl_trainer::config::{PpoConfig, SftConfig, Supported};
-use ferl_trainer::optim::AdamWConfig;
 use serde_json::Value;
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use tch::Kind;
 
 /// The keys `ferl grpo` honours with any value.
@@ -112,48 +108,6 @@ pub(crate) fn supported(loggers: &[String]) -> Supported {
         .values("critic.enable", &["false"])
 }
 
-/// The trainer's settings from the config; stop and padding tokens from the tokenizer.
-pub(crate) fn settings(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<GrpoSettings> {
-    let (actor, rollout) = (&cfg.actor_rollout_ref.actor, &cfg.actor_rollout_ref.rollout);
-    let micro = actor
-        .ppo_micro_batch_size_per_gpu
-        .unwrap_or(cfg.data.train_batch_size * rollout.n);
-    // Each key sizes its own forward, as in verl: the rollout's the old log-probabilities, the reference's its own;
-    // unset, each falls back to the update's micro-batch.
-    let log_prob_micro = rollout.log_prob_micro_batch_size_per_gpu.unwrap_or(micro);
-    let ref_log_prob_micro = cfg
-        .actor_rollout_ref
-        .reference
-        .log_prob_micro_batch_size_per_gpu
-        .unwrap_or(micro);
-    Ok(GrpoSettings {
-        n: rollout.n,
-        temperature: rollout.temperature,
-        top_k: rollout.top_k,
-        top_p: rollout.top_p,
-        seed: cfg.trainer.seed,
-        max_response_length: rollout.response_length,
-        eos_token_ids: vec![tok.eos_token_id()],
-        pad_token_id: tok.pad_token_id(),
-        ppo_mini_batch_size: actor.ppo_mini_batch_size,
-        ppo_micro_batch_size: micro,
-        log_prob_micro_batch_size: log_prob_micro,
-        ref_log_prob_micro_batch_size: ref_log_prob_micro,
-        ppo_epochs: actor.ppo_epochs,
-        shuffle: actor.shuffle,
-        loss: ActorLossConfig::from(actor),
-        adv_estimator: cfg.algorithm.adv_estimator,
-        norm_adv_by_std_in_grpo: cfg.algorithm.norm_adv_by_std_in_grpo,
-        lr: actor.optim.lr,
-        optim: AdamWConfig {
-            betas: (actor.optim.betas[0], actor.optim.betas[1]),
-            eps: 1e-8,
-            weight_decay: actor.optim.weight_decay,
-        },
-        grad_clip: actor.grad_clip,
-    })
-}
-
 /// The prompts of `data.train_files` (verl's RL parquet: `prompt` messages, `reward_model.ground_truth`,
 /// `data_source`, `extra_info`), rendered with the chat template and its generation prompt. A prompt longer than
 /// `data.max_prompt_length` is skipped with `data.filter_overlong_prompts`, else refused naming its row.
@@ -213,59 +167,6 @@ fn prompt(cfg: &PpoConfig, tok: &SftTokenizer, row: &Value) -> Result<GrpoPrompt
         ground_truth,
         extra,
     })
-}
-
-/// The reward: `custom_reward_function.path` (a reward plugin file, loaded into a host of its own; when
-/// `custom_reward_function.name` is changed from verl's `compute_score` it must be the plugin's name), else verl's
-/// `naive` manager over the prompts' data sources, each scored by ferl's first-party plugin for it (found in `host`).
-pub(crate) fn reward(
-    cfg: &PpoConfig,
-    host: impl FnOnce() -> Result<Arc<PluginHost>>,
-    prompts: &[GrpoPrompt],
-) -> Result<Box<dyn Reward>> {
-    match &cfg.custom_reward_function.path {
-        Some(path) => custom_reward(cfg, path),
-        None => naive_reward(host()?, prompts),
-    }
-}
-
-/// The reward plugin in the file `path`.
-fn custom_reward(cfg: &PpoConfig, path: &str) -> Result<Box<dyn Reward>> {
-    let key = || format!("custom_reward_function.path={path}");
-    let copies = std::env::temp_dir()
-        .join("ferl-plugin-copies")
-        .join(format!("{}-custom", std::process::id()));
-    let host = Arc::new(PluginHost::new(copies));
-    let plugin = host
-        .load_file(&ferl_data::expand_path(path), Some(PluginKind::Reward))
-        .with_context(key)?;
-    let name = plugin.info().name.clone();
-    let wanted = &cfg.custom_reward_function.name;
-    if wanted != "compute_score" && wanted != &name {
-        bail!("custom_reward_function.name={wanted}: {path} holds reward plugin `{name}`");
-    }
-    let reward = HotReward::new(host, &name, "").with_context(key)?;
-    Ok(Box::new(PluginReward::new(Box::new(reward))))
-}
-
-/// verl's `naive` manager: each data source of the prompts scored by its first-party reward plugin.
-fn naive_reward(host: Arc<PluginHost>, prompts: &[GrpoPrompt]) -> Result<Box<dyn Reward>> {
-    let sources: BTreeSet<String> = prompts
-        .iter()
-        .map(|p| p.extra["data_source"].as_str().unwrap_or("").to_string())
-        .collect();
-    let mut rewards = BTreeMap::new();
-    for source in sources {
-        let Some(plugin) = reward_plugin_for(&source) else {
-            bail!(
-                "data_source `{source}` has no built-in reward: set custom_reward_function.path to a reward plugin"
-            );
-        };
-        let r = HotReward::new(host.clone(), plugin, "")
-            .with_context(|| format!("the reward of data_source `{source}`"))?;
-        rewards.insert(source, PluginReward::new(Box::new(r)));
-    }
-    Ok(Box::new(DataSourceReward::new(rewards)))
 }
 
 /// The actor's training as the trainer ranks run it: the [`SftConfig`] of the same model, sharding, optimizer,
@@ -402,55 +303,4 @@ pub(crate) fn model_dir(cfg: &PpoConfig) -> Result<(PathBuf, Option<tempfile::Te
         bail!("{}: no config.json in {}", key(), dir.display());
     }
     Ok((dir, None))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn settings_of(overrides: &[&str]) -> GrpoSettings {
-        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-        let cfg = PpoConfig::load(None, &o).unwrap();
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/tokenizers/qwen3");
-        let tok = SftTokenizer::from_dir(&dir, None).unwrap();
-        settings(&cfg, &tok).unwrap()
-    }
-
-    #[test]
-    fn the_rollout_and_reference_log_prob_micro_batches_are_each_their_own_key() {
-        let base = [
-            "data.train_batch_size=4",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        ];
-        let both = [
-            &base[..],
-            &[
-                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-            ],
-        ]
-        .concat();
-        let s = settings_of(&both);
-        assert_eq!(
-            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
-            (4, 2)
-        );
-        let ref_only = [
-            &base[..],
-            &["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"],
-        ]
-        .concat();
-        let s = settings_of(&ref_only);
-        assert_eq!(
-            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
-            (8, 2)
-        );
-        let s = settings_of(&base);
-        assert_eq!(
-            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
-            (8, 8)
-        );
-    }
 }
