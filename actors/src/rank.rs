@@ -157,11 +157,7 @@ pub fn build_stepper<P: ParamStore>(
         schedule: lr_schedule(cfg, total_steps)?,
         clip_grad: cfg.optim.clip_grad,
         micro_batch_size: cfg.data.micro_batch_size_per_gpu,
-        layout: if cfg.use_remove_padding {
-            Layout::Packed
-        } else {
-            Layout::Padded
-        },
+        layout: layout_of(cfg),
         device,
         completed_steps: 0,
         sequence_parallel: None,
@@ -171,7 +167,16 @@ pub fn build_stepper<P: ParamStore>(
 fn engine_options(cfg: &SftConfig) -> EngineOptions {
     EngineOptions {
         gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
+        layout: layout_of(cfg),
         ..Default::default()
+    }
+}
+
+/// `use_remove_padding`'s layout of micro-batches.
+fn layout_of(cfg: &SftConfig) -> Layout {
+    match cfg.use_remove_padding {
+        true => Layout::Packed,
+        false => Layout::Padded,
     }
 }
 
@@ -502,5 +507,20 @@ impl RankState {
         };
         weights::save_hf_folder(out, config, &layout, &full, kind, &[src.as_path()])?;
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `use_remove_padding` packs the micro-batches every engine of the rank builds from rows (RL's old and
+    /// reference log-probabilities and its update read the layout from the engine).
+    #[test]
+    fn remove_padding_is_the_engines_layout() {
+        let mut cfg = SftConfig::default();
+        assert_eq!(engine_options(&cfg).layout, Layout::Padded);
+        cfg.use_remove_padding = true;
+        assert_eq!(engine_options(&cfg).layout, Layout::Packed);
     }
 }

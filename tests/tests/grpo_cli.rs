@@ -373,6 +373,33 @@ fn metrics_lines(run: &Path) -> usize {
     std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |t| t.lines().count())
 }
 
+/// `actor_rollout_ref.model.use_remove_padding=true` packs the rows of every forward (old and reference
+/// log-probabilities, the update) into one row without padding, in one process and on 2 ranks; the GSM8K prompts
+/// differ in length, so the padded forwards hold padding the packed ones drop. Both equal the padded run within 1e-5.
+#[test]
+fn remove_padding_packs_the_rl_forwards_and_equals_the_padded_run() {
+    let dir = fixture();
+    let d = dir.path();
+    let shape = [
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ];
+    let run = |name: &str, extra: &[&str]| {
+        let out = run_ferl(&grpo_args(d, name, 3, &[&shape[..], extra].concat()));
+        assert!(out.status.success(), "{name}: {}", text(&out));
+        metrics(&d.join(name))
+    };
+    let padded = run("padded", &[]);
+    let packed = ["actor_rollout_ref.model.use_remove_padding=true"];
+    let one = run("packed1", &packed);
+    assert_same_steps("packed in 1 process", &padded, &one, 1e-5);
+    let two = run(
+        "packed2",
+        &[&packed[..], &["--nproc-per-node", "2"]].concat(),
+    );
+    assert_same_steps("packed on 2 ranks", &padded, &two, 1e-5);
+}
+
 #[test]
 fn grpo_under_torchrun_equals_one_process() {
     let Some(torchrun) = torchrun() else { return };

@@ -113,6 +113,7 @@ pub(super) fn run(a: &TrainArgs, shape: &str, out: &mut Report) -> Result<()> {
             Device::Cpu => EngineOptions::default().logits_chunk_elements,
             _ => 1 << 28,
         }),
+        ..Default::default()
     };
     let figures = match a.store.as_str() {
         "local" => {

@@ -38,7 +38,7 @@
 //!    passed in before the micro-batch loop, so gradients do not depend on how the batch is split.
 //! 2. Gradients of a tied output matrix from the head are accumulated into the embedding's gradient.
 
-use crate::batch::MicroBatch;
+use crate::batch::{Layout, MicroBatch};
 use crate::head::{ChunkedHead, TokenStats};
 use crate::head_share::{self, HeadShare};
 use crate::kernels::KernelRegistry;
@@ -61,6 +61,9 @@ pub struct EngineOptions {
     pub gradient_checkpointing: bool,
     /// Upper bound on the elements of one logits chunk (`rows * vocab`).
     pub logits_chunk_elements: i64,
+    /// How the micro-batches the engine's users build from rows lay their samples out (`use_remove_padding`:
+    /// packed in one row, no padding).
+    pub layout: Layout,
 }
 
 impl Default for EngineOptions {
@@ -68,6 +71,7 @@ impl Default for EngineOptions {
         Self {
             gradient_checkpointing: false,
             logits_chunk_elements: 1 << 24,
+            layout: Layout::Padded,
         }
     }
 }
@@ -150,6 +154,11 @@ impl<P: ParamStore> Engine<P> {
     /// The schedule options.
     pub fn options_mut(&mut self) -> &mut EngineOptions {
         &mut self.opts
+    }
+
+    /// How micro-batches built for this engine lay their samples out ([`EngineOptions::layout`]).
+    pub fn layout(&self) -> Layout {
+        self.opts.layout
     }
 
     /// Final hidden states `[B, T, H]` without grad.

@@ -86,6 +86,7 @@ fn engine(cfg: &ModelConfig, model: &LoadedModel, checkpointing: bool) -> Engine
     let opts = EngineOptions {
         gradient_checkpointing: checkpointing,
         logits_chunk_elements: 5_000,
+        ..Default::default()
     };
     Engine::new(cfg.clone(), store, Kind::Float, opts)
 }

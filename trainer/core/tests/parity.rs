@@ -89,6 +89,7 @@ fn ferl_stepper(model_dir: &Path, case: &Case, steps: i64) -> Stepper<LocalParam
     let opts = EngineOptions {
         gradient_checkpointing: case.checkpointing,
         logits_chunk_elements: 5_000,
+        ..Default::default()
     };
     let engine = Engine::new(loaded.config.clone(), store, Kind::Float, opts);
     let adam = AdamWConfig {

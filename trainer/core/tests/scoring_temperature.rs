@@ -45,6 +45,7 @@ fn engine(head_scale: f64) -> Engine<LocalParams> {
     let opts = EngineOptions {
         gradient_checkpointing: false,
         logits_chunk_elements: 3 * VOCAB, // several chunks per micro-batch
+        ..Default::default()
     };
     Engine::new(cfg, store, Kind::Float, opts)
 }

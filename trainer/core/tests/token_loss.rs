@@ -31,6 +31,7 @@ fn engine(checkpointing: bool) -> Engine<LocalParams> {
     let opts = EngineOptions {
         gradient_checkpointing: checkpointing,
         logits_chunk_elements: 3 * 97, // several chunks per micro-batch
+        ..Default::default()
     };
     Engine::new(cfg, store, Kind::Float, opts)
 }

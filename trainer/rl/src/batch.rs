@@ -113,7 +113,12 @@ impl RlBatch {
 
     /// The engine's micro-batch of rows `rows` (in that order), padded, on `device`: prompt + response per row with
     /// the loss mask on the response tokens.
-    pub fn micro_batch(&self, rows: &[usize], device: Device) -> Result<MicroBatch> {
+    pub fn micro_batch(
+        &self,
+        rows: &[usize],
+        layout: Layout,
+        device: Device,
+    ) -> Result<MicroBatch> {
         let owned: Vec<(Vec<i64>, Vec<bool>)> = rows
             .iter()
             .map(|&i| {
@@ -133,7 +138,7 @@ impl RlBatch {
                 loss_mask,
             })
             .collect();
-        MicroBatch::new(&samples, Layout::Padded, device)
+        MicroBatch::new(&samples, layout, device)
     }
 
     /// The response tokens of rows `rows` of the `[rows, width]` matrix `m`, flat (`[n]`) in the order of the
@@ -196,7 +201,9 @@ mod tests {
     fn micro_batch_targets_are_the_response_tokens_in_matrix_order() {
         let b = batch();
         assert_eq!(b.response_width(), 3);
-        let mb = b.micro_batch(&[0, 1, 2], Device::Cpu).unwrap();
+        let mb = b
+            .micro_batch(&[0, 1, 2], Layout::Padded, Device::Cpu)
+            .unwrap();
         assert_eq!(mb.num_targets, 4);
         assert_eq!(Vec::<i64>::try_from(&mb.target_ids).unwrap(), [5, 6, 7, 8]);
         let mut m = b.zeros(Kind::Float, Device::Cpu);

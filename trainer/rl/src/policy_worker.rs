@@ -145,7 +145,7 @@ pub fn compute_log_prob_rows<P: ParamStore>(
     let mut log_probs = batch.zeros(Kind::Float, device);
     let mut entropies = entropy.then(|| batch.zeros(Kind::Float, device));
     for micro in rows.chunks(micro_batch_size) {
-        let mb = batch.micro_batch(micro, device)?;
+        let mb = batch.micro_batch(micro, engine.layout(), device)?;
         let stats = engine.token_stats(&mb, entropy)?;
         batch.scatter_tokens(&mut log_probs, micro, &stats.log_prob);
         if let (Some(m), Some(h)) = (entropies.as_mut(), stats.entropy.as_ref()) {
@@ -466,7 +466,7 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
                 ref_log_prob: reference.map(|r| batch.gather_tokens(r, micro)),
             };
             let loss = ActorTokenLoss::new(cfg.loss, global, actor_rows)?;
-            let mb = batch.micro_batch(micro, device)?;
+            let mb = batch.micro_batch(micro, engine.layout(), device)?;
             engine.forward_backward_with(&mb, &loss)?;
             if n == 0.0 {
                 continue; // no response token: the loss was never evaluated

@@ -28,6 +28,7 @@ const HONOURED: &[&str] = &[
     "data.tokenizer",
     "actor_rollout_ref.model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.clip_ratio",
@@ -180,6 +181,8 @@ pub(crate) fn actor_view(cfg: &PpoConfig, model_dir: &Path) -> SftConfig {
         .ppo_micro_batch_size_per_gpu
         .unwrap_or(cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n);
     view.data.shuffle = cfg.data.shuffle;
+    // Every forward of the policy and its reference packs its rows without padding, as verl's remove-padding does.
+    view.use_remove_padding = model.use_remove_padding;
     let m = &mut view.model;
     m.partial_pretrain = model_dir.display().to_string();
     m.enable_gradient_checkpointing = model.enable_gradient_checkpointing;
@@ -303,4 +306,24 @@ pub(crate) fn model_dir(cfg: &PpoConfig) -> Result<(PathBuf, Option<tempfile::Te
         bail!("{}: no config.json in {}", key(), dir.display());
     }
     Ok((dir, None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// verl's `use_remove_padding`, under either of its names, reaches the ranks' view of the config, whose
+    /// engines then pack every forward's rows (`ferl_actors::rank`'s `engine_options`).
+    #[test]
+    fn remove_padding_reaches_the_actor_view_under_either_name() {
+        for key in [
+            "actor_rollout_ref.model.use_remove_padding",
+            "actor_rollout_ref.actor.use_remove_padding",
+        ] {
+            let cfg = PpoConfig::load(None, &[format!("{key}=true")]).unwrap();
+            assert!(actor_view(&cfg, Path::new("m")).use_remove_padding, "{key}");
+        }
+        let cfg = PpoConfig::load(None, &[]).unwrap();
+        assert!(!actor_view(&cfg, Path::new("m")).use_remove_padding);
+    }
 }

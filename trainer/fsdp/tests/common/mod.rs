@@ -127,6 +127,7 @@ pub(crate) fn stepper_on<P: ParamStore>(
     let opts = EngineOptions {
         gradient_checkpointing: checkpointing,
         logits_chunk_elements: 61 * 16,
+        ..Default::default()
     };
     Stepper {
         engine: Engine::new(cfg.clone(), store, kind, opts),
