@@ -8,7 +8,9 @@
 //! `[BOS, d]`, earns 1 when its first response token is `d`. The mean reward climbs from about 0.06 to over 0.8.
 //! Run: `cargo run -p ferl-examples --example grpo` (CPU, no download, well under a minute).
 use ferl::actors::rl::{spawn_roles, GrpoDriver, Placement, RoleOptions};
-use ferl::rl::{ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, RewardRow};
+use ferl::rl::{
+    ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, MicroBatching, RewardRow,
+};
 use ferl::trainer::optim::AdamWConfig;
 use ferl::{HeadOptions, NodeOptions};
 
@@ -26,9 +28,9 @@ fn settings() -> GrpoSettings {
         max_response_length: 3,
         eos_token_ids: vec![2],
         ppo_mini_batch_size: 5,
-        ppo_micro_batch_size: 16,
-        log_prob_micro_batch_size: 40,
-        ref_log_prob_micro_batch_size: 40,
+        ppo_micro_batching: MicroBatching::Rows(16),
+        log_prob_micro_batching: MicroBatching::Rows(40),
+        ref_log_prob_micro_batching: MicroBatching::Rows(40),
         ppo_epochs: 2,
         shuffle: true,
         loss: ActorLossConfig {

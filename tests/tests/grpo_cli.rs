@@ -373,11 +373,17 @@ fn metrics_lines(run: &Path) -> usize {
     std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |t| t.lines().count())
 }
 
-/// `actor_rollout_ref.model.use_remove_padding=true` packs the rows of every forward (old and reference
-/// log-probabilities, the update) into one row without padding, in one process and on 2 ranks; the GSM8K prompts
-/// differ in length, so the padded forwards hold padding the packed ones drop. Both equal the padded run within 1e-5.
+/// How the RL forwards (old and reference log-probabilities, the update) cut and lay out their rows, in one process
+/// and on 2 ranks:
+/// - `actor_rollout_ref.model.use_remove_padding=true` packs each micro-batch's rows into one row without padding
+///   (the GSM8K prompts differ in length, so the padded forwards hold padding the packed ones drop);
+/// - `actor_rollout_ref.actor.use_dynamic_bsz=true` cuts them under `ppo_max_token_len_per_gpu` tokens (the
+///   rollout's and the reference's budgets follow it), every rank into as many micro-batches.
+///
+/// Each equals the run of fixed, padded micro-batches within 1e-5; a budget that cannot hold one row is refused by
+/// its key before anything runs.
 #[test]
-fn remove_padding_packs_the_rl_forwards_and_equals_the_padded_run() {
+fn remove_padding_and_dynamic_bsz_cut_the_rl_forwards_with_the_fixed_runs_results() {
     let dir = fixture();
     let d = dir.path();
     let shape = [
@@ -389,15 +395,39 @@ fn remove_padding_packs_the_rl_forwards_and_equals_the_padded_run() {
         assert!(out.status.success(), "{name}: {}", text(&out));
         metrics(&d.join(name))
     };
-    let padded = run("padded", &[]);
+    let fixed = run("fixed", &[]);
     let packed = ["actor_rollout_ref.model.use_remove_padding=true"];
-    let one = run("packed1", &packed);
-    assert_same_steps("packed in 1 process", &padded, &one, 1e-5);
-    let two = run(
-        "packed2",
-        &[&packed[..], &["--nproc-per-node", "2"]].concat(),
-    );
-    assert_same_steps("packed on 2 ranks", &padded, &two, 1e-5);
+    let two = ["--nproc-per-node", "2"];
+    let dynamic = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600",
+    ];
+    let cases: [(&str, Vec<&str>); 4] = [
+        ("packed in 1 process", packed.to_vec()),
+        ("packed on 2 ranks", [&packed[..], &two].concat()),
+        (
+            "token budgets in 1 process, packed",
+            [&packed[..], &dynamic].concat(),
+        ),
+        (
+            "token budgets on 2 ranks, padded",
+            [&dynamic[..], &two].concat(),
+        ),
+    ];
+    for (i, (what, extra)) in cases.iter().enumerate() {
+        let got = run(&format!("case{i}"), extra);
+        assert_same_steps(what, &fixed, &got, 1e-5);
+    }
+    let small = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
+    ];
+    let out = run_ferl(&grpo_args(d, "small", 3, &small));
+    assert!(!out.status.success(), "{}", text(&out));
+    let key =
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100: a micro-batch must hold one row";
+    assert!(text(&out).contains(key), "{}", text(&out));
+    assert!(!d.join("small").exists(), "a refused run left its folder");
 }
 
 #[test]

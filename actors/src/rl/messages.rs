@@ -8,7 +8,7 @@
 use anyhow::{bail, Result};
 use ferl_rl::{
     ActorLossConfig, ActorUpdateConfig, ClipConfig, GrpoPrompt, GrpoSettings, KlPenalty,
-    LossAggMode, RlBatch, RlRow,
+    LossAggMode, MicroBatching, RlBatch, RlRow,
 };
 use ferl_runtime::{ObjectRef, SharedBytes};
 use ferl_trainer::rollout::{GenerationConfig, SamplingParams};
@@ -245,8 +245,8 @@ pub struct WeightsLoaded {
 pub struct ComputeLogProb {
     /// The rows.
     pub rows: Vec<RowIds>,
-    /// Rows per forward pass.
-    pub micro_batch_size: u64,
+    /// Rows or tokens per forward pass.
+    pub micro_batching: WireMicroBatching,
     /// The `T` of `log_softmax(logits / T)`.
     pub temperature: f64,
     /// Also the entropies.
@@ -259,13 +259,13 @@ impl ComputeLogProb {
     /// The current policy's log-probabilities of `batch` (with entropies when `entropy`).
     pub fn policy(
         batch: &RlBatch,
-        micro_batch_size: usize,
+        micro_batching: MicroBatching,
         temperature: f64,
         entropy: bool,
     ) -> Self {
         Self {
             rows: RowIds::of(batch),
-            micro_batch_size: micro_batch_size as u64,
+            micro_batching: micro_batching.into(),
             temperature,
             entropy,
             reference: false,
@@ -273,10 +273,37 @@ impl ComputeLogProb {
     }
 
     /// The reference policy's log-probabilities of `batch`.
-    pub fn reference(batch: &RlBatch, micro_batch_size: usize, temperature: f64) -> Self {
+    pub fn reference(batch: &RlBatch, micro_batching: MicroBatching, temperature: f64) -> Self {
         Self {
             reference: true,
-            ..Self::policy(batch, micro_batch_size, temperature, false)
+            ..Self::policy(batch, micro_batching, temperature, false)
+        }
+    }
+}
+
+/// [`MicroBatching`] on the wire.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub enum WireMicroBatching {
+    /// At most this many rows per forward.
+    Rows(u64),
+    /// At most this many tokens per forward (verl's `use_dynamic_bsz`).
+    Tokens(u64),
+}
+
+impl From<MicroBatching> for WireMicroBatching {
+    fn from(m: MicroBatching) -> Self {
+        match m {
+            MicroBatching::Rows(n) => Self::Rows(n as u64),
+            MicroBatching::Tokens(n) => Self::Tokens(n as u64),
+        }
+    }
+}
+
+impl From<WireMicroBatching> for MicroBatching {
+    fn from(m: WireMicroBatching) -> Self {
+        match m {
+            WireMicroBatching::Rows(n) => Self::Rows(n as usize),
+            WireMicroBatching::Tokens(n) => Self::Tokens(n as usize),
         }
     }
 }
@@ -362,8 +389,8 @@ pub struct UpdateKeys {
     pub ppo_mini_batch_size: u64,
     /// Responses per prompt.
     pub rollout_n: u64,
-    /// Rows per forward/backward.
-    pub ppo_micro_batch_size: u64,
+    /// Rows or tokens per forward/backward.
+    pub micro_batching: WireMicroBatching,
     /// Passes over the batch.
     pub ppo_epochs: u64,
     /// Shuffle the rows before each epoch.
@@ -382,7 +409,7 @@ impl From<&ActorUpdateConfig> for UpdateKeys {
             loss: LossKeys::from(&c.loss),
             ppo_mini_batch_size: c.ppo_mini_batch_size as u64,
             rollout_n: c.rollout_n as u64,
-            ppo_micro_batch_size: c.ppo_micro_batch_size as u64,
+            micro_batching: c.micro_batching.into(),
             ppo_epochs: c.ppo_epochs as u64,
             shuffle: c.shuffle,
             shuffle_seed: c.shuffle_seed,
@@ -399,7 +426,7 @@ impl UpdateKeys {
             loss: self.loss.to_config()?,
             ppo_mini_batch_size: self.ppo_mini_batch_size as usize,
             rollout_n: self.rollout_n as usize,
-            ppo_micro_batch_size: self.ppo_micro_batch_size as usize,
+            micro_batching: self.micro_batching.into(),
             ppo_epochs: self.ppo_epochs as usize,
             shuffle: self.shuffle,
             shuffle_seed: self.shuffle_seed,

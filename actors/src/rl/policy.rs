@@ -12,7 +12,7 @@ use super::messages::{
 use super::{on_state, set_threads};
 use anyhow::{bail, Context as _, Result};
 use ferl_rl::grpo::frozen_copy;
-use ferl_rl::{compute_log_prob, PolicyWorker};
+use ferl_rl::{compute_log_prob, MicroBatching, PolicyWorker};
 use ferl_runtime::{Actor, Cluster, Context, Handler, ObjectBuffer, ObjectRef};
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::optim::{AdamWConfig, LrSchedule, ScheduleKind};
@@ -89,7 +89,7 @@ impl PolicyState {
     pub(crate) fn log_probs(&mut self, m: ComputeLogProb) -> Result<TokenValues> {
         let batch = RowIds::batch(m.rows);
         let device = self.worker.device();
-        let mbs = m.micro_batch_size as usize;
+        let mbs = MicroBatching::from(m.micro_batching);
         let (lp, h) = match (m.reference, self.reference.as_mut()) {
             (false, _) => self
                 .worker

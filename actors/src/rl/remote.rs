@@ -11,7 +11,9 @@ use super::messages::{token_matrix, ComputeLogProb, Generate, UpdatePolicy, Wire
 use super::policy::PolicyActor;
 use super::rollout::Rollout;
 use anyhow::{bail, Result};
-use ferl_rl::{ActorUpdateConfig, DataShare, PolicyRole, ReferencePolicy, RlBatch, RolloutRole};
+use ferl_rl::{
+    ActorUpdateConfig, DataShare, MicroBatching, PolicyRole, ReferencePolicy, RlBatch, RolloutRole,
+};
 use ferl_runtime::{split_even, ActorRef, WorkerGroup};
 use ferl_trainer::rollout::{GenerationConfig, RolloutModel};
 use std::collections::BTreeMap;
@@ -43,11 +45,11 @@ impl PolicyRole for ActorPolicy {
     fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
-        micro_batch_size: usize,
+        micro_batching: MicroBatching,
         temperature: f64,
         entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let msg = ComputeLogProb::policy(batch, micro_batch_size, temperature, entropy);
+        let msg = ComputeLogProb::policy(batch, micro_batching, temperature, entropy);
         let out = self.handle.block_on(self.actor.call(msg))?;
         let log_probs = token_matrix(batch, &out.log_probs, Device::Cpu)?;
         let entropies = match &out.entropies {
@@ -87,15 +89,15 @@ impl ReferencePolicy for ActorReference {
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,
-        rows: &[usize],
-        micro_batch_size: usize,
+        share: DataShare,
+        micro_batching: MicroBatching,
         temperature: f64,
         _device: Device,
     ) -> Result<Tensor> {
-        if rows.len() != batch.len() {
+        if share != DataShare::WHOLE {
             bail!("the policy actor's reference computes whole batches");
         }
-        let msg = ComputeLogProb::reference(batch, micro_batch_size, temperature);
+        let msg = ComputeLogProb::reference(batch, micro_batching, temperature);
         let out = self.handle.block_on(self.actor.call(msg))?;
         token_matrix(batch, &out.log_probs, Device::Cpu)
     }

@@ -12,7 +12,9 @@ use ferl_config::PpoConfig;
 use ferl_data::SftTokenizer;
 use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
 use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
-use ferl_rl::{ActorLossConfig, GrpoPrompt, GrpoSettings, GrpoStep, ReferencePolicy, Reward};
+use ferl_rl::{
+    ActorLossConfig, GrpoPrompt, GrpoSettings, GrpoStep, MicroBatching, ReferencePolicy, Reward,
+};
 use ferl_trainer::optim::AdamWConfig;
 
 use crate::rank::RankState;
@@ -27,14 +29,12 @@ pub fn grpo_settings(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<GrpoSettings
     let micro = actor
         .ppo_micro_batch_size_per_gpu
         .unwrap_or(cfg.data.train_batch_size * rollout.n);
+    let reference = &cfg.actor_rollout_ref.reference;
     // Each key sizes its own forward, as in verl: the rollout's the old log-probabilities, the reference's its own;
-    // unset, each falls back to the update's micro-batch.
-    let log_prob_micro = rollout.log_prob_micro_batch_size_per_gpu.unwrap_or(micro);
-    let ref_log_prob_micro = cfg
-        .actor_rollout_ref
-        .reference
-        .log_prob_micro_batch_size_per_gpu
-        .unwrap_or(micro);
+    // unset, each falls back to the update's micro-batch. With `use_dynamic_bsz` each is a token budget instead.
+    let budget = |dynamic: bool, tokens: usize| dynamic.then_some(tokens);
+    let log_prob_rows = rollout.log_prob_micro_batch_size_per_gpu.unwrap_or(micro);
+    let ref_rows = reference.log_prob_micro_batch_size_per_gpu.unwrap_or(micro);
     Ok(GrpoSettings {
         n: rollout.n,
         temperature: rollout.temperature,
@@ -45,9 +45,24 @@ pub fn grpo_settings(cfg: &PpoConfig, tok: &SftTokenizer) -> Result<GrpoSettings
         eos_token_ids: vec![tok.eos_token_id()],
         pad_token_id: tok.pad_token_id(),
         ppo_mini_batch_size: actor.ppo_mini_batch_size,
-        ppo_micro_batch_size: micro,
-        log_prob_micro_batch_size: log_prob_micro,
-        ref_log_prob_micro_batch_size: ref_log_prob_micro,
+        ppo_micro_batching: MicroBatching::new(
+            micro,
+            budget(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
+        ),
+        log_prob_micro_batching: MicroBatching::new(
+            log_prob_rows,
+            budget(
+                rollout.log_prob_use_dynamic_bsz,
+                rollout.log_prob_max_token_len_per_gpu,
+            ),
+        ),
+        ref_log_prob_micro_batching: MicroBatching::new(
+            ref_rows,
+            budget(
+                reference.log_prob_use_dynamic_bsz,
+                reference.log_prob_max_token_len_per_gpu,
+            ),
+        ),
         ppo_epochs: actor.ppo_epochs,
         shuffle: actor.shuffle,
         loss: ActorLossConfig::from(actor),
@@ -204,8 +219,8 @@ mod tests {
         .concat();
         let s = settings_of(&both);
         assert_eq!(
-            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
-            (4, 2)
+            (s.log_prob_micro_batching, s.ref_log_prob_micro_batching),
+            (MicroBatching::Rows(4), MicroBatching::Rows(2))
         );
         let ref_only = [
             &base[..],
@@ -214,13 +229,35 @@ mod tests {
         .concat();
         let s = settings_of(&ref_only);
         assert_eq!(
-            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
-            (8, 2)
+            (s.log_prob_micro_batching, s.ref_log_prob_micro_batching),
+            (MicroBatching::Rows(8), MicroBatching::Rows(2))
         );
         let s = settings_of(&base);
         assert_eq!(
-            (s.log_prob_micro_batch_size, s.ref_log_prob_micro_batch_size),
-            (8, 8)
+            (s.log_prob_micro_batching, s.ref_log_prob_micro_batching),
+            (MicroBatching::Rows(8), MicroBatching::Rows(8))
         );
+    }
+
+    #[test]
+    fn use_dynamic_bsz_makes_each_forward_a_token_budget_following_the_actors_keys() {
+        let s = settings_of(&[
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=300",
+        ]);
+        let budgets = [
+            s.ppo_micro_batching,
+            s.log_prob_micro_batching,
+            s.ref_log_prob_micro_batching,
+        ];
+        assert_eq!(budgets, [MicroBatching::Tokens(300); 3]);
+        let s = settings_of(&[
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=500",
+        ]);
+        assert_eq!(s.log_prob_micro_batching, MicroBatching::Tokens(500));
+        assert_eq!(s.ref_log_prob_micro_batching, MicroBatching::Rows(2));
     }
 }

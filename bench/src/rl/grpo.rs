@@ -13,8 +13,8 @@ use super::{median, Prompt, RlArgs};
 use crate::report::Report;
 use anyhow::Result;
 use ferl::rl::{
-    ActorLossConfig, ActorUpdateConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoTrainer, RewardRow,
-    RlBatch,
+    ActorLossConfig, ActorUpdateConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoTrainer,
+    MicroBatching, RewardRow, RlBatch,
 };
 use ferl::trainer::data::SftTokenizer;
 use ferl::trainer::engine::{Engine, EngineOptions};
@@ -56,9 +56,9 @@ fn settings(pad_token_id: i64, micro: usize) -> GrpoSettings {
         eos_token_ids: Vec::new(),
         pad_token_id,
         ppo_mini_batch_size: PROMPTS,
-        ppo_micro_batch_size: micro,
-        log_prob_micro_batch_size: 16,
-        ref_log_prob_micro_batch_size: 16,
+        ppo_micro_batching: MicroBatching::Rows(micro),
+        log_prob_micro_batching: MicroBatching::Rows(16),
+        ref_log_prob_micro_batching: MicroBatching::Rows(16),
         loss: ActorLossConfig {
             use_kl_loss: true,
             ..ActorLossConfig::default()
@@ -134,7 +134,7 @@ fn micro_batch_rows(
     let s = t.settings().clone();
     let rows = batch.len();
     let cfg = |micro: usize| ActorUpdateConfig {
-        ppo_micro_batch_size: micro,
+        micro_batching: MicroBatching::Rows(micro),
         ..s.update_config(0)
     };
     let (mut split, mut whole) = (Vec::new(), Vec::new());

@@ -103,6 +103,38 @@ impl Batching {
     }
 }
 
+/// Cuts each rank's own items (`shares[r]`, indices into `lengths`) into micro-batches of at most `max_tokens`
+/// tokens (`padded`: a micro-batch costs its rows × its longest), every rank into as many micro-batches (the most any
+/// rank needs), so that ranks whose forwards meet in collectives run as many. Every rank must hold as many items;
+/// an item longer than the budget is refused, naming its index.
+pub fn budget_micro_batches(
+    shares: &[Vec<usize>],
+    lengths: &[usize],
+    max_tokens: usize,
+    padded: bool,
+) -> Result<Vec<RankMicroBatches>> {
+    if let Some(&i) = shares.iter().flatten().find(|&&i| lengths[i] > max_tokens) {
+        bail!(
+            "item {i} has {} tokens, more than a micro-batch's budget of {max_tokens}",
+            lengths[i]
+        );
+    }
+    if shares.windows(2).any(|w| w[0].len() != w[1].len()) {
+        bail!("every rank must hold as many items to cut into as many micro-batches");
+    }
+    let budget = Budget { max_tokens, padded };
+    let fewest: Vec<RankMicroBatches> = shares
+        .iter()
+        .map(|items| fewest_micro_batches(items, lengths, budget))
+        .collect();
+    let count = fewest.iter().map(Vec::len).max().unwrap_or(1);
+    Ok(shares
+        .iter()
+        .zip(fewest)
+        .map(|(items, least)| exactly(items, least, count, lengths, budget))
+        .collect())
+}
+
 /// Contiguous rank shards in chunks of `micro` samples (the fixed micro-batches).
 fn fixed_plan(n: usize, world: usize, micro: usize) -> Vec<RankMicroBatches> {
     let positions: Vec<usize> = (0..n).collect();

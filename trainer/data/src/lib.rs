@@ -50,7 +50,7 @@ pub mod template;
 pub mod tokenizer;
 pub mod write;
 
-pub use balance::{Batching, RankMicroBatches};
+pub use balance::{budget_micro_batches, Batching, RankMicroBatches};
 pub use batch::{
     collate_packed, collate_padded, epoch_order, global_batch, rank_shard, steps_per_epoch,
     PackedBatch, PaddedBatch,

@@ -173,6 +173,11 @@ impl RlBatch {
             .collect()
     }
 
+    /// Tokens of row `i` as a forward holds it: its prompt and its response.
+    pub fn row_tokens(&self, i: usize) -> usize {
+        self.rows[i].prompt.len() + self.rows[i].response.len()
+    }
+
     /// `[rows, width]` zeros of `kind` on `device`.
     pub fn zeros(&self, kind: Kind, device: Device) -> Tensor {
         Tensor::zeros([self.len() as i64, self.response_width()], (kind, device))

@@ -21,6 +21,7 @@
 
 use super::batch::RlBatch;
 use super::grpo_step::GrpoStep;
+use super::micro::MicroBatching;
 use super::policy_worker::{ActorUpdateConfig, PolicyWorker};
 use super::reward::Reward;
 use super::roles::{Colocated, ReferencePolicy};
@@ -58,12 +59,15 @@ pub struct GrpoSettings {
     pub pad_token_id: i64,
     /// `actor.ppo_mini_batch_size`: prompts per optimizer step.
     pub ppo_mini_batch_size: usize,
-    /// `actor.ppo_micro_batch_size_per_gpu`: rows per forward/backward of the update.
-    pub ppo_micro_batch_size: usize,
-    /// `rollout.log_prob_micro_batch_size_per_gpu`: rows per forward of the old log-probabilities.
-    pub log_prob_micro_batch_size: usize,
-    /// `ref.log_prob_micro_batch_size_per_gpu`: rows per forward of the reference log-probabilities.
-    pub ref_log_prob_micro_batch_size: usize,
+    /// The update's forward/backward: `actor.ppo_micro_batch_size_per_gpu` rows, or (`actor.use_dynamic_bsz`)
+    /// `actor.ppo_max_token_len_per_gpu` tokens.
+    pub ppo_micro_batching: MicroBatching,
+    /// The old log-probabilities' forwards: `rollout.log_prob_micro_batch_size_per_gpu` rows, or
+    /// (`rollout.log_prob_use_dynamic_bsz`) `rollout.log_prob_max_token_len_per_gpu` tokens.
+    pub log_prob_micro_batching: MicroBatching,
+    /// The reference log-probabilities' forwards: `ref.log_prob_micro_batch_size_per_gpu` rows, or
+    /// (`ref.log_prob_use_dynamic_bsz`) `ref.log_prob_max_token_len_per_gpu` tokens.
+    pub ref_log_prob_micro_batching: MicroBatching,
     /// `actor.ppo_epochs`.
     pub ppo_epochs: usize,
     /// `actor.shuffle`: permute the rows before splitting them into mini-batches (seeded per step).
@@ -97,9 +101,9 @@ impl Default for GrpoSettings {
             eos_token_ids: Vec::new(),
             pad_token_id: 0,
             ppo_mini_batch_size: 256,
-            ppo_micro_batch_size: 8,
-            log_prob_micro_batch_size: 16,
-            ref_log_prob_micro_batch_size: 16,
+            ppo_micro_batching: MicroBatching::Rows(8),
+            log_prob_micro_batching: MicroBatching::Rows(16),
+            ref_log_prob_micro_batching: MicroBatching::Rows(16),
             ppo_epochs: 1,
             shuffle: false,
             loss: ActorLossConfig::default(),
@@ -122,16 +126,21 @@ impl GrpoSettings {
         let positive = [
             ("n", self.n),
             ("ppo_mini_batch_size", self.ppo_mini_batch_size),
-            ("ppo_micro_batch_size", self.ppo_micro_batch_size),
-            ("log_prob_micro_batch_size", self.log_prob_micro_batch_size),
-            (
-                "ref_log_prob_micro_batch_size",
-                self.ref_log_prob_micro_batch_size,
-            ),
             ("ppo_epochs", self.ppo_epochs),
         ];
         if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
             bail!("GRPO setting {key} must be positive");
+        }
+        let micro = [
+            ("ppo_micro_batching", self.ppo_micro_batching),
+            ("log_prob_micro_batching", self.log_prob_micro_batching),
+            (
+                "ref_log_prob_micro_batching",
+                self.ref_log_prob_micro_batching,
+            ),
+        ];
+        if let Some((key, m)) = micro.iter().find(|(_, m)| !m.is_positive()) {
+            bail!("GRPO setting {key} ({m:?}) must be positive");
         }
         check_outcome_estimator(self.adv_estimator)?;
         self.loss.validate()?;
@@ -155,7 +164,7 @@ impl GrpoSettings {
             loss: self.loss,
             ppo_mini_batch_size: self.ppo_mini_batch_size,
             rollout_n: self.n,
-            ppo_micro_batch_size: self.ppo_micro_batch_size,
+            micro_batching: self.ppo_micro_batching,
             ppo_epochs: self.ppo_epochs,
             shuffle: self.shuffle,
             shuffle_seed: derive_seed(self.seed, step, 1),

@@ -94,12 +94,12 @@ impl GrpoStep {
         batch.rewards = Some(rewards);
         let mask = batch.response_mask(policy.device());
         let (old, entropy) = timed(&mut timing, "old_log_prob", || {
-            policy.compute_log_prob(&batch, s.log_prob_micro_batch_size, temperature, true)
+            policy.compute_log_prob(&batch, s.log_prob_micro_batching, temperature, true)
         })?;
         batch.old_log_probs = Some(old);
         if self.reference.is_some() {
             let r = timed(&mut timing, "ref", || {
-                self.reference_log_prob(policy, &batch, &rows)
+                self.reference_log_prob(policy, &batch)
             })?;
             batch.ref_log_probs = Some(r);
         }
@@ -179,22 +179,20 @@ impl GrpoStep {
         RlBatch::new(rows)
     }
 
-    /// The reference's log-probabilities of every row: this rank computes `rows`, a sum fills in the others.
+    /// The reference's log-probabilities of every row: this rank computes its share, a sum fills in the others.
     fn reference_log_prob(
         &mut self,
         policy: &mut dyn PolicyRole,
         batch: &RlBatch,
-        rows: &Range<usize>,
     ) -> Result<Tensor> {
         let s = &self.settings;
         let Some(reference) = self.reference.as_mut() else {
             bail!("no reference policy");
         };
-        let mine: Vec<usize> = rows.clone().collect();
         let lp = reference.log_prob_rows(
             batch,
-            &mine,
-            s.ref_log_prob_micro_batch_size,
+            policy.share(),
+            s.ref_log_prob_micro_batching,
             s.log_prob_temperature(),
             policy.device(),
         )?;

@@ -23,6 +23,7 @@ pub mod batch;
 pub mod digits;
 pub mod grpo;
 pub mod grpo_step;
+pub mod micro;
 pub mod policy;
 pub mod policy_worker;
 pub mod reward;
@@ -41,6 +42,7 @@ pub use batch::{RlBatch, RlRow};
 pub use ferl_trainer::config::ppo::{AdvEstimator, KlPenalty, LossAggMode};
 pub use grpo::{derive_seed, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
 pub use grpo_step::GrpoStep;
+pub use micro::MicroBatching;
 pub use policy::{
     actor_loss, compute_policy_loss, entropy_from_logits, kl_penalty, ActorLoss, ActorLossConfig,
     ActorLossInputs, ClipConfig, PolicyLoss, KL_PENALTIES,

@@ -24,6 +24,8 @@ use ferl_trainer::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
 use ferl_trainer::params::ParamStore;
 use ferl_trainer::rollout::RolloutModel;
 use ferl_trainer::step::Stepper;
+
+use crate::micro::MicroBatching;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -39,8 +41,9 @@ pub struct ActorUpdateConfig {
     pub ppo_mini_batch_size: usize,
     /// `rollout.n`: responses per prompt.
     pub rollout_n: usize,
-    /// `ppo_micro_batch_size_per_gpu`: rows per forward/backward.
-    pub ppo_micro_batch_size: usize,
+    /// `ppo_micro_batch_size_per_gpu` rows per forward/backward, or (`use_dynamic_bsz`) `ppo_max_token_len_per_gpu`
+    /// tokens.
+    pub micro_batching: MicroBatching,
     /// `ppo_epochs`: passes over the batch.
     pub ppo_epochs: usize,
     /// `shuffle`: permute the rows before each epoch's split, seeded by `shuffle_seed` and the epoch.
@@ -76,7 +79,7 @@ impl DataShare {
 
     /// Refuses a batch of `rows` rows that the ranks cannot share evenly (every rank must run as many
     /// micro-batches: the store's gathers are collectives).
-    fn check(&self, rows: usize, what: &str) -> Result<()> {
+    pub(crate) fn check(&self, rows: usize, what: &str) -> Result<()> {
         if !rows.is_multiple_of(self.world) {
             bail!(
                 "{what} of {rows} rows cannot be split evenly over {} data-parallel ranks",
@@ -103,48 +106,51 @@ pub struct StepperPolicy<'a, P: ParamStore> {
 }
 
 /// Log-probabilities (and with `entropy` the entropies) of `batch`'s response tokens under `engine` at temperature
-/// `temperature`, as `[rows, width]` fp32 matrices with zeros past each response, computed `micro_batch_size` rows
-/// at a time without gradients on `device` (verl's `compute_log_prob`; the reference policy's too). Leaves the
-/// engine at that temperature.
+/// `temperature`, as `[rows, width]` fp32 matrices with zeros past each response, computed in the micro-batches
+/// `micro_batching` cuts, without gradients on `device` (verl's `compute_log_prob`; the reference policy's too).
+/// Leaves the engine at that temperature.
 pub fn compute_log_prob<P: ParamStore>(
     engine: &mut Engine<P>,
     batch: &RlBatch,
-    micro_batch_size: usize,
+    micro_batching: MicroBatching,
     temperature: f64,
     entropy: bool,
     device: Device,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let all: Vec<usize> = (0..batch.len()).collect();
+    let share = DataShare::WHOLE;
     compute_log_prob_rows(
         engine,
         batch,
-        &all,
-        micro_batch_size,
+        share,
+        micro_batching,
         temperature,
         entropy,
         device,
     )
 }
 
-/// [`compute_log_prob`] of the rows `rows` only (the other rows stay zero): a rank's share, summed over the ranks
-/// afterwards with [`sum_tensor_over_ranks`].
+/// [`compute_log_prob`] of `share`'s rows only (the other rows stay zero), summed over the ranks afterwards with
+/// [`sum_tensor_over_ranks`].
 pub fn compute_log_prob_rows<P: ParamStore>(
     engine: &mut Engine<P>,
     batch: &RlBatch,
-    rows: &[usize],
-    micro_batch_size: usize,
+    share: DataShare,
+    micro_batching: MicroBatching,
     temperature: f64,
     entropy: bool,
     device: Device,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if micro_batch_size == 0 {
-        bail!("compute_log_prob: micro_batch_size must be positive");
+    if !micro_batching.is_positive() {
+        bail!("compute_log_prob: the micro-batch size must be positive ({micro_batching:?})");
     }
+    share.check(batch.len(), "a log-probability batch")?;
+    let all: Vec<usize> = (0..batch.len()).collect();
+    let micros = micro_batching.cut(batch, &all, share, engine.layout())?;
     engine.set_temperature(temperature)?;
     let _g = tch::no_grad_guard();
     let mut log_probs = batch.zeros(Kind::Float, device);
     let mut entropies = entropy.then(|| batch.zeros(Kind::Float, device));
-    for micro in rows.chunks(micro_batch_size) {
+    for micro in &micros {
         let mb = batch.micro_batch(micro, engine.layout(), device)?;
         let stats = engine.token_stats(&mb, entropy)?;
         batch.scatter_tokens(&mut log_probs, micro, &stats.log_prob);
@@ -323,12 +329,12 @@ impl<P: ParamStore> PolicyWorker<P> {
     pub fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
-        micro_batch_size: usize,
+        micro_batching: MicroBatching,
         temperature: f64,
         entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         self.lend()
-            .compute_log_prob(batch, micro_batch_size, temperature, entropy)
+            .compute_log_prob(batch, micro_batching, temperature, entropy)
     }
 
     /// [`PolicyRole::update_policy`] over this worker's stepper.
@@ -361,20 +367,17 @@ impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
     fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
-        micro_batch_size: usize,
+        micro_batching: MicroBatching,
         temperature: f64,
         entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        self.share.check(batch.len(), "a log-probability batch")?;
-        let all: Vec<usize> = (0..batch.len()).collect();
-        let rows = self.share.of(&all);
         let device = self.stepper.device;
         let engine = &mut self.stepper.engine;
         let (lp, h) = compute_log_prob_rows(
             engine,
             batch,
-            rows,
-            micro_batch_size,
+            self.share,
+            micro_batching,
             temperature,
             entropy,
             device,
@@ -456,7 +459,10 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
         let engine = &mut self.stepper.engine;
         engine.store_mut().zero_grads();
         let mut sums = MiniBatchSums::default();
-        for micro in self.share.of(rows).chunks(cfg.ppo_micro_batch_size) {
+        let micros = cfg
+            .micro_batching
+            .cut(batch, rows, self.share, engine.layout())?;
+        for micro in &micros {
             let per_row = batch.tokens_per_row(micro);
             let n = per_row.iter().sum::<i64>() as f64;
             let actor_rows = ActorRows {
@@ -508,10 +514,10 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
 /// Refuses an update the batch or the sizes cannot make.
 fn check_update(batch: &RlBatch, cfg: &ActorUpdateConfig) -> Result<()> {
     let rows_per_mini = cfg.ppo_mini_batch_size * cfg.rollout_n;
-    if rows_per_mini == 0 || cfg.ppo_micro_batch_size == 0 || cfg.ppo_epochs == 0 {
+    if rows_per_mini == 0 || !cfg.micro_batching.is_positive() || cfg.ppo_epochs == 0 {
         bail!(
-            "update_policy: ppo_mini_batch_size ({}) × n ({}), ppo_micro_batch_size ({}) and ppo_epochs ({}) must be positive",
-            cfg.ppo_mini_batch_size, cfg.rollout_n, cfg.ppo_micro_batch_size, cfg.ppo_epochs
+            "update_policy: ppo_mini_batch_size ({}) × n ({}), the micro-batch size ({:?}) and ppo_epochs ({}) must be positive",
+            cfg.ppo_mini_batch_size, cfg.rollout_n, cfg.micro_batching, cfg.ppo_epochs
         );
     }
     if batch.old_log_probs.is_none() || batch.advantages.is_none() {

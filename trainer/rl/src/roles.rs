@@ -11,6 +11,7 @@
 //! the actor driver.
 
 use super::batch::RlBatch;
+use super::micro::MicroBatching;
 use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare};
 use anyhow::Result;
 use ferl_trainer::engine::Engine;
@@ -34,7 +35,7 @@ pub trait PolicyRole {
     fn compute_log_prob(
         &mut self,
         batch: &RlBatch,
-        micro_batch_size: usize,
+        micro_batching: MicroBatching,
         temperature: f64,
         entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)>;
@@ -50,16 +51,16 @@ pub trait PolicyRole {
 }
 
 /// The frozen reference policy as a GRPO step uses it: log-probabilities of some rows, no gradients. A sharded
-/// reference gathers its stages with collectives, so every rank calls it with as many rows. Sendable, so that a
+/// reference gathers its stages with collectives, so every rank calls it, each for its share. Sendable, so that a
 /// trainer-rank actor can hold it.
 pub trait ReferencePolicy: Send {
-    /// `[rows, width]` log-probabilities of the rows `rows` of `batch` (zeros elsewhere) at `temperature`,
-    /// `micro_batch_size` rows per forward on `device`.
+    /// `[rows, width]` log-probabilities of `share`'s rows of `batch` (zeros elsewhere) at `temperature`, in the
+    /// micro-batches `micro_batching` cuts, on `device`.
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,
-        rows: &[usize],
-        micro_batch_size: usize,
+        share: DataShare,
+        micro_batching: MicroBatching,
         temperature: f64,
         device: Device,
     ) -> Result<Tensor>;
@@ -69,16 +70,16 @@ impl<P: ParamStore + Send> ReferencePolicy for Engine<P> {
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,
-        rows: &[usize],
-        micro_batch_size: usize,
+        share: DataShare,
+        micro_batching: MicroBatching,
         temperature: f64,
         device: Device,
     ) -> Result<Tensor> {
         let (lp, _) = compute_log_prob_rows(
             self,
             batch,
-            rows,
-            micro_batch_size,
+            share,
+            micro_batching,
             temperature,
             false,
             device,

@@ -31,6 +31,12 @@ const HONOURED: &[&str] = &[
     "actor_rollout_ref.model.use_remove_padding",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
     "actor_rollout_ref.actor.clip_ratio",
     "actor_rollout_ref.actor.clip_ratio_low",
     "actor_rollout_ref.actor.clip_ratio_high",
@@ -268,11 +274,49 @@ pub(crate) fn check_values(cfg: &PpoConfig) -> Result<()> {
     if !rollout.do_sample {
         bail!("actor_rollout_ref.rollout.do_sample=false: GRPO compares sampled responses; keep it true");
     }
+    check_token_budgets(cfg)?;
     if cfg.trainer.device != "cpu" {
         bail!(
             "trainer.device={}: ferl grpo trains on the CPU for now (its CUDA path is not built yet); set trainer.device=cpu",
             cfg.trainer.device
         );
+    }
+    Ok(())
+}
+
+/// With `use_dynamic_bsz`, each forward's token budget must hold one row of the longest kind (a prompt of
+/// `data.max_prompt_length` and a response of `rollout.response_length` tokens).
+fn check_token_budgets(cfg: &PpoConfig) -> Result<()> {
+    let (actor, rollout, reference) = (
+        &cfg.actor_rollout_ref.actor,
+        &cfg.actor_rollout_ref.rollout,
+        &cfg.actor_rollout_ref.reference,
+    );
+    let longest = cfg.data.max_prompt_length + rollout.response_length;
+    let budgets = [
+        (
+            actor.use_dynamic_bsz,
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+            actor.ppo_max_token_len_per_gpu,
+        ),
+        (
+            rollout.log_prob_use_dynamic_bsz,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+            rollout.log_prob_max_token_len_per_gpu,
+        ),
+        (
+            reference.log_prob_use_dynamic_bsz,
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            reference.log_prob_max_token_len_per_gpu,
+        ),
+    ];
+    for (dynamic, key, budget) in budgets {
+        if dynamic && budget < longest {
+            bail!(
+                "{key}={budget}: a micro-batch must hold one row of up to data.max_prompt_length + \
+                 actor_rollout_ref.rollout.response_length = {longest} tokens (use_dynamic_bsz is on)"
+            );
+        }
     }
     Ok(())
 }

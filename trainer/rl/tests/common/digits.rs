@@ -4,7 +4,7 @@
 
 use ferl_rl::{
     ActorLossConfig, ClipConfig, FnReward, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer,
-    KlPenalty, LossAggMode, Reward, RewardRow,
+    KlPenalty, LossAggMode, MicroBatching, Reward, RewardRow,
 };
 use ferl_trainer::engine::{Engine, EngineOptions};
 use ferl_trainer::model::{init_model, load_model};
@@ -46,9 +46,9 @@ pub(crate) fn settings() -> GrpoSettings {
         eos_token_ids: vec![EOS],
         pad_token_id: 0,
         ppo_mini_batch_size: 5, // four optimizer steps per epoch
-        ppo_micro_batch_size: 16,
-        log_prob_micro_batch_size: 40,
-        ref_log_prob_micro_batch_size: 40,
+        ppo_micro_batching: MicroBatching::Rows(16),
+        log_prob_micro_batching: MicroBatching::Rows(40),
+        ref_log_prob_micro_batching: MicroBatching::Rows(40),
         ppo_epochs: 2,
         shuffle: true,
         loss: ActorLossConfig {
