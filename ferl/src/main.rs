@@ -51,6 +51,8 @@ enum Command {
     /// List and reload plugins.
     #[command(subcommand)]
     Plugin(cmd::plugin::PluginCommand),
+    /// Draw a run's curves (`metrics.jsonl`) to a PNG or an SVG.
+    Plot(cmd::plot::PlotArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -72,5 +74,6 @@ fn main() -> anyhow::Result<()> {
         Command::Export(a) => cmd::export::run(a),
         Command::Generate(a) => cmd::generate::run(a),
         Command::Plugin(c) => cmd::plugin::run(c),
+        Command::Plot(a) => cmd::plot::run(a),
     }
 }

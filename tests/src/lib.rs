@@ -357,3 +357,21 @@ pub fn run_under_torchrun(torchrun: &Path, nproc: usize, args: &[String]) -> std
         .output()
         .expect("run unshare -n torchrun")
 }
+
+/// Runs the `ferl` binary with `args` and one intra-op thread, as a user would; returns what it did.
+pub fn run_ferl(args: &[String]) -> std::process::Output {
+    Command::new(ferl_binary())
+        .env("OMP_NUM_THREADS", "1")
+        .args(args)
+        .output()
+        .expect("run ferl")
+}
+
+/// What a command printed, stdout then stderr, for assertion messages.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}

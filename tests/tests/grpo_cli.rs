@@ -5,27 +5,13 @@
 //! between steps: without it every step would be the same and the resume check would prove nothing.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use ferl_tests::cluster::LoopbackCluster;
 use ferl_tests::*;
 use serde_json::Value;
 
-fn run_ferl(args: &[String]) -> Output {
-    Command::new(ferl_binary())
-        .env("OMP_NUM_THREADS", "1")
-        .args(args)
-        .output()
-        .expect("run ferl")
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
+use ferl_tests::output_text as text;
 
 /// A tiny model and verl's GSM8K parquet of 6 training rows.
 fn fixture() -> tempfile::TempDir {
@@ -428,6 +414,26 @@ fn remove_padding_and_dynamic_bsz_cut_the_rl_forwards_with_the_fixed_runs_result
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100: a micro-batch must hold one row";
     assert!(text(&out).contains(key), "{}", text(&out));
     assert!(!d.join("small").exists(), "a refused run left its folder");
+}
+
+/// A GRPO run leaves `curves.png` in its folder and says where, with only the console logger too (the picture is
+/// drawn from the steps it logged).
+#[test]
+fn a_grpo_run_leaves_its_curves_with_only_the_console_logger() {
+    let dir = fixture();
+    let d = dir.path();
+    let out = run_ferl(&grpo_args(d, "pic", 2, &["trainer.logger=[console]"]));
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!d.join("pic/metrics.jsonl").exists());
+    let curves = d.join("pic/curves.png");
+    let bytes = std::fs::read(&curves).unwrap();
+    assert!(
+        bytes.starts_with(b"\x89PNG") && bytes.len() > 15_000,
+        "{} bytes",
+        bytes.len()
+    );
+    let said = format!("curves: {}", curves.display());
+    assert!(text(&out).contains(&said), "{}", text(&out));
 }
 
 #[test]

@@ -95,6 +95,9 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
         }
         tracing::debug!("ferl grpo failed: {e:#}");
     }
+    if coordinator && run_dir.exists() {
+        super::print_curves(&run_dir);
+    }
     trained.map(|_| ())
 }
 

@@ -9,6 +9,7 @@ pub(crate) mod grpo;
 pub(crate) mod job;
 pub(crate) mod logs;
 pub(crate) mod model;
+pub(crate) mod plot;
 pub(crate) mod plugin;
 pub(crate) mod sft;
 pub(crate) mod sft_dist;
@@ -39,5 +40,13 @@ impl ConfigArgs {
             Some(other) => anyhow::bail!("--cfg {other}: only `--cfg job` is supported"),
             None => Ok(false),
         }
+    }
+}
+
+/// Says where the run's picture is (`curves.png` in its folder), when it drew one.
+pub(crate) fn print_curves(run_dir: &std::path::Path) {
+    let curves = run_dir.join(ferl_plot::CURVES_FILE);
+    if curves.is_file() {
+        println!("curves: {}", curves.display());
     }
 }

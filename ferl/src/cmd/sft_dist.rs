@@ -57,9 +57,11 @@ impl DistArgs {
 /// is the same).
 pub(crate) fn run(cfg: SftConfig, args: &DistArgs) -> Result<()> {
     let launch = args.launch();
+    let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
     let summary = run_sft(cfg, &launch)?;
     if coordinates(&launch) {
         print_summary(&summary);
+        super::print_curves(&run_dir);
     }
     Ok(())
 }

@@ -12,7 +12,9 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::PathBuf;
 
+pub mod curves;
 pub mod mlflow;
+pub use curves::CurvesLogger;
 pub use mlflow::MlflowLogger;
 
 /// Receives the metrics of each step (`train/loss`, `train/lr`, `val/loss`, ...).
@@ -112,13 +114,14 @@ impl LoggerRegistry {
         self.kinds.keys().cloned().collect()
     }
 
-    /// Builds one logger per name; an unknown name is an error listing the known ones.
+    /// Builds one logger per name (an unknown name is an error listing the known ones), then the run's picture
+    /// ([`CurvesLogger`], last: it reads what the `jsonl` logger flushed).
     pub fn build(
         &self,
         names: &[String],
         ctx: &LoggerContext,
     ) -> Result<Vec<Box<dyn MetricsLogger>>> {
-        names
+        let mut loggers = names
             .iter()
             .map(|n| match self.kinds.get(n) {
                 Some(f) => f(ctx).with_context(|| format!("trainer.logger: setting up `{n}`")),
@@ -127,7 +130,9 @@ impl LoggerRegistry {
                     self.names().join(", ")
                 ),
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        loggers.push(Box::new(CurvesLogger::new(ctx.run_dir.clone())));
+        Ok(loggers)
     }
 }
 
