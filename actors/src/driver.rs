@@ -208,6 +208,8 @@ impl StepExecutor for ClusterExecutor {
             .handle
             .block_on(self.run.restart(&self.actors, policy))?;
         self.actors = fresh;
+        // The loop starts again from its newest checkpoint (`load` then sets the count), else from the first step.
+        self.completed = 0;
         Ok(kind)
     }
 

@@ -31,6 +31,9 @@ pub trait RankAlgorithm {
         let _ = (dir, global_step);
         Ok(())
     }
+    /// Told that the run starts again from its first step (a restart; a checkpoint to resume from is then
+    /// [`RankAlgorithm::loaded`]).
+    fn restarted(&mut self) {}
 }
 
 /// SFT: the whole (tokenized) training and validation sets; each rank trains its share of every batch.
@@ -211,6 +214,7 @@ impl StepExecutor for SpmdExecutor {
             commit.join().ok();
         }
         self.state = rebuild().context("rebuilding the rank")?;
+        self.algorithm.restarted();
         Ok("error".into())
     }
 }

@@ -294,8 +294,9 @@ fn trainer_rank_workers_under(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
-/// `trainer.max_restarts=1` on the cluster path: a trainer-rank actor SIGKILLed after step 3 of 6 is replaced, the
-/// run resumes from its checkpoint, and steps 4-6 equal an uninterrupted run within 1e-5.
+/// `trainer.max_restarts=1` on the cluster path: a trainer-rank actor SIGKILLed after step 3 of 6 is replaced and
+/// the run goes on as if uninterrupted, within 1e-5: from its step-3 checkpoint (`save_freq=1`: steps 4-6 equal), and
+/// without one (`save_freq=-1`: every step again, sampling as the first attempt did).
 #[test]
 fn a_killed_rank_actor_on_the_cluster_restarts_and_the_run_continues_as_if_uninterrupted() {
     let dir = fixture();
@@ -303,24 +304,45 @@ fn a_killed_rank_actor_on_the_cluster_restarts_and_the_run_continues_as_if_unint
     let shape = ["actor_rollout_ref.rollout.n=4"];
     let clean = run_ferl(&grpo_args(d, "clean", 6, &shape));
     assert!(clean.status.success(), "{}", text(&clean));
+    let clean = metrics(&d.join("clean"));
     let cluster = LoopbackCluster::start(&[2]);
-    let mut args = grpo_args(
-        d,
-        "killed",
-        6,
-        &[&shape[..], &["trainer.max_restarts=1"]].concat(),
-    );
-    args.extend(["--address", &cluster.address, "--nproc-per-node", "2"].map(String::from));
+    for (name, save_freq, from) in [
+        ("ckpt", "trainer.save_freq=1", 4),
+        ("none", "trainer.save_freq=-1", 1),
+    ] {
+        let extra = [&shape[..], &["trainer.max_restarts=1", save_freq]].concat();
+        let mut args = grpo_args(d, name, 6, &extra);
+        args.extend(["--address", &cluster.address, "--nproc-per-node", "2"].map(String::from));
+        let out = run_killing_a_rank(&cluster, &args, &d.join(name));
+        let lines = metrics(&d.join(name));
+        let restarts = lines.iter().filter_map(|l| l["system/restarts"].as_f64());
+        assert_eq!(restarts.fold(0.0, f64::max), 1.0, "{name}: {}", text(&out));
+        assert_same_steps(
+            &format!("{name}: steps {from}-6 after the restart"),
+            &clean[from as usize - 1..],
+            &last_lines_of(&lines, from..=6),
+            1e-5,
+        );
+    }
+}
+
+/// Runs the driver `ferl args` on `cluster`, SIGKILLs one of its trainer-rank workers once `run` logged step 3, and
+/// returns what the driver did (it must succeed).
+fn run_killing_a_rank(
+    cluster: &LoopbackCluster,
+    args: &[String],
+    run: &Path,
+) -> std::process::Output {
     let driver = cluster
         .command()
         .env("OMP_NUM_THREADS", "1")
-        .args(&args)
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let started = std::time::Instant::now();
-    while metrics_lines(&d.join("killed")) < 3 {
+    while metrics_lines(run) < 3 {
         assert!(started.elapsed().as_secs() < 300, "no step 3 in 5 minutes");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
@@ -330,15 +352,7 @@ fn a_killed_rank_actor_on_the_cluster_restarts_and_the_run_continues_as_if_unint
     assert_eq!(unsafe { libc::kill(ranks[1] as i32, libc::SIGKILL) }, 0);
     let out = driver.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let lines = metrics(&d.join("killed"));
-    let restarts = lines.iter().filter_map(|l| l["system/restarts"].as_f64());
-    assert_eq!(restarts.fold(0.0, f64::max), 1.0, "{}", text(&out));
-    assert_same_steps(
-        "steps 4-6 after the restart",
-        &metrics(&d.join("clean"))[3..],
-        &last_lines_of(&lines, 4..=6),
-        1e-5,
-    );
+    out
 }
 
 /// The last line `lines` logged for each of `steps` (a restarted run logs the steps after its checkpoint again).

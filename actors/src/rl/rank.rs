@@ -88,6 +88,11 @@ impl RankAlgorithm for GrpoAlgorithm {
         Ok(None)
     }
 
+    /// A restart without a checkpoint begins at the first step again.
+    fn restarted(&mut self) {
+        self.step.completed = 0;
+    }
+
     /// The next step is the checkpoint's next: its sampling and shuffles derive from the step.
     fn loaded(&mut self, _dir: &std::path::Path, global_step: u64) -> Result<()> {
         self.step.completed = global_step;
