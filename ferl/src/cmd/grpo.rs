@@ -37,7 +37,8 @@ pub(crate) struct GrpoArgs {
     #[command(flatten)]
     pub config: super::ConfigArgs,
     /// Ranks on this machine (data-parallel, the policy sharded over them), started as torchrun's standalone mode
-    /// starts them. Without it: one process, or one rank of torchrun/SLURM when their environment is set.
+    /// starts them; with --address, trainer-rank actors per node of that cluster. Without either: one process, or
+    /// one rank of torchrun/SLURM when their environment is set.
     #[arg(
         long = "nproc-per-node",
         visible_alias = "nproc_per_node",
