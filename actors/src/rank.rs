@@ -251,6 +251,11 @@ impl RankState {
         })
     }
 
+    /// Whether the policy trains LoRA adapters over a frozen base.
+    pub fn has_lora(&self) -> bool {
+        self.lora.is_some()
+    }
+
     /// The model folder's weights sharded as this rank's policy is, frozen (no gradient buffers, no optimizer
     /// state): the reference policy of RL, whose gathers are collectives of this rank's groups. Refused with LoRA
     /// (verl's reference is then the base model without adapters).

@@ -13,7 +13,7 @@ use ferl_data::SftTokenizer;
 use ferl_plugin_bridge::{reward_plugin_for, DataSourceReward, PluginReward};
 use ferl_plugin_host::{HotReward, PluginHost, PluginKind};
 use ferl_rl::{
-    ActorLossConfig, GrpoPrompt, GrpoSettings, GrpoStep, MicroBatching, ReferencePolicy, Reward,
+    ActorLossConfig, GrpoPrompt, GrpoSettings, GrpoStep, MicroBatching, Reference, Reward,
 };
 use ferl_trainer::optim::AdamWConfig;
 
@@ -177,11 +177,13 @@ pub fn grpo_step(
     tok: Arc<SftTokenizer>,
     reward: Box<dyn Reward>,
 ) -> Result<GrpoStep> {
-    let reference = match settings.loss.use_kl_loss {
-        true => Some(Box::new(state.frozen_reference()?) as Box<dyn ReferencePolicy>),
-        false => None,
+    // With LoRA the reference is the policy's base model, its adapters off (verl's): no second copy.
+    let reference = match (settings.loss.use_kl_loss, state.has_lora()) {
+        (false, _) => None,
+        (true, true) => Some(Reference::PolicyBase),
+        (true, false) => Some(Reference::Frozen(Box::new(state.frozen_reference()?))),
     };
-    let mut step = GrpoStep::new(settings, reference, reward)?;
+    let mut step = GrpoStep::with_reference(settings, reference, reward)?;
     step.set_decoder(Box::new(move |ids| {
         tok.decode_skip_special(ids).unwrap_or_default()
     }));

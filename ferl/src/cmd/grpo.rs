@@ -173,10 +173,12 @@ impl Setup {
         let (model_dir, exported) = setup::model_dir(cfg)?;
         let tok = Arc::new(rl_setup::tokenizer(cfg, &model_dir)?);
         let prompts = setup::prompts(cfg, &tok)?;
+        let view = setup::actor_view(cfg, &model_dir);
+        setup::check_lora(&view, &model_dir)?;
         let sources = rl_setup::data_sources(&prompts);
         let reward = rl_setup::reward(cfg, || Ok(Arc::clone(&host)), &sources)?;
         Ok(Self {
-            view: setup::actor_view(cfg, &model_dir),
+            view,
             settings: rl_setup::grpo_settings(cfg, &tok)?,
             tok,
             prompts: Arc::new(prompts),

@@ -46,7 +46,7 @@ use crate::loss::{CrossEntropy, TokenLoss};
 use crate::model::config::ModelConfig;
 use crate::model::graph::{self, LayerGraph, NormGraph};
 use crate::model::layers::{self, Rope};
-use crate::model::layout::Stage;
+use crate::model::layout::{DecoderParam, Stage};
 use crate::params::{ParamStore, SplitHead};
 use crate::vocab_parallel;
 use anyhow::{Context, Result};
@@ -64,6 +64,9 @@ pub struct EngineOptions {
     /// How the micro-batches the engine's users build from rows lay their samples out (`use_remove_padding`:
     /// packed in one row, no padding).
     pub layout: Layout,
+    /// Run the base model only: LoRA's adapters are left out of every forward, as PEFT's `disable_adapter()`
+    /// (verl's reference policy of a LoRA actor, with no second copy of the model).
+    pub adapters_off: bool,
 }
 
 impl Default for EngineOptions {
@@ -72,6 +75,7 @@ impl Default for EngineOptions {
             gradient_checkpointing: false,
             logits_chunk_elements: 1 << 24,
             layout: Layout::Padded,
+            adapters_off: false,
         }
     }
 }
@@ -161,12 +165,22 @@ impl<P: ParamStore> Engine<P> {
         self.opts.layout
     }
 
+    /// The decoder stages' slots the forwards use: the layout's, without LoRA's adapters under
+    /// [`EngineOptions::adapters_off`].
+    fn decoder(&self) -> DecoderParam {
+        let d = self.store.layout().decoder;
+        match self.opts.adapters_off {
+            true => d.without_adapters(),
+            false => d,
+        }
+    }
+
     /// Final hidden states `[B, T, H]` without grad.
     fn forward_hidden_no_grad(&mut self, mb: &MicroBatch) -> Result<Tensor> {
         let _g = tch::no_grad_guard();
         let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
         let mut h = self.embed(&mb.input_ids)?;
-        let d = self.store.layout().decoder;
+        let d = self.decoder();
         for l in 0..self.cfg.num_layers {
             let p = self.store.gather(Stage::Decoder(l))?;
             h = graph::decoder_layer_forward(
@@ -193,7 +207,7 @@ impl<P: ParamStore> Engine<P> {
     /// (and entropies), adding the gradients to the store. Returns the loss's reported value.
     pub fn forward_backward_with(&mut self, mb: &MicroBatch, loss: &dyn TokenLoss) -> Result<f64> {
         let rope = Rope::new(&self.cfg, &mb.positions, self.kind);
-        let d = self.store.layout().decoder;
+        let d = self.decoder();
         // 1. Forward.
         let mut h = self.embed(&mb.input_ids)?;
         let mut saved = Vec::with_capacity(self.cfg.num_layers);

@@ -28,13 +28,22 @@ use std::ops::Range;
 use std::time::Instant;
 use tch::Tensor;
 
-/// Everything of a GRPO step but the policy: settings, the frozen reference (with `use_kl_loss`), the reward and
-/// the decoder, and the steps completed.
+/// The reference policy of the KL loss.
+pub enum Reference {
+    /// A frozen model of its own (the initial weights).
+    Frozen(Box<dyn ReferencePolicy>),
+    /// The policy's base model with its LoRA adapters off, as verl's reference of a LoRA actor: no second copy
+    /// ([`PolicyRole::base_log_prob`]).
+    PolicyBase,
+}
+
+/// Everything of a GRPO step but the policy: settings, the reference (with `use_kl_loss`), the reward and the
+/// decoder, and the steps completed.
 pub struct GrpoStep {
     /// The run's settings.
     pub settings: GrpoSettings,
-    /// The reference policy (the initial weights, frozen) when `use_kl_loss` asks for one.
-    pub reference: Option<Box<dyn ReferencePolicy>>,
+    /// The reference policy when `use_kl_loss` asks for one.
+    reference: Option<Reference>,
     reward: Box<dyn Reward>,
     decoder: Option<Decoder>,
     /// Steps completed (the next step's 0-based index).
@@ -42,10 +51,20 @@ pub struct GrpoStep {
 }
 
 impl GrpoStep {
-    /// A step scoring with `reward`, with `reference` for the KL loss (required when `use_kl_loss` is set).
+    /// A step scoring with `reward`, with the frozen `reference` for the KL loss (required when `use_kl_loss` is
+    /// set).
     pub fn new(
         settings: GrpoSettings,
         reference: Option<Box<dyn ReferencePolicy>>,
+        reward: Box<dyn Reward>,
+    ) -> Result<Self> {
+        Self::with_reference(settings, reference.map(Reference::Frozen), reward)
+    }
+
+    /// [`Self::new`] with any [`Reference`].
+    pub fn with_reference(
+        settings: GrpoSettings,
+        reference: Option<Reference>,
         reward: Box<dyn Reward>,
     ) -> Result<Self> {
         settings.validate()?;
@@ -186,16 +205,15 @@ impl GrpoStep {
         batch: &RlBatch,
     ) -> Result<Tensor> {
         let s = &self.settings;
-        let Some(reference) = self.reference.as_mut() else {
-            bail!("no reference policy");
+        let (micro, temperature) = (s.ref_log_prob_micro_batching, s.log_prob_temperature());
+        let lp = match self.reference.as_mut() {
+            None => bail!("no reference policy"),
+            // Already summed over the ranks.
+            Some(Reference::PolicyBase) => return policy.base_log_prob(batch, micro, temperature),
+            Some(Reference::Frozen(r)) => {
+                r.log_prob_rows(batch, policy.share(), micro, temperature, policy.device())?
+            }
         };
-        let lp = reference.log_prob_rows(
-            batch,
-            policy.share(),
-            s.ref_log_prob_micro_batching,
-            s.log_prob_temperature(),
-            policy.device(),
-        )?;
         if policy.share().world == 1 {
             return Ok(lp);
         }

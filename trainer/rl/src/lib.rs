@@ -41,7 +41,7 @@ pub use batch::{RlBatch, RlRow};
 /// [`ferl_trainer::config::ppo`]).
 pub use ferl_trainer::config::ppo::{AdvEstimator, KlPenalty, LossAggMode};
 pub use grpo::{derive_seed, GrpoPrompt, GrpoSettings, GrpoStepOutput, GrpoTrainer};
-pub use grpo_step::GrpoStep;
+pub use grpo_step::{GrpoStep, Reference};
 pub use micro::MicroBatching;
 pub use policy::{
     actor_loss, compute_policy_loss, entropy_from_logits, kl_penalty, ActorLoss, ActorLossConfig,

@@ -424,6 +424,22 @@ impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
         Ok(out)
     }
 
+    /// The rows' log-probabilities with the engine's LoRA adapters off for these forwards only.
+    fn base_log_prob(
+        &mut self,
+        batch: &RlBatch,
+        micro_batching: MicroBatching,
+        temperature: f64,
+    ) -> Result<Tensor> {
+        if self.stepper.engine.store().layout().decoder.lora.is_empty() {
+            bail!("the policy has no LoRA adapters: its reference needs a model of its own");
+        }
+        self.stepper.engine.options_mut().adapters_off = true;
+        let out = self.compute_log_prob(batch, micro_batching, temperature, false);
+        self.stepper.engine.options_mut().adapters_off = false;
+        Ok(out?.0)
+    }
+
     fn rollout_model(&mut self) -> Result<RolloutModel> {
         let engine = &mut self.stepper.engine;
         let (cfg, kind) = (engine.config().clone(), engine.compute_kind());

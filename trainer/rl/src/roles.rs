@@ -45,6 +45,16 @@ pub trait PolicyRole {
         batch: &RlBatch,
         cfg: &ActorUpdateConfig,
     ) -> Result<BTreeMap<String, f64>>;
+    /// [`Self::compute_log_prob`] (no entropies) under the policy's base model, its LoRA adapters off: the
+    /// reference policy of a LoRA actor. Refused by a policy without adapters.
+    fn base_log_prob(
+        &mut self,
+        _batch: &RlBatch,
+        _micro_batching: MicroBatching,
+        _temperature: f64,
+    ) -> Result<Tensor> {
+        anyhow::bail!("this policy has no LoRA adapters to turn off for a reference")
+    }
     /// A rollout model of the current weights: the colocated weight sync, gathered from the shards stage by stage
     /// (every rank holds the whole model until the caller drops it).
     fn rollout_model(&mut self) -> Result<RolloutModel>;

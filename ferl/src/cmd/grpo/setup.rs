@@ -29,6 +29,11 @@ const HONOURED: &[&str] = &[
     "actor_rollout_ref.model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing",
     "actor_rollout_ref.model.use_remove_padding",
+    "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.exclude_modules",
+    "actor_rollout_ref.model.lora_adapter_path",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.use_dynamic_bsz",
@@ -192,6 +197,12 @@ pub(crate) fn actor_view(cfg: &PpoConfig, model_dir: &Path) -> SftConfig {
     let m = &mut view.model;
     m.partial_pretrain = model_dir.display().to_string();
     m.enable_gradient_checkpointing = model.enable_gradient_checkpointing;
+    // LoRA trains adapters over the frozen base; the reference is then the base with the adapters off.
+    m.lora_rank = model.lora_rank;
+    m.lora_alpha = model.lora_alpha;
+    m.target_modules = model.target_modules.clone();
+    m.exclude_modules = model.exclude_modules.clone().unwrap_or_default();
+    m.lora_adapter_path = model.lora_adapter_path.clone();
     m.strategy = actor.strategy;
     m.fsdp_config.wrap_policy = actor.fsdp_config.wrap_policy.clone();
     m.fsdp_config.reshard_after_forward = actor.fsdp_config.reshard_after_forward;
@@ -318,6 +329,21 @@ fn check_token_budgets(cfg: &PpoConfig) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// LoRA's keys (`actor_rollout_ref.model.lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`,
+/// `lora_adapter_path`), checked against the model in `model_dir` before a rank is started: an adapter folder that
+/// contradicts the keys, or modules that match none of the model's projections, are refused by key.
+pub(crate) fn check_lora(view: &SftConfig, model_dir: &Path) -> Result<()> {
+    let key = "actor_rollout_ref.model (LoRA keys)";
+    let Some((spec, _)) = ferl_trainer::run::gate::lora_of(view).context(key)? else {
+        return Ok(());
+    };
+    let file = model_dir.join("config.json");
+    let config = ferl_trainer::model::config::ModelConfig::from_file(&file)
+        .with_context(|| format!("actor_rollout_ref.model.path: {}", file.display()))?;
+    spec.projections(config.num_layers).context(key)?;
     Ok(())
 }
 

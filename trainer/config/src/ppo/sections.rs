@@ -177,6 +177,8 @@ pub struct ModelConfig {
     pub target_modules: StringList,
     /// Modules LoRA never adapts.
     pub exclude_modules: Option<StringList>,
+    /// A PEFT adapter folder to start LoRA from (its `adapter_config.json` gives rank, alpha and modules).
+    pub lora_adapter_path: Option<String>,
     /// Use fused kernels instead of the plain ops.
     pub use_liger: bool,
     /// verl: fused log-prob/entropy kernels.
@@ -200,6 +202,7 @@ impl Default for ModelConfig {
             lora_alpha: 16.0,
             target_modules: StringList::one("all-linear"),
             exclude_modules: None,
+            lora_adapter_path: None,
             use_liger: false,
             use_fused_kernels: false,
             trust_remote_code: false,

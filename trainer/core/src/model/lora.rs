@@ -431,6 +431,41 @@ pub fn merge(layout: &ModelLayout, full: &[Tensor]) -> Vec<Tensor> {
     base
 }
 
+/// One decoder stage's tensors `stage` (in the stage's order, slots `d`) with its adapters merged into their
+/// projections, `W + (α/r)·B·A` computed in fp32 and cast back to `W`'s dtype; the adapter tensors are dropped.
+/// Returns the slots of the merged stage (no adapters): what a rollout model generates with, as verl merges the
+/// adapters before it syncs the weights into its rollout engine.
+pub fn merge_stage(d: &DecoderParam, stage: &mut Vec<Tensor>) -> DecoderParam {
+    let _g = tch::no_grad_guard();
+    let mut adapters = Vec::new();
+    for p in PROJECTIONS {
+        let Some((a, b)) = d.lora.get(p) else {
+            continue;
+        };
+        let w = d.weight(p);
+        let delta = stage[b]
+            .to_kind(Kind::Float)
+            .matmul(&stage[a].to_kind(Kind::Float))
+            * d.lora.scale;
+        stage[w] = (stage[w].to_kind(Kind::Float) + delta).to_kind(stage[w].kind());
+        adapters.extend([a, b]);
+    }
+    // The adapters are the stage's last tensors (appended by `add_lora`).
+    stage.truncate(stage.len() - adapters.len());
+    d.without_adapters()
+}
+
+impl DecoderParam {
+    /// These slots with no projection adapted: the base model's forward (verl's reference policy of a LoRA actor,
+    /// PEFT's `disable_adapter()`).
+    pub fn without_adapters(&self) -> DecoderParam {
+        DecoderParam {
+            lora: LoraSlots::default(),
+            ..*self
+        }
+    }
+}
+
 /// The layout and parameters of `cfg`'s model with LoRA: fresh adapters (seeded) or those of `adapter`.
 pub fn with_adapters(
     cfg: &ModelConfig,

@@ -52,6 +52,7 @@ pub use score::{ScoreRequest, TokenScores};
 use crate::model::config::ModelConfig;
 use crate::model::layers;
 use crate::model::layout::{DecoderParam, ModelLayout, Stage};
+use crate::model::lora;
 use crate::params::ParamStore;
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -165,9 +166,19 @@ impl RolloutModel {
         mut stage: impl FnMut(Stage) -> Result<Vec<Tensor>>,
     ) -> Result<Self> {
         let embed = stage(Stage::Embedding)?.remove(0);
+        // LoRA's adapters are merged into their projections stage by stage, as the stage arrives: generation runs
+        // the base model's matrices only.
+        let merged = decoder.without_adapters();
         let layers = (0..cfg.num_layers)
-            .map(|l| stage(Stage::Decoder(l)))
+            .map(|l| {
+                let mut tensors = stage(Stage::Decoder(l))?;
+                if !decoder.lora.is_empty() {
+                    lora::merge_stage(&decoder, &mut tensors);
+                }
+                Ok(tensors)
+            })
             .collect::<Result<Vec<_>>>()?;
+        let decoder = merged;
         let mut head = stage(Stage::Head)?.into_iter();
         let (norm, lm_head) = match (head.next(), head.next()) {
             (Some(n), Some(w)) => (n, w),
