@@ -393,11 +393,7 @@ fn run_cluster(
             Some(a) => ferl_runtime::connect(a, None)
                 .await
                 .with_context(|| format!("joining the cluster at {a}"))?,
-            None => {
-                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let node = NodeOptions::new().num_cpus(cpus.max(world + 2) as f64);
-                ferl_runtime::init(HeadOptions::new().node(node)).await?
-            }
+            None => embedded_cluster(world).await?,
         };
         let per_node = (nnodes > 1).then_some(nproc);
         let result = train_checked(&cluster, cfg, world, per_node, plugins, registry).await;
@@ -410,6 +406,14 @@ fn run_cluster(
         cluster.shutdown().await;
         result
     })
+}
+
+/// The cluster `--nproc-per-node` starts in this process when no `--address` is given: a head with one node of
+/// this machine's CPUs (at least `world` ranks and the data loader and checkpointer beside them).
+pub async fn embedded_cluster(world: usize) -> Result<Cluster> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let node = NodeOptions::new().num_cpus(cpus.max(world + 2) as f64);
+    Ok(ferl_runtime::init(HeadOptions::new().node(node)).await?)
 }
 
 /// Trains `cfg` with `world` actor ranks on `cluster` (a driver script's entry point). The config is checked first

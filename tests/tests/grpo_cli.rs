@@ -126,14 +126,15 @@ fn grpo_on_a_ferl_start_cluster_equals_one_process_and_resumes_across_paths() {
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=1",
     ];
-    let in_process = |name: &str, steps: usize| {
-        let out = run_ferl(&grpo_args(d, name, steps, &shape));
+    let in_process_with = |name: &str, steps: usize, extra: &[&str]| {
+        let out = run_ferl(&grpo_args(d, name, steps, &[&shape[..], extra].concat()));
         assert!(out.status.success(), "{name}: {}", text(&out));
         metrics(&d.join(name))
     };
+    let in_process = |name: &str, steps: usize| in_process_with(name, steps, &[]);
     let cluster = LoopbackCluster::start(&[1, 1]);
-    let on_cluster = |name: &str, steps: usize| {
-        let mut args = grpo_args(d, name, steps, &shape);
+    let on_cluster_with = |name: &str, steps: usize, extra: &[&str]| {
+        let mut args = grpo_args(d, name, steps, &[&shape[..], extra].concat());
         let flags = ["--address", &cluster.address, "--nproc-per-node", "1"];
         args.extend(
             flags
@@ -154,9 +155,23 @@ fn grpo_on_a_ferl_start_cluster_equals_one_process_and_resumes_across_paths() {
         );
         metrics(&d.join(name))
     };
+    let on_cluster = |name: &str, steps: usize| on_cluster_with(name, steps, &[]);
     let one = in_process("w1", 4);
     let two = on_cluster("cluster", 4);
     assert_same_steps("2 trainer-rank actors on 2 nodes", &one, &two, 1e-5);
+    // Ulysses across the two nodes' ranks, and LoRA, as on every other path.
+    let sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"];
+    let cluster_sp = on_cluster_with("cluster_sp", 4, &sp);
+    assert_same_steps("Ulysses 2 over 2 nodes", &one, &cluster_sp, 1e-5);
+    // (A learning rate that keeps the second mini-batch's ratios near their clip range: at 2e-2 the clipping
+    // amplifies float noise, and runs on different thread counts part after two steps.)
+    let lora = [
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+    ];
+    let one_lora = in_process_with("w1_lora", 4, &lora);
+    let cluster_lora = on_cluster_with("cluster_lora", 4, &lora);
+    assert_same_steps("LoRA on 2 nodes", &one_lora, &cluster_lora, 1e-5);
     let status = cluster.status();
     let job = status["jobs"]
         .as_array()
@@ -185,20 +200,36 @@ fn grpo_on_a_ferl_start_cluster_equals_one_process_and_resumes_across_paths() {
     );
 }
 
-/// The processes whose stdout is a trainer-rank worker's log under `dir` (a cluster's session folder).
-fn trainer_rank_workers_under(dir: &Path) -> Vec<u32> {
+/// The processes whose stdout is a trainer-rank worker's log (`*_TrainerRank.log`) and for which `pick(pid, log)`
+/// holds.
+fn trainer_rank_workers(pick: impl Fn(u32, &Path) -> bool) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_link(format!("/proc/{pid}/fd/1")).is_ok_and(|p| {
-                p.starts_with(dir) && p.to_string_lossy().ends_with("_TrainerRank.log")
-            })
+        .filter(|&pid| {
+            std::fs::read_link(format!("/proc/{pid}/fd/1"))
+                .is_ok_and(|p| p.to_string_lossy().ends_with("_TrainerRank.log") && pick(pid, &p))
         })
         .collect()
+}
+
+/// The trainer-rank workers whose logs are under `dir` (a cluster's session folder).
+fn trainer_rank_workers_under(dir: &Path) -> Vec<u32> {
+    trainer_rank_workers(|_, log| log.starts_with(dir))
+}
+
+/// The trainer-rank workers `pid` started (the node of its embedded cluster runs in it).
+fn trainer_rank_workers_of(pid: u32) -> Vec<u32> {
+    let parent = |p: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+        // `pid (comm) state ppid ...`: the fields after the command's closing parenthesis.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+    };
+    trainer_rank_workers(|p, _| parent(p) == Some(pid))
 }
 
 /// `trainer.max_restarts=1` on the cluster path: a trainer-rank actor SIGKILLed after step 3 of 6 is replaced and
@@ -378,36 +409,28 @@ fn grpo_under_torchrun_equals_one_process() {
     );
 }
 
-/// `ferl grpo` with `args` started in the background; returns once its run folder `run` logged `lines` steps.
+/// Starts `ferl args` and returns it once `run` logged `lines` steps.
 fn launch_until_logged(args: &[String], run: &Path, lines: usize) -> std::process::Child {
-    let launcher = Command::new(ferl_binary())
+    let driver = Command::new(ferl_binary())
         .env("OMP_NUM_THREADS", "1")
         .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let jsonl = run.join("metrics.jsonl");
     let started = std::time::Instant::now();
-    while std::fs::read_to_string(&jsonl).map_or(0, |t| t.lines().count()) < lines {
+    while metrics_lines(run) < lines {
         assert!(
             started.elapsed().as_secs() < 300,
             "no step {lines} in 5 minutes"
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    launcher
+    driver
 }
 
-/// The pids of `pid`'s child processes.
-fn children(pid: u32) -> Vec<u32> {
-    let path = format!("/proc/{pid}/task/{pid}/children");
-    let text = std::fs::read_to_string(&path).unwrap_or_default();
-    text.split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
+/// `--nproc-per-node 2` (an embedded cluster) with `trainer.max_restarts=1`: a trainer-rank worker SIGKILLed after
+/// step 3 of 6 is replaced, and steps 4-6 equal an uninterrupted run's within 1e-5.
 #[test]
 fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
     let dir = fixture();
@@ -417,33 +440,36 @@ fn a_killed_rank_restarts_and_the_run_continues_as_if_uninterrupted() {
     assert!(clean.status.success(), "{}", text(&clean));
     let restarts = [&shape[..], &["trainer.max_restarts=1"]].concat();
     let args = grpo_args(d, "killed", 6, &restarts);
-    let launcher = launch_until_logged(&args, &d.join("killed"), 3);
-    let ranks = children(launcher.id());
-    assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
+    let driver = launch_until_logged(&args, &d.join("killed"), 3);
+    let ranks = trainer_rank_workers_of(driver.id());
+    assert_eq!(ranks.len(), 2, "the driver's trainer ranks: {ranks:?}");
     // SAFETY: kill has no memory preconditions.
     assert_eq!(unsafe { libc::kill(ranks[1] as i32, libc::SIGKILL) }, 0);
-    let out = launcher.wait_with_output().unwrap();
+    let out = driver.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("restart 1 of 1"), "{}", text(&out));
+    let lines = metrics(&d.join("killed"));
+    let restarts = lines.iter().filter_map(|l| l["system/restarts"].as_f64());
+    assert_eq!(restarts.fold(0.0, f64::max), 1.0, "{}", text(&out));
     assert_same_steps(
         "steps 4-6 after the restart",
         &metrics(&d.join("clean"))[3..],
-        &last_lines_of(&metrics(&d.join("killed")), 4..=6),
+        &last_lines_of(&lines, 4..=6),
         1e-5,
     );
 }
 
+/// The trainer ranks of `--nproc-per-node` do not outlive their killed driver.
 #[test]
-fn the_ranks_die_with_a_killed_launcher() {
+fn the_ranks_die_with_a_killed_driver() {
     let dir = fixture();
     let d = dir.path();
     let shape = ["actor_rollout_ref.rollout.n=4", "--nproc-per-node", "2"];
     let args = grpo_args(d, "orphans", 1000, &shape);
-    let mut launcher = launch_until_logged(&args, &d.join("orphans"), 1);
-    let ranks = children(launcher.id());
-    assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
-    launcher.kill().unwrap();
-    launcher.wait().unwrap();
+    let mut driver = launch_until_logged(&args, &d.join("orphans"), 1);
+    let ranks = trainer_rank_workers_of(driver.id());
+    assert_eq!(ranks.len(), 2, "the driver's trainer ranks: {ranks:?}");
+    driver.kill().unwrap();
+    driver.wait().unwrap();
     let alive = |pid: u32| {
         // A zombie (state Z) has exited; only its exit status is left to reap.
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -453,7 +479,7 @@ fn the_ranks_die_with_a_killed_launcher() {
     while ranks.iter().any(|&p| alive(p)) {
         assert!(
             killed.elapsed().as_secs() < 10,
-            "ranks {ranks:?} outlived their killed launcher by 10 s"
+            "ranks {ranks:?} outlived their killed driver by 10 s"
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }

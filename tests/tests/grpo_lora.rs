@@ -12,7 +12,7 @@ const LORA: [&str; 4] = [
     "actor_rollout_ref.model.lora_rank=4",
     "actor_rollout_ref.model.lora_alpha=8",
     "actor_rollout_ref.model.target_modules=all-linear",
-    "actor_rollout_ref.actor.optim.lr=2e-2",
+    "actor_rollout_ref.actor.optim.lr=5e-3",
 ];
 
 #[test]

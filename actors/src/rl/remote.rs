@@ -12,7 +12,8 @@ use super::policy::PolicyActor;
 use super::rollout::Rollout;
 use anyhow::{bail, Result};
 use ferl_rl::{
-    ActorUpdateConfig, DataShare, MicroBatching, PolicyRole, ReferencePolicy, RlBatch, RolloutRole,
+    ActorUpdateConfig, DataShare, MicroBatching, Placement, PolicyRole, ReferencePolicy, RlBatch,
+    RolloutRole,
 };
 use ferl_runtime::{split_even, ActorRef, WorkerGroup};
 use ferl_trainer::rollout::{GenerationConfig, RolloutModel};
@@ -89,12 +90,12 @@ impl ReferencePolicy for ActorReference {
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,
-        share: DataShare,
+        on: Placement<'_>,
         micro_batching: MicroBatching,
         temperature: f64,
         _device: Device,
     ) -> Result<Tensor> {
-        if share != DataShare::WHOLE {
+        if on.share != DataShare::WHOLE || on.sp.is_some() {
             bail!("the policy actor's reference computes whole batches");
         }
         let msg = ComputeLogProb::reference(batch, micro_batching, temperature);

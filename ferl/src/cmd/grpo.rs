@@ -6,12 +6,11 @@
 //! folders (SFT's sharded checkpoint format) under `trainer.default_local_dir`, and `trainer.resume_mode=auto`
 //! resumes from the newest, at any world size.
 //!
-//! Launch paths: one process; `--nproc-per-node N` (N local ranks, started as torchrun's standalone mode starts
-//! them, [`launch`]); one rank of an external launcher (torchrun's or SLURM's environment); trainer-rank actors of
-//! a running cluster (`--address HOST:PORT [--nproc-per-node N] [--nnodes M]`, a cluster of `ferl start`,
-//! [`ferl_actors::rl::train_grpo_on_cluster`]).
+//! Launch paths, as for `ferl sft`: one process; one rank of an external launcher (torchrun's or SLURM's
+//! environment); trainer-rank actors driven from here ([`ferl_actors::rl::train_grpo_on_cluster`]) on an embedded
+//! cluster of this machine (`--nproc-per-node N`) or on a running cluster of `ferl start` (`--address HOST:PORT
+//! [--nproc-per-node N] [--nnodes M]`).
 
-mod launch;
 mod setup;
 
 use anyhow::{Context, Result};
@@ -36,9 +35,9 @@ pub(crate) struct GrpoArgs {
     /// The config file, overrides and `--cfg job`.
     #[command(flatten)]
     pub config: super::ConfigArgs,
-    /// Ranks on this machine (data-parallel, the policy sharded over them), started as torchrun's standalone mode
-    /// starts them; with --address, trainer-rank actors per node of that cluster. Without either: one process, or
-    /// one rank of torchrun/SLURM when their environment is set.
+    /// Ranks (data-parallel, the policy sharded over them): trainer-rank actors of an embedded cluster of this
+    /// machine, as `ferl sft --nproc-per-node` starts them; with --address, per node of that cluster. Without either:
+    /// one process, or one rank of torchrun/SLURM when their environment is set.
     #[arg(
         long = "nproc-per-node",
         visible_alias = "nproc_per_node",
@@ -62,25 +61,21 @@ pub(crate) fn run(args: GrpoArgs) -> Result<()> {
         return Ok(());
     }
     check_flags(&args)?;
-    if let (None, Some(n)) = (&args.address, args.nproc_per_node) {
-        // Everything the config and data show is refused here, before a rank is started.
-        Setup::new(&cfg, n)?;
-        return launch::local_ranks(n, cfg.trainer.max_restarts);
-    }
     // A launcher rank exactly when `ferl sft` would be one (torchrun's RANK/WORLD_SIZE, or a SLURM step of tasks).
-    let env = match (&args.address, super::sft_dist::launched_externally()) {
-        (None, true) => Some(LaunchEnv::from_env().context("the launcher's environment")?),
+    let on_cluster_ranks = args.address.is_some() || args.nproc_per_node.is_some();
+    let env = match (on_cluster_ranks, super::sft_dist::launched_externally()) {
+        (false, true) => Some(LaunchEnv::from_env().context("the launcher's environment")?),
         _ => None,
     };
     let run_dir = ferl_data::expand_path(&cfg.trainer.default_local_dir);
     let fresh = !run_dir.exists();
     let coordinator = env.as_ref().is_none_or(|e| e.rank == 0);
-    let trained = match &args.address {
-        Some(address) => {
+    let trained = match on_cluster_ranks {
+        true => {
             let nproc = args.nproc_per_node.unwrap_or(1);
-            on_cluster(&cfg, address, nproc, args.nnodes)
+            on_cluster(&cfg, args.address.as_deref(), nproc, args.nnodes)
         }
-        None => {
+        false => {
             let world = env.as_ref().map_or(1, |e| e.world_size);
             Setup::new(&cfg, world).and_then(|setup| train(&cfg, setup, env))
         }
@@ -119,10 +114,11 @@ fn check_flags(args: &GrpoArgs) -> Result<()> {
     Ok(())
 }
 
-/// Trains on `nproc` × `nnodes` trainer-rank actors of the running cluster at `address`, driven from here.
+/// Trains on `nproc` × `nnodes` trainer-rank actors of the running cluster at `address`, or of an embedded cluster
+/// of this machine without one (as `ferl sft --nproc-per-node` does), driven from here.
 fn on_cluster(
     cfg: &PpoConfig,
-    address: &str,
+    address: Option<&str>,
     nproc: usize,
     nnodes: usize,
 ) -> Result<run::RunSummary> {
@@ -138,10 +134,19 @@ fn on_cluster(
     };
     let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     rt.block_on(async {
-        let cluster = ferl_runtime::connect(address, None)
-            .await
-            .with_context(|| format!("joining the cluster at {address}"))?;
+        let cluster = match address {
+            Some(a) => ferl_runtime::connect(a, None)
+                .await
+                .with_context(|| format!("joining the cluster at {a}"))?,
+            None => ferl_actors::sft::embedded_cluster(world).await?,
+        };
         let summary = train_grpo_on_cluster(&cluster, job, world, opts).await;
+        // An embedded cluster's session folder goes with it, unless the run failed: its worker logs tell why.
+        if summary.is_err() && address.is_none() {
+            if let Some(dir) = cluster.keep_session() {
+                eprintln!("worker logs of this run: {}", dir.join("logs").display());
+            }
+        }
         cluster.shutdown().await;
         summary
     })
@@ -174,7 +179,7 @@ impl Setup {
         let tok = Arc::new(rl_setup::tokenizer(cfg, &model_dir)?);
         let prompts = setup::prompts(cfg, &tok)?;
         let view = setup::actor_view(cfg, &model_dir);
-        setup::check_lora(&view, &model_dir)?;
+        setup::check_model_keys(&view, &model_dir)?;
         let sources = rl_setup::data_sources(&prompts);
         let reward = rl_setup::reward(cfg, || Ok(Arc::clone(&host)), &sources)?;
         Ok(Self {
@@ -212,7 +217,10 @@ fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::R
     };
     let view = setup.view.clone();
     let total = run::RunPlan::new(&view, setup.prompts.len())?.total_steps;
-    let state = rank_state(&view, comm, subgroups.as_ref(), device, total)?;
+    let mut state = rank_state(&view, comm, subgroups.as_ref(), device, total)?;
+    if let Some(sub) = &subgroups {
+        state.join_sequence_parallel(|name, rank, size| sub.connect(name, rank, size))?;
+    }
     let step = rl_setup::grpo_step(setup.settings.clone(), &state, setup.tok, setup.reward)?;
     let algorithm = GrpoAlgorithm::new(Arc::clone(&setup.prompts), step);
     let mut exec = SpmdExecutor::with_algorithm(state, Box::new(algorithm));

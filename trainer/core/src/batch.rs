@@ -117,6 +117,12 @@ impl MicroBatch {
     /// get them as one more sequence), then sliced to this rank's `1/K`, with the target rows in the slice and
     /// attention over the group's whole sequence. Positions stay those of the whole sequence.
     pub fn sequence_parallel(self, group: &SpGroup) -> Result<Self> {
+        Ok(self.sequence_parallel_kept(group)?.0)
+    }
+
+    /// [`Self::sequence_parallel`], with the positions (in the whole micro-batch's target order) of the targets
+    /// this rank's slice keeps, in order: a loss with per-target inputs (RL's advantages) takes those entries.
+    pub fn sequence_parallel_kept(self, group: &SpGroup) -> Result<(Self, Vec<i64>)> {
         let (rows, width) = (self.input_ids.size()[0], self.input_ids.size()[1]);
         let k = group.size();
         let padded = (width + k - 1) / k * k;
@@ -143,17 +149,21 @@ impl MicroBatch {
         };
         let rows_in: Vec<i64> = Vec::<i64>::try_from(&self.target_rows)?;
         let ids_in: Vec<i64> = Vec::<i64>::try_from(&self.target_ids)?;
-        let (target_rows, target_ids): (Vec<i64>, Vec<i64>) = rows_in
-            .iter()
-            .zip(&ids_in)
-            .filter_map(|(&r, &id)| local(r).map(|l| (l, id)))
+        let mut kept = Vec::new();
+        let (target_rows, target_ids): (Vec<i64>, Vec<i64>) = (0i64..)
+            .zip(rows_in.iter().zip(&ids_in))
+            .filter_map(|(i, (&r, &id))| {
+                let l = local(r)?;
+                kept.push(i);
+                Some((l, id))
+            })
             .unzip();
         let mut targets_per_rank = vec![0; k as usize];
         for &r in &rows_in {
             targets_per_rank[((r % width) / span) as usize] += 1;
         }
         let device = self.input_ids.device();
-        Ok(Self {
+        let local = Self {
             input_ids: group.local_slice(&pad(&self.input_ids), 1)?,
             positions: group.local_slice(&pad(&self.positions), 1)?,
             real_tokens: group
@@ -168,7 +178,8 @@ impl MicroBatch {
             num_targets: target_rows.len() as i64,
             target_rows: Tensor::from_slice(&target_rows).to_device(device),
             target_ids: Tensor::from_slice(&target_ids).to_device(device),
-        })
+        };
+        Ok((local, kept))
     }
 
     /// `[B, T]` 1 where a real token is, 0 on padding.

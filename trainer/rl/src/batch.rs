@@ -10,6 +10,7 @@
 
 use anyhow::{bail, Result};
 use ferl_trainer::batch::{Layout, MicroBatch, SampleRef};
+use ferl_trainer::model::ulysses::SpGroup;
 use tch::{Device, Kind, Tensor};
 
 /// One row: a prompt, one response to it and what the reward needs.
@@ -139,6 +140,33 @@ impl RlBatch {
             })
             .collect();
         MicroBatch::new(&samples, layout, device)
+    }
+
+    /// [`Self::micro_batch`], split over the Ulysses group `sp` when there is one: this rank's slice, with the
+    /// positions (in the whole micro-batch's target order, `[k]` int64) of the response tokens it holds.
+    pub fn micro_batch_on(
+        &self,
+        rows: &[usize],
+        layout: Layout,
+        device: Device,
+        sp: Option<&SpGroup>,
+    ) -> Result<(MicroBatch, Option<Tensor>)> {
+        let mb = self.micro_batch(rows, layout, device)?;
+        let Some(group) = sp else {
+            return Ok((mb, None));
+        };
+        let (mb, kept) = mb.sequence_parallel_kept(group)?;
+        Ok((mb, Some(Tensor::from_slice(&kept).to_device(device))))
+    }
+
+    /// `values` (`[k]`, the response tokens at positions `kept` of rows `rows`' micro-batch, or all of them without
+    /// `kept`) as the micro-batch's whole `[n]` token vector, zeros elsewhere.
+    pub fn whole_tokens(&self, rows: &[usize], kept: Option<&Tensor>, values: &Tensor) -> Tensor {
+        let Some(kept) = kept else {
+            return values.shallow_clone();
+        };
+        let n: i64 = self.tokens_per_row(rows).iter().sum();
+        Tensor::zeros([n], (values.kind(), values.device())).index_copy(0, kept, values)
     }
 
     /// The response tokens of rows `rows` of the `[rows, width]` matrix `m`, flat (`[n]`) in the order of the

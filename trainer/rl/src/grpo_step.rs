@@ -15,9 +15,14 @@
 //!
 //! So a step at any world size computes what one process computes on the whole batch (up to the order of float
 //! sums), and the metrics are the same on every rank.
+//!
+//! Under Ulysses sequence parallelism the `W` ranks form data-parallel groups of `K`: steps 1–2 spread over all `W`
+//! ranks ([`PolicyRole::generation_share`]), steps 3 and 5 take each group's data-parallel share, every rank of the
+//! group computing its slice of each sequence's tokens (the sums then add the slices up).
 
 use super::batch::{RlBatch, RlRow};
 use super::grpo::{data_metrics, derive_seed, timed, Decoder, GrpoPrompt, GrpoSettings};
+use super::policy_worker::Placement;
 use super::reward::{score_rows, Reward};
 use super::roles::{PolicyRole, ReferencePolicy, RolloutRole};
 use super::{agg_loss, outcome_advantage, sum_tensor_over_ranks, GlobalBatch, GrpoStepOutput};
@@ -148,7 +153,7 @@ impl GrpoStep {
 
     /// This rank's rows of a step of `prompts` prompts (refused when the ranks cannot share them evenly).
     fn my_rows(&self, policy: &dyn PolicyRole, prompts: usize) -> Result<Range<usize>> {
-        let (total, share) = (prompts * self.settings.n, policy.share());
+        let (total, share) = (prompts * self.settings.n, policy.generation_share());
         if !total.is_multiple_of(share.world) {
             bail!(
                 "{prompts} prompts × rollout.n={} = {total} rows cannot be split evenly over {} data-parallel ranks",
@@ -211,10 +216,15 @@ impl GrpoStep {
             // Already summed over the ranks.
             Some(Reference::PolicyBase) => return policy.base_log_prob(batch, micro, temperature),
             Some(Reference::Frozen(r)) => {
-                r.log_prob_rows(batch, policy.share(), micro, temperature, policy.device())?
+                let sp = policy.sequence_parallel();
+                let on = Placement {
+                    share: policy.share(),
+                    sp: sp.as_ref(),
+                };
+                r.log_prob_rows(batch, on, micro, temperature, policy.device())?
             }
         };
-        if policy.share().world == 1 {
+        if policy.generation_share().world == 1 {
             return Ok(lp);
         }
         sum_tensor_over_ranks(&mut |v| policy.sum_over_ranks(v), &lp)
@@ -243,7 +253,7 @@ fn exchange_responses(
     total: usize,
     s: &GrpoSettings,
 ) -> Result<Vec<Vec<i64>>> {
-    if policy.share().world == 1 {
+    if policy.generation_share().world == 1 {
         return Ok(mine);
     }
     let width = 1 + s.max_response_length;
@@ -271,7 +281,7 @@ fn place_and_sum(
     mine: &[f64],
     total: usize,
 ) -> Result<Vec<f64>> {
-    if policy.share().world == 1 {
+    if policy.generation_share().world == 1 {
         return Ok(mine.to_vec());
     }
     let mut all = vec![0.0; total];

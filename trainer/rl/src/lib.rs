@@ -49,7 +49,7 @@ pub use policy::{
 };
 pub use policy_worker::{
     compute_log_prob, compute_log_prob_rows, sum_tensor_over_ranks, ActorUpdateConfig, DataShare,
-    PolicyWorker, StepperPolicy, SumOverRanks,
+    Placement, PolicyWorker, StepperPolicy, SumOverRanks,
 };
 pub use reward::{score_batch, score_rows, FnReward, Reward, RewardRow};
 pub use roles::{Colocated, PolicyRole, ReferencePolicy, RolloutRole};

@@ -20,6 +20,7 @@ use super::{ActorLossConfig, ActorRows, ActorTokenLoss, GlobalBatch};
 use anyhow::{bail, Context, Result};
 use ferl_trainer::batch::Layout;
 use ferl_trainer::engine::Engine;
+use ferl_trainer::model::ulysses::SpGroup;
 use ferl_trainer::optim::{clip_grads, AdamW, AdamWConfig, LrSchedule};
 use ferl_trainer::params::ParamStore;
 use ferl_trainer::rollout::RolloutModel;
@@ -118,10 +119,11 @@ pub fn compute_log_prob<P: ParamStore>(
     device: Device,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let share = DataShare::WHOLE;
+    let on = Placement { share, sp: None };
     compute_log_prob_rows(
         engine,
         batch,
-        share,
+        on,
         micro_batching,
         temperature,
         entropy,
@@ -129,12 +131,22 @@ pub fn compute_log_prob<P: ParamStore>(
     )
 }
 
-/// [`compute_log_prob`] of `share`'s rows only (the other rows stay zero), summed over the ranks afterwards with
-/// [`sum_tensor_over_ranks`].
+/// Where a rank's forwards run: its data-parallel share of the rows and, under Ulysses sequence parallelism, the
+/// group it splits each micro-batch with.
+#[derive(Clone, Copy)]
+pub struct Placement<'a> {
+    /// This rank's share of the rows.
+    pub share: DataShare,
+    /// The Ulysses group, if any.
+    pub sp: Option<&'a SpGroup>,
+}
+
+/// [`compute_log_prob`] of `on.share`'s rows only (the other rows stay zero; under sequence parallelism, of this
+/// rank's slice of their tokens only), summed over the ranks afterwards with [`sum_tensor_over_ranks`].
 pub fn compute_log_prob_rows<P: ParamStore>(
     engine: &mut Engine<P>,
     batch: &RlBatch,
-    share: DataShare,
+    on: Placement<'_>,
     micro_batching: MicroBatching,
     temperature: f64,
     entropy: bool,
@@ -143,19 +155,20 @@ pub fn compute_log_prob_rows<P: ParamStore>(
     if !micro_batching.is_positive() {
         bail!("compute_log_prob: the micro-batch size must be positive ({micro_batching:?})");
     }
-    share.check(batch.len(), "a log-probability batch")?;
+    on.share.check(batch.len(), "a log-probability batch")?;
     let all: Vec<usize> = (0..batch.len()).collect();
-    let micros = micro_batching.cut(batch, &all, share, engine.layout())?;
+    let micros = micro_batching.cut(batch, &all, on.share, engine.layout())?;
     engine.set_temperature(temperature)?;
     let _g = tch::no_grad_guard();
     let mut log_probs = batch.zeros(Kind::Float, device);
     let mut entropies = entropy.then(|| batch.zeros(Kind::Float, device));
     for micro in &micros {
-        let mb = batch.micro_batch(micro, engine.layout(), device)?;
+        let (mb, kept) = batch.micro_batch_on(micro, engine.layout(), device, on.sp)?;
         let stats = engine.token_stats(&mb, entropy)?;
-        batch.scatter_tokens(&mut log_probs, micro, &stats.log_prob);
+        let whole = |t: &Tensor| batch.whole_tokens(micro, kept.as_ref(), t);
+        batch.scatter_tokens(&mut log_probs, micro, &whole(&stats.log_prob));
         if let (Some(m), Some(h)) = (entropies.as_mut(), stats.entropy.as_ref()) {
-            batch.scatter_tokens(m, micro, h);
+            batch.scatter_tokens(m, micro, &whole(h));
         }
     }
     Ok((log_probs, entropies))
@@ -188,15 +201,17 @@ struct MiniBatchSums {
 }
 
 impl MiniBatchSums {
-    /// Adds one micro-batch's figures (`tokens` response tokens).
-    fn add(&mut self, m: &super::ActorLossMetrics, tokens: f64) {
+    /// Adds one micro-batch's figures: its token means are over `tokens` response tokens, of which this rank
+    /// counts `counted` (all of them, or its share under sequence parallelism, whose ranks each add their part
+    /// of the means).
+    fn add(&mut self, m: &super::ActorLossMetrics, tokens: f64, counted: f64) {
         self.pg_loss += m.pg_loss;
         self.entropy = m.entropy.map(|e| self.entropy.unwrap_or(0.0) + e);
         self.kl_loss = m.kl_loss.map(|k| self.kl_loss.unwrap_or(0.0) + k);
         self.clipfrac += m.pg_clipfrac * tokens;
         self.ppo_kl += m.ppo_kl * tokens;
         self.clipfrac_lower += m.pg_clipfrac_lower * tokens;
-        self.tokens += tokens;
+        self.tokens += counted;
     }
 
     /// The sums as numbers (a missing term as 0 with a presence count of 0), for a sum over ranks.
@@ -362,6 +377,24 @@ impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
         self.stepper.engine.store_mut().all_reduce_sum(values)
     }
 
+    /// Every rank of the store (each data-parallel rank times its Ulysses group), ordered by data-parallel rank.
+    fn generation_share(&self) -> DataShare {
+        match &self.stepper.sequence_parallel {
+            None => self.share,
+            Some(sp) => {
+                let k = sp.size() as usize;
+                DataShare {
+                    rank: self.share.rank * k + sp.rank() as usize,
+                    world: self.share.world * k,
+                }
+            }
+        }
+    }
+
+    fn sequence_parallel(&self) -> Option<SpGroup> {
+        self.stepper.sequence_parallel.clone()
+    }
+
     /// [`compute_log_prob`] under the current policy, each rank computing its share of the rows: `[rows, width]`
     /// log-probabilities and entropies of every row on every rank.
     fn compute_log_prob(
@@ -372,17 +405,22 @@ impl<P: ParamStore> PolicyRole for StepperPolicy<'_, P> {
         entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let device = self.stepper.device;
+        let ranks = self.generation_share().world;
+        let on = Placement {
+            share: self.share,
+            sp: self.stepper.sequence_parallel.as_ref(),
+        };
         let engine = &mut self.stepper.engine;
         let (lp, h) = compute_log_prob_rows(
             engine,
             batch,
-            self.share,
+            on,
             micro_batching,
             temperature,
             entropy,
             device,
         )?;
-        if self.share.world == 1 {
+        if ranks == 1 {
             return Ok((lp, h));
         }
         let mut sum = |v: &[f64]| engine.store_mut().all_reduce_sum(v);
@@ -472,6 +510,10 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
             .as_ref()
             .filter(|_| cfg.loss.use_kl_loss);
         let device = self.stepper.device;
+        let sp = self.stepper.sequence_parallel.as_ref();
+        // Under sequence parallelism each rank of a group adds its slice's part of a micro-batch's figures, and
+        // its share of the tokens they are weighted by.
+        let token_share = 1.0 / sp.map_or(1, SpGroup::size) as f64;
         let engine = &mut self.stepper.engine;
         engine.store_mut().zero_grads();
         let mut sums = MiniBatchSums::default();
@@ -481,26 +523,27 @@ impl<P: ParamStore> StepperPolicy<'_, P> {
         for micro in &micros {
             let per_row = batch.tokens_per_row(micro);
             let n = per_row.iter().sum::<i64>() as f64;
+            let (mb, kept) = batch.micro_batch_on(micro, engine.layout(), device, sp)?;
             let actor_rows = ActorRows {
                 tokens_per_sample: per_row,
                 old_log_prob: batch.gather_tokens(old, micro),
                 advantages: batch.gather_tokens(adv, micro),
                 ref_log_prob: reference.map(|r| batch.gather_tokens(r, micro)),
+                kept,
             };
             let loss = ActorTokenLoss::new(cfg.loss, global, actor_rows)?;
-            let mb = batch.micro_batch(micro, engine.layout(), device)?;
             engine.forward_backward_with(&mb, &loss)?;
             if n == 0.0 {
                 continue; // no response token: the loss was never evaluated
             }
-            sums.add(&loss.metrics(), n);
+            sums.add(&loss.metrics(), n, n * token_share);
         }
         Ok(sums)
     }
 
     /// The mini-batch's sums over every data-parallel rank (one sum of a few numbers).
     fn summed_over_ranks(&mut self, sums: MiniBatchSums) -> Result<MiniBatchSums> {
-        if self.share.world == 1 {
+        if self.generation_share().world == 1 {
             return Ok(sums);
         }
         let summed = self

@@ -12,9 +12,10 @@
 
 use super::batch::RlBatch;
 use super::micro::MicroBatching;
-use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare};
+use super::policy_worker::{compute_log_prob_rows, ActorUpdateConfig, DataShare, Placement};
 use anyhow::Result;
 use ferl_trainer::engine::Engine;
+use ferl_trainer::model::ulysses::SpGroup;
 use ferl_trainer::params::ParamStore;
 use ferl_trainer::rollout::{GenerationConfig, RolloutModel};
 use std::collections::BTreeMap;
@@ -26,8 +27,18 @@ use tch::{Device, Tensor};
 pub trait PolicyRole {
     /// Where the step's tensors live.
     fn device(&self) -> Device;
-    /// This rank's share of each batch.
+    /// This rank's data-parallel share of each batch (the rows its forwards and update take).
     fn share(&self) -> DataShare;
+    /// This rank among every rank of the step: the rows it generates and scores. The data-parallel share without
+    /// sequence parallelism; under it each rank of a Ulysses group takes its own rows, since generation needs no
+    /// group.
+    fn generation_share(&self) -> DataShare {
+        self.share()
+    }
+    /// The Ulysses group this rank splits each forward's sequences with, if any.
+    fn sequence_parallel(&self) -> Option<SpGroup> {
+        None
+    }
     /// Sums `values` over the data-parallel ranks.
     fn sum_over_ranks(&mut self, values: &[f64]) -> Result<Vec<f64>>;
     /// `[rows, width]` log-probabilities (and with `entropy` entropies) of every row of `batch` at `temperature`,
@@ -64,12 +75,13 @@ pub trait PolicyRole {
 /// reference gathers its stages with collectives, so every rank calls it, each for its share. Sendable, so that a
 /// trainer-rank actor can hold it.
 pub trait ReferencePolicy: Send {
-    /// `[rows, width]` log-probabilities of `share`'s rows of `batch` (zeros elsewhere) at `temperature`, in the
-    /// micro-batches `micro_batching` cuts, on `device`.
+    /// `[rows, width]` log-probabilities of `on.share`'s rows of `batch` (zeros elsewhere; under sequence
+    /// parallelism, of `on.sp`'s slice of their tokens) at `temperature`, in the micro-batches `micro_batching`
+    /// cuts, on `device`.
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,
-        share: DataShare,
+        on: Placement<'_>,
         micro_batching: MicroBatching,
         temperature: f64,
         device: Device,
@@ -80,20 +92,13 @@ impl<P: ParamStore + Send> ReferencePolicy for Engine<P> {
     fn log_prob_rows(
         &mut self,
         batch: &RlBatch,
-        share: DataShare,
+        on: Placement<'_>,
         micro_batching: MicroBatching,
         temperature: f64,
         device: Device,
     ) -> Result<Tensor> {
-        let (lp, _) = compute_log_prob_rows(
-            self,
-            batch,
-            share,
-            micro_batching,
-            temperature,
-            false,
-            device,
-        )?;
+        let (lp, _) =
+            compute_log_prob_rows(self, batch, on, micro_batching, temperature, false, device)?;
         Ok(lp)
     }
 }

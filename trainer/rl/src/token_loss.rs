@@ -40,6 +40,12 @@ pub struct ActorRows {
     pub advantages: Tensor,
     /// Log-probabilities under the reference policy (with `use_kl_loss`).
     pub ref_log_prob: Option<Tensor>,
+    /// Under Ulysses sequence parallelism, the positions (`[k]`, int64, in target-row order) of the tokens this
+    /// rank's slice of the micro-batch holds ([`ferl_trainer::batch::MicroBatch::sequence_parallel_kept`]): the
+    /// engine's statistics are theirs only. The other tokens enter the loss with the old policy's log-probability,
+    /// no advantage and no entropy, so they add 0 to every term while each sequence keeps its whole length in the
+    /// loss's means: summed over the group, the ranks' losses are the whole micro-batch's. `None`: every token.
+    pub kept: Option<Tensor>,
 }
 
 /// [`actor_loss`] over a micro-batch's target rows.
@@ -110,15 +116,41 @@ impl ActorTokenLoss {
             .view([batch, self.width])
     }
 
+    /// Every token's inputs from the engine's statistics of the kept tokens (see [`ActorRows::kept`]): the log-
+    /// probabilities, entropies, advantages and reference log-probabilities, `[n]` each.
+    fn whole(
+        &self,
+        log_prob: &Tensor,
+        entropy: Option<&Tensor>,
+    ) -> (Tensor, Option<Tensor>, Tensor, Option<Tensor>) {
+        let f = |t: &Tensor| t.to_kind(Kind::Float);
+        let rows = &self.rows;
+        let Some(kept) = &rows.kept else {
+            let lp = f(log_prob);
+            return (
+                lp,
+                entropy.map(f),
+                f(&rows.advantages),
+                rows.ref_log_prob.as_ref().map(f),
+            );
+        };
+        let old = f(&rows.old_log_prob);
+        let put = |base: &Tensor, local: &Tensor| base.index_copy(0, kept, &f(local));
+        let take = |t: &Tensor| f(t).index_select(0, kept);
+        (
+            put(&old, log_prob),
+            entropy.map(|h| put(&old.zeros_like(), h)),
+            put(&old.zeros_like(), &take(&rows.advantages)),
+            rows.ref_log_prob.as_ref().map(|r| put(&old, &take(r))),
+        )
+    }
+
     fn loss(&self, log_prob: &Tensor, entropy: Option<&Tensor>) -> Result<Tensor> {
         let m = |t: &Tensor| self.matrix(&t.to_kind(Kind::Float));
         let mask = self.matrix(&self.rows.old_log_prob.ones_like().to_kind(Kind::Float));
-        let (log_prob, old, adv) = (
-            m(log_prob),
-            m(&self.rows.old_log_prob),
-            m(&self.rows.advantages),
-        );
-        let (entropy, reference) = (entropy.map(m), self.rows.ref_log_prob.as_ref().map(m));
+        let (log_prob, entropy, adv, reference) = self.whole(log_prob, entropy);
+        let (log_prob, old, adv) = (m(&log_prob), m(&self.rows.old_log_prob), m(&adv));
+        let (entropy, reference) = (entropy.as_ref().map(m), reference.as_ref().map(m));
         let out = actor_loss(
             &ActorLossInputs {
                 old_log_prob: &old,
@@ -151,7 +183,10 @@ impl TokenLoss for ActorTokenLoss {
     }
 
     fn evaluate(&self, stats: &TokenStats) -> Result<TokenLossValue> {
-        let n: i64 = self.rows.tokens_per_sample.iter().sum();
+        let n: i64 = match &self.rows.kept {
+            Some(kept) => kept.size()[0],
+            None => self.rows.tokens_per_sample.iter().sum(),
+        };
         if stats.log_prob.size() != [n] {
             bail!(
                 "the micro-batch has {:?} target rows, the actor's inputs {n} response tokens",

@@ -117,6 +117,7 @@ fn one_actor_update_matches_pytorch_for_every_loss_agg_mode() {
         old_log_prob: &current + Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.3,
         advantages: Tensor::randn([n], (Kind::Float, Device::Cpu)),
         ref_log_prob: Some(&current + Tensor::randn([n], (Kind::Float, Device::Cpu)) * 0.2),
+        kept: None,
     };
     for mode in AGG_MODES {
         let name = mode.as_str();

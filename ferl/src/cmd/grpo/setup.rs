@@ -62,6 +62,8 @@ const HONOURED: &[&str] = &[
     "actor_rollout_ref.actor.optim.num_cycles",
     "actor_rollout_ref.actor.strategy",
     "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
     "trainer.max_actor_ckpt_to_keep",
     "trainer.max_restarts",
@@ -194,6 +196,8 @@ pub(crate) fn actor_view(cfg: &PpoConfig, model_dir: &Path) -> SftConfig {
     view.data.shuffle = cfg.data.shuffle;
     // Every forward of the policy and its reference packs its rows without padding, as verl's remove-padding does.
     view.use_remove_padding = model.use_remove_padding;
+    // Ulysses: groups of this many consecutive ranks split every forward's sequences (the reference's too).
+    view.ulysses_sequence_parallel_size = actor.ulysses_sequence_parallel_size;
     let m = &mut view.model;
     m.partial_pretrain = model_dir.display().to_string();
     m.enable_gradient_checkpointing = model.enable_gradient_checkpointing;
@@ -257,6 +261,13 @@ pub(crate) fn check_world(cfg: &PpoConfig, world: usize) -> Result<()> {
             );
         }
     }
+    let sp = actor.ulysses_sequence_parallel_size;
+    if !world.is_multiple_of(sp) {
+        bail!(
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp} must divide the run's {world} ranks (each \
+             group of {sp} consecutive ranks splits every sequence)"
+        );
+    }
     let size = actor.fsdp_config.fsdp_size;
     if !(size == -1 || size == 1 || (size > 1 && world.is_multiple_of(size as usize))) {
         bail!(
@@ -286,6 +297,19 @@ pub(crate) fn check_values(cfg: &PpoConfig) -> Result<()> {
         bail!("actor_rollout_ref.rollout.do_sample=false: GRPO compares sampled responses; keep it true");
     }
     check_token_budgets(cfg)?;
+    let (actor_sp, ref_sp) = (
+        cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+        cfg.actor_rollout_ref
+            .reference
+            .ulysses_sequence_parallel_size,
+    );
+    if ref_sp != actor_sp {
+        bail!(
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp}: the reference is sharded over the policy's \
+             ranks and splits its sequences as the actor does; leave it following \
+             actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}"
+        );
+    }
     if cfg.trainer.device != "cpu" {
         bail!(
             "trainer.device={}: ferl grpo trains on the CPU for now (its CUDA path is not built yet); set trainer.device=cpu",
@@ -332,18 +356,22 @@ fn check_token_budgets(cfg: &PpoConfig) -> Result<()> {
     Ok(())
 }
 
-/// LoRA's keys (`actor_rollout_ref.model.lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`,
-/// `lora_adapter_path`), checked against the model in `model_dir` before a rank is started: an adapter folder that
-/// contradicts the keys, or modules that match none of the model's projections, are refused by key.
-pub(crate) fn check_lora(view: &SftConfig, model_dir: &Path) -> Result<()> {
-    let key = "actor_rollout_ref.model (LoRA keys)";
-    let Some((spec, _)) = ferl_trainer::run::gate::lora_of(view).context(key)? else {
-        return Ok(());
-    };
+/// The keys that must fit the model in `model_dir`, checked before a rank is started:
+/// - LoRA's (`actor_rollout_ref.model.lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`,
+///   `lora_adapter_path`): an adapter folder that contradicts the keys, or modules that match none of the model's
+///   projections, are refused by key;
+/// - `actor_rollout_ref.actor.ulysses_sequence_parallel_size`, whose groups split the model's attention heads.
+pub(crate) fn check_model_keys(view: &SftConfig, model_dir: &Path) -> Result<()> {
     let file = model_dir.join("config.json");
     let config = ferl_trainer::model::config::ModelConfig::from_file(&file)
         .with_context(|| format!("actor_rollout_ref.model.path: {}", file.display()))?;
-    spec.projections(config.num_layers).context(key)?;
+    let sp = view.ulysses_sequence_parallel_size as i64;
+    ferl_trainer::model::ulysses::check_heads(sp, config.num_heads, config.num_kv_heads)
+        .context("actor_rollout_ref.actor.ulysses_sequence_parallel_size")?;
+    let key = "actor_rollout_ref.model (LoRA keys)";
+    if let Some((spec, _)) = ferl_trainer::run::gate::lora_of(view).context(key)? {
+        spec.projections(config.num_layers).context(key)?;
+    }
     Ok(())
 }
 
