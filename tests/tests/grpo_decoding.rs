@@ -179,8 +179,23 @@ fn an_exact_match_reward_scores_a_response_that_ends_at_eos_as_a_match() {
         "trainer.logger=[console,jsonl]".into(),
         "trainer.device=cpu".into(),
         "trainer.total_training_steps=1".into(),
+        format!("trainer.rollout_data_dir={}", d.join("dumps").display()),
     ];
     assert_success(&run_ferl(&args), "ferl grpo");
+    // verl's rollout dump: one line per row, texts decoded as the reward saw them; 2 ranks dump the same rows.
+    let dump = assert_rollout_dump(&d.join("dumps"));
+    let on_two = [
+        &args[..],
+        &[
+            format!("trainer.default_local_dir={}", d.join("run2").display()),
+            format!("trainer.rollout_data_dir={}", d.join("dumps2").display()),
+            "--nproc-per-node".into(),
+            "2".into(),
+        ],
+    ]
+    .concat();
+    assert_success(&run_ferl(&on_two), "ferl grpo --nproc-per-node 2");
+    assert_eq!(assert_rollout_dump(&d.join("dumps2")), dump);
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let line: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     let metric = |key: &str| {
@@ -198,4 +213,29 @@ fn an_exact_match_reward_scores_a_response_that_ends_at_eos_as_a_match() {
         1.0,
         "each response matches its ground truth once EOS is skipped: {line}"
     );
+}
+
+/// Checks `dir/1.jsonl`, the rollout dump of the rigged run's one step (2 prompts × 2 responses): verl's keys, the
+/// prompt and the response decoded without special tokens, each response scored 1. Returns its lines.
+fn assert_rollout_dump(dir: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(dir.join("1.jsonl")).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    for line in &lines {
+        assert_eq!(
+            (&line["output"], &line["gts"], &line["score"], &line["step"]),
+            (&ANSWER.into(), &ANSWER.into(), &1.0.into(), &1.into()),
+            "{line}"
+        );
+        let input = line["input"].as_str().unwrap();
+        assert!(input.contains(QUESTION), "{line}");
+        assert!(
+            !input.contains("<|im_start|>"),
+            "special tokens skipped: {line}"
+        );
+    }
+    lines
 }

@@ -16,6 +16,7 @@
 
 pub mod cluster;
 pub mod driver;
+pub mod dump;
 pub mod messages;
 pub mod policy;
 pub mod rank;

@@ -7,6 +7,7 @@
 //! Metrics carry verl's names; `train/*` is not logged for RL (its `actor/pg_loss`, `actor/grad_norm` and
 //! `actor/lr` say it).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
@@ -20,12 +21,25 @@ use crate::spmd::RankAlgorithm;
 pub struct GrpoAlgorithm {
     prompts: Arc<Vec<GrpoPrompt>>,
     step: GrpoStep,
+    rollout_dir: Option<PathBuf>,
 }
 
 impl GrpoAlgorithm {
     /// Trains on `prompts` (indexed by the loop's data order) with `step`.
     pub fn new(prompts: Arc<Vec<GrpoPrompt>>, step: GrpoStep) -> Self {
-        Self { prompts, step }
+        Self {
+            prompts,
+            step,
+            rollout_dir: None,
+        }
+    }
+
+    /// Dumps each step's generations into `trainer.rollout_data_dir` of `cfg` when it is set (rank 0 writes;
+    /// [`super::dump`]).
+    pub fn dumping_rollouts_of(mut self, cfg: &ferl_config::PpoConfig) -> Self {
+        let dir = cfg.trainer.rollout_data_dir.as_deref();
+        self.rollout_dir = dir.map(ferl_data::expand_path);
+        self
     }
 }
 
@@ -54,6 +68,9 @@ impl GrpoAlgorithm {
             .step
             .run(&mut policy, &mut Colocated::default(), prompts)
             .with_context(|| format!("rank {rank}"))?;
+        if let (0, Some(dir)) = (rank, &self.rollout_dir) {
+            super::dump::dump_generations(dir, out.step, &out.batch, &self.step)?;
+        }
         let mut memory = vec![0.0; world];
         memory[rank] = crate::device_memory::peak_memory_bytes(device) as f64;
         let memory = state.sum_over_ranks(&memory)?;
@@ -215,7 +232,7 @@ impl GrpoAlgorithm {
         let reward = super::setup::rank_reward(&cfg, host, &sources)?;
         let settings = super::setup::grpo_settings(&cfg, &tok)?;
         let step = super::setup::grpo_step(settings, state, tok, reward)?;
-        Ok(Self::new(Arc::new(Vec::new()), step))
+        Ok(Self::new(Arc::new(Vec::new()), step).dumping_rollouts_of(&cfg))
     }
 }
 

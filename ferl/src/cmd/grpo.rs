@@ -222,7 +222,7 @@ fn train(cfg: &PpoConfig, setup: Setup, env: Option<LaunchEnv>) -> Result<run::R
         state.join_sequence_parallel(|name, rank, size| sub.connect(name, rank, size))?;
     }
     let step = rl_setup::grpo_step(setup.settings.clone(), &state, setup.tok, setup.reward)?;
-    let algorithm = GrpoAlgorithm::new(Arc::clone(&setup.prompts), step);
+    let algorithm = GrpoAlgorithm::new(Arc::clone(&setup.prompts), step).dumping_rollouts_of(cfg);
     let mut exec = SpmdExecutor::with_algorithm(state, Box::new(algorithm));
     if env.is_none() {
         // `trainer.max_restarts` in one process: a fresh rank state, resumed by the loop (the launcher restarts

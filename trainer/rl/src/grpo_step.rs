@@ -90,6 +90,11 @@ impl GrpoStep {
         self.decoder = Some(decoder);
     }
 
+    /// `ids` as text, as the reward sees responses (special tokens skipped); empty without a decoder.
+    pub fn decode(&self, ids: &[i64]) -> String {
+        self.decoder.as_ref().map(|d| d(ids)).unwrap_or_default()
+    }
+
     /// One step over `prompts` with `policy`, generating with `rollout` (see the module docs); every data-parallel
     /// rank calls it alike.
     pub fn run(

@@ -83,6 +83,7 @@ const HONOURED: &[&str] = &[
     "trainer.experiment_name",
     "trainer.save_freq",
     "trainer.default_local_dir",
+    "trainer.rollout_data_dir",
     "trainer.seed",
 ];
 
