@@ -40,6 +40,15 @@ pub fn peak_memory_bytes(device: Device) -> u64 {
     }
 }
 
+/// The host memory available to new allocations without swapping (`MemAvailable` of `/proc/meminfo`) in bytes;
+/// `None` when unknown.
+pub fn available_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// Peak resident set of this process (`VmHWM` of `/proc/self/status`) in bytes, 0 when unknown.
 pub fn peak_resident_bytes() -> u64 {
     status_field_bytes("VmHWM:").unwrap_or(0)

@@ -180,6 +180,13 @@ fn layout_of(cfg: &SftConfig) -> Layout {
     }
 }
 
+/// Whether a checkpoint's copy of `bytes` may be written in the background with `available` bytes of host memory
+/// free: room for it, as much again (the other ranks of the host copy theirs at the same moment) and 1 GiB to spare.
+/// Unknown memory lets it.
+fn background_copy_fits(bytes: u64, available: Option<u64>) -> bool {
+    available.is_none_or(|a| 2 * bytes + (1 << 30) <= a)
+}
+
 /// Borrowed views of wire samples, in order.
 pub fn sample_refs(samples: &[Sample]) -> Vec<SampleRef<'_>> {
     samples
@@ -401,7 +408,7 @@ impl RankState {
         let snap = {
             let store = self.stepper.engine.store_mut();
             store.finish_grads()?;
-            ShardSnapshot::take(store, &self.stepper.optimizer, step)?
+            ShardSnapshot::view(store, &self.stepper.optimizer, step)?
         }
         .with_model_config(self.stepper.engine.config());
         let meta = serde_json::to_string(&snap.meta)?;
@@ -412,7 +419,20 @@ impl RankState {
             .map(|f| f.display().to_string())
             .collect();
         self.save_side_files(dir)?;
-        let dir = dir.to_path_buf();
+        let (bytes, available) = (snap.bytes(), crate::device_memory::available_memory_bytes());
+        if !background_copy_fits(bytes, available) {
+            // A background copy (of this rank's, and as much again for the other ranks of the host) would not fit:
+            // the shards are written now, before training goes on.
+            tracing::info!(
+                dir = %dir.display(),
+                bytes,
+                available = available.unwrap_or(0),
+                "checkpoint: writing the shards now, a copy to write in the background would not fit in memory"
+            );
+            snap.write(dir)?;
+            return Ok((meta, files));
+        }
+        let (dir, snap) = (dir.to_path_buf(), snap.into_owned());
         self.pending_save = Some(std::thread::spawn(move || snap.write(&dir)));
         Ok((meta, files))
     }
@@ -518,6 +538,16 @@ impl RankState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A 0.5B-shaped rank's shard (3 GiB of masters and moments) is copied for a background write with 16 GiB free,
+    /// and written at once with 6 GiB free (two ranks copying would exhaust them).
+    #[test]
+    fn a_checkpoint_copy_goes_to_the_background_only_when_it_fits() {
+        let gib = 1u64 << 30;
+        assert!(background_copy_fits(3 * gib, Some(16 * gib)));
+        assert!(!background_copy_fits(3 * gib, Some(6 * gib)));
+        assert!(background_copy_fits(3 * gib, None));
+    }
 
     /// `use_remove_padding` packs the micro-batches every engine of the rank builds from rows (RL's old and
     /// reference log-probabilities and its update read the layout from the engine).

@@ -93,6 +93,34 @@ pub struct ShardSnapshot {
 impl ShardSnapshot {
     /// Copies this rank's slices of the masters and of `optimizer`'s moments (CPU copies) after `global_step` steps.
     pub fn take(store: &ShardedParams, optimizer: &AdamW, global_step: i64) -> Result<Self> {
+        Ok(Self::view(store, optimizer, global_step)?.into_owned())
+    }
+
+    /// The snapshot's tensors as copies of their own, so that training may go on while they are written.
+    pub fn into_owned(mut self) -> Self {
+        let own = |list: &mut Vec<(String, Tensor)>| {
+            for (_, t) in list.iter_mut() {
+                *t = t.copy();
+            }
+        };
+        own(&mut self.model);
+        own(&mut self.optim);
+        self
+    }
+
+    /// Bytes the snapshot's tensors hold (what [`Self::into_owned`] copies).
+    pub fn bytes(&self) -> u64 {
+        let size = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        self.model
+            .iter()
+            .chain(&self.optim)
+            .map(|(_, t)| size(t))
+            .sum()
+    }
+
+    /// [`Self::take`] without copying: views of the store's and the optimizer's tensors, to be written before they
+    /// change (the next optimizer step).
+    pub fn view(store: &ShardedParams, optimizer: &AdamW, global_step: i64) -> Result<Self> {
         let (rank, world) = store.rank_and_world();
         let (replica, replicas) = store.replica_rank_and_count();
         let plan = store.plan();
@@ -108,7 +136,7 @@ impl ShardSnapshot {
             let shard = unit.shard_len(world);
             let (start, _) = store.local_range(u);
             let at = shard * rank as i64 - start;
-            let cut = |t: &Tensor| t.narrow(0, at, shard).to_device(Device::Cpu).copy();
+            let cut = |t: &Tensor| t.narrow(0, at, shard).to_device(Device::Cpu);
             model.push((unit.name.clone(), cut(&store.local_masters()[u])));
             if unit.frozen {
                 continue; // no optimizer state (units.rs invariant 4)
@@ -189,7 +217,8 @@ pub fn save_sharded(
     global_step: i64,
     dir: &Path,
 ) -> Result<()> {
-    let snap = ShardSnapshot::take(store, optimizer, global_step)?.with_model_config(cfg);
+    // Written before anything changes: the shards need no copy.
+    let snap = ShardSnapshot::view(store, optimizer, global_step)?.with_model_config(cfg);
     let written = snap.write(dir);
     let ok = store.all_reduce_sum(&[if written.is_ok() { 0.0 } else { 1.0 }])?;
     written?;
