@@ -86,7 +86,17 @@ impl Head {
     }
 
     fn emit(&self, event: Event) {
-        tracing::info!(?event, "cluster event");
+        self.emit_at(event, Loudness::Info);
+    }
+
+    /// [`Self::emit`], logged at `loudness`: what a run does to itself on purpose (removing its own groups,
+    /// killing its own actors, shutting the cluster down) is DEBUG, so that a run that ends normally logs no actor
+    /// death at INFO; a failure stays INFO.
+    fn emit_at(&self, event: Event, loudness: Loudness) {
+        match loudness {
+            Loudness::Info => tracing::info!(?event, "cluster event"),
+            Loudness::Debug => tracing::debug!(?event, "cluster event"),
+        }
         self.0.process.apply_event(&event);
     }
 
@@ -142,18 +152,24 @@ impl Head {
     /// resources.
     async fn remove_group(&self, group: u64, why: &str) -> Result<()> {
         let g = self.lock().remove_group(group)?;
-        let reason = match why {
-            "removed" => format!("resource group {group} was removed"),
-            why => format!("resource group {group} was removed: {why}"),
+        let (reason, loudness) = match why {
+            "removed" => (
+                format!("resource group {group} was removed"),
+                Loudness::Debug,
+            ),
+            why => (
+                format!("resource group {group} was removed: {why}"),
+                Loudness::Info,
+            ),
         };
-        self.stop_actors(&g.actors, &reason).await;
+        self.stop_actors(&g.actors, &reason, loudness).await;
         self.lock().release(&g.slots);
         self.0.freed.notify_waiters();
         Ok(())
     }
 
-    /// Marks actors dead on purpose and stops their workers.
-    async fn stop_actors(&self, ids: &[u64], reason: &str) {
+    /// Marks actors dead on purpose and stops their workers; their deaths are logged at `loudness`.
+    async fn stop_actors(&self, ids: &[u64], reason: &str, loudness: Loudness) {
         let stops = self.lock().kill(ids, reason);
         // All at once, each bounded: a node that died before its heartbeats lapsed cannot hold the others up.
         let stops = stops.into_iter().map(|stop| async move {
@@ -169,10 +185,19 @@ impl Head {
                     ),
                 }
             }
-            self.emit(stop.event);
+            self.emit_at(stop.event, loudness);
         });
         futures::future::join_all(stops).await;
     }
+}
+
+/// How loudly the head logs a cluster event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loudness {
+    /// What a user should see: failures, nodes joining and leaving, restarts.
+    Info,
+    /// What a run did to itself on purpose.
+    Debug,
 }
 
 /// How long the head waits for a node to confirm it stopped a worker.
@@ -287,7 +312,8 @@ impl Handler<SpawnActor> for Head {
 
 impl Handler<KillActor> for Head {
     async fn handle(&self, m: KillActor, _: &Context) -> Result<()> {
-        self.stop_actors(&[m.id], "killed on request").await;
+        self.stop_actors(&[m.id], "killed on request", Loudness::Debug)
+            .await;
         Ok(())
     }
 }
@@ -365,7 +391,8 @@ impl Handler<Shutdown> for Head {
         self.0.jobs.stop_all().await;
         let nodes = self.lock().live_node_addrs();
         let ids = self.lock().actor_ids();
-        self.stop_actors(&ids, "cluster shut down").await;
+        self.stop_actors(&ids, "cluster shut down", Loudness::Debug)
+            .await;
         for addr in nodes {
             let _ = self.0.process.call_at(addr, NODE_ACTOR, &Shutdown).await;
         }

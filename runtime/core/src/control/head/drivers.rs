@@ -165,7 +165,8 @@ impl Head {
                 tracing::debug!("{reason}: removing group {group}: {e:#}");
             }
         }
-        self.stop_actors(&gone.actors, &reason).await;
+        self.stop_actors(&gone.actors, &reason, super::Loudness::Info)
+            .await;
         let jobs = self.lock().fail_jobs_of(id, job_state);
         self.0.kv_changed.notify_waiters();
         if gone.groups.is_empty() && gone.actors.is_empty() && jobs.is_empty() {
