@@ -88,6 +88,8 @@ pub struct ShardSnapshot {
     pub model: Vec<(String, Tensor)>,
     /// `{unit}.exp_avg` / `{unit}.exp_avg_sq` → this rank's slices of the AdamW moments.
     pub optim: Vec<(String, Tensor)>,
+    /// Whether the tensors are views of the live ones (CPU masters); from a GPU they are host copies already.
+    views: bool,
 }
 
 impl ShardSnapshot {
@@ -98,6 +100,10 @@ impl ShardSnapshot {
 
     /// The snapshot's tensors as copies of their own, so that training may go on while they are written.
     pub fn into_owned(mut self) -> Self {
+        if !self.views {
+            return self;
+        }
+        self.views = false;
         let own = |list: &mut Vec<(String, Tensor)>| {
             for (_, t) in list.iter_mut() {
                 *t = t.copy();
@@ -159,6 +165,11 @@ impl ShardSnapshot {
             },
             rank,
             replica,
+            views: store
+                .local_masters()
+                .iter()
+                .chain(&optimizer.exp_avg)
+                .any(|t| t.device() == Device::Cpu),
             model,
             optim,
         })
